@@ -1,0 +1,57 @@
+"""The contract between a loss algorithm and the train backend.
+
+A trainable bundle is a ``Policy``: it exposes the module the optimizer (and FSDP) owns and a way
+to evaluate the reference policy for KL. An ``Algorithm`` is a set of pure-ish functions over a
+micro-batch: it replays the stored trajectory under the current weights and returns a scalar loss
+plus float metrics. The backend owns micro-batching, accumulation, pi_old freezing and the
+optimizer; algorithms never call ``backward`` or ``step``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+from unirl_core.types import SampleBatch
+
+OldLogpSource = Literal["rollout", "replay"]
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A model bundle seen by training."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The trainable module (LoRA-wrapped or full); what the optimizer and FSDP wrap."""
+        ...
+
+    def reference(self) -> AbstractContextManager[None]:
+        """Within this context the bundle's forward is the reference policy (LoRA off or a frozen copy)."""
+        ...
+
+
+@dataclass
+class LossOutput:
+    """What one micro-batch contributes: a scalar to backward and metrics to log."""
+
+    loss: Tensor
+    """Scalar loss for this micro-batch, already normalised as the algorithm's aggregation defines."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Float metrics (ratio_mean, ratio_min, ratio_max, clip_frac, kl, logp_absdiff_mean/max, ...)."""
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """A loss over replayed trajectories of one generated-Part kind."""
+
+    def old_log_probs(self, policy: Policy, micro_batch: SampleBatch) -> Tensor:
+        """Replay pi_old over exactly this micro-batch (called under no_grad, before the first update)."""
+        ...
+
+    def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None) -> LossOutput:
+        """Loss of the micro-batch; ``old_log_probs`` None means use the log-probs stored at rollout."""
+        ...

@@ -1,0 +1,44 @@
+"""Typed errors raised at every library boundary.
+
+Each message names the field, the value that was seen, what was expected, and the likely fix.
+"""
+
+
+class UniRLError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class ConfigError(UniRLError, ValueError):
+    """A configuration field has a value that cannot work."""
+
+
+class InvariantError(UniRLError, ValueError):
+    """A Sample, Part or segment violates a structural invariant (shapes, lengths, ids)."""
+
+
+class SchemaError(UniRLError):
+    """An Arrow file or table is damaged, truncated, foreign, or of another schema version."""
+
+
+class NumericsError(UniRLError):
+    """Numbers that must agree do not (pinned vs used sigmas, rollout vs replay log-probs)."""
+
+
+class CheckpointError(UniRLError):
+    """A checkpoint is missing, incomplete, or fails its checksum."""
+
+
+class RewardError(UniRLError):
+    """A reward scorer failed or returned a non-finite value under the fail-closed policy."""
+
+
+class EngineError(UniRLError):
+    """A rollout engine could not start, serve, or fill a Sample."""
+
+
+def field_error(cls: type[UniRLError], field: str, value: object, expected: str, fix: str) -> UniRLError:
+    """Build an error whose message follows the house format: field, value, expectation, fix."""
+    shown = repr(value)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    return cls(f"{field}={shown}: expected {expected}; {fix}")

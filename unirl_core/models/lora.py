@@ -1,0 +1,116 @@
+"""LoRA over peft, shared by the diffusion and LM bundles.
+
+``apply_lora`` wraps a module in place with peft's tuner layers and freezes everything but the
+adapter; ``lora_state_dict`` / ``load_lora_state_dict`` move only the adapter weights, with the
+adapter name stripped from the keys so a checkpoint does not depend on peft's naming.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from unirl_core.errors import ConfigError, InvariantError, field_error
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_NAME = "default"
+_ADAPTER_TAG = f".{ADAPTER_NAME}."
+
+
+def apply_lora(module: nn.Module, *, rank: int, alpha: float, target_modules: Sequence[str],
+               dropout: float = 0.0) -> nn.Module:
+    """Inject LoRA layers into ``module`` (in place) and freeze all non-LoRA parameters.
+
+    ``target_modules`` are peft-style names (suffixes of ``named_modules`` paths, e.g. ``to_q``).
+    Returns the same module object, now carrying peft tuner layers; the adapter starts as a no-op
+    (lora_B = 0), so outputs are unchanged until the first update.
+    """
+    from peft import LoraConfig, inject_adapter_in_model
+
+    if not (isinstance(rank, int) and rank >= 1):
+        raise field_error(ConfigError, "lora.rank", rank, "an integer >= 1", "use e.g. 8 or 32")
+    if not (alpha > 0):
+        raise field_error(ConfigError, "lora.alpha", alpha, "a value > 0", "use e.g. alpha = rank")
+    if not (0.0 <= dropout < 1.0):
+        raise field_error(ConfigError, "lora.dropout", dropout, "a value in [0, 1)", "use 0.0 for exact replay")
+    targets = list(target_modules)
+    if not targets:
+        raise field_error(ConfigError, "lora.target_modules", target_modules, "at least one module name",
+                          "name the attention projections, e.g. ['to_q', 'to_k', 'to_v', 'to_out.0']")
+    present = {name.rsplit(".", 1)[-1] for name, _ in module.named_modules()}
+    full = {name for name, _ in module.named_modules()}
+    missing = [t for t in targets if t not in present and not any(n.endswith("." + t) or n == t for n in full)]
+    if len(missing) == len(targets):
+        raise field_error(ConfigError, "lora.target_modules", targets,
+                          f"names of submodules of {type(module).__name__}",
+                          "list module names that exist, e.g. from model.named_modules()")
+    if missing:
+        logger.warning("LoRA targets %s not found in %s; they are skipped", missing, type(module).__name__)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                     init_lora_weights=True)
+    inject_adapter_in_model(cfg, module, adapter_name=ADAPTER_NAME)
+    for name, p in module.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return module
+
+
+def has_lora(module: nn.Module) -> bool:
+    """True when ``module`` carries peft LoRA layers."""
+    return any("lora_A" in name for name, _ in module.named_parameters())
+
+
+def _canonical(key: str) -> str:
+    return key.replace(_ADAPTER_TAG, ".")
+
+
+def lora_state_dict(module: nn.Module) -> dict[str, Tensor]:
+    """The adapter weights only, keys without the peft adapter name (``...to_q.lora_A.weight``)."""
+    out = {_canonical(k): v.detach().clone() for k, v in module.state_dict().items() if "lora_" in k}
+    if not out:
+        raise field_error(InvariantError, "module", type(module).__name__, "a module with LoRA layers",
+                          "call apply_lora(...) before saving an adapter")
+    return out
+
+
+def load_lora_state_dict(module: nn.Module, sd: dict[str, Tensor]) -> None:
+    """Load adapter weights saved by ``lora_state_dict``; every adapter key must match exactly."""
+    own = {_canonical(k): k for k in module.state_dict() if "lora_" in k}
+    if not own:
+        raise field_error(InvariantError, "module", type(module).__name__, "a module with LoRA layers",
+                          "call apply_lora(...) with the same targets before loading an adapter")
+    missing = sorted(set(own) - set(sd))
+    extra = sorted(set(sd) - set(own))
+    if missing or extra:
+        raise field_error(InvariantError, "lora_state_dict keys", {"missing": missing[:5], "unexpected": extra[:5]},
+                          "the adapter keys of this module", "apply_lora with the rank/targets the adapter was saved with")
+    params = dict(module.state_dict(keep_vars=True))
+    with torch.no_grad():
+        for key, full_key in own.items():
+            dst, src = params[full_key], sd[key]
+            if tuple(dst.shape) != tuple(src.shape):
+                raise field_error(InvariantError, f"lora_state_dict[{key!r}].shape", tuple(src.shape),
+                                  f"{tuple(dst.shape)}", "use the LoRA rank the adapter was saved with")
+            dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+
+
+@contextmanager
+def lora_disabled(module: nn.Module) -> Iterator[None]:
+    """Within this context the peft LoRA layers of ``module`` are bypassed (the base model runs)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
+    previous = [m.disable_adapters for m in layers]
+    # Flip peft's flag directly: enable_adapters() also rewrites requires_grad, which would
+    # silently unfreeze or freeze adapter weights the optimizer owns.
+    try:
+        for m in layers:
+            m._disable_adapters = True
+        yield
+    finally:
+        for m, was_disabled in zip(layers, previous):
+            m._disable_adapters = was_disabled

@@ -1,0 +1,147 @@
+"""Per-step transition kernels of a flow-matching sampler, with Gaussian log-probs.
+
+Convention (diffusers / rectified flow): ``x_sigma = (1 - sigma) * x_0 + sigma * eps``, the model
+predicts the velocity ``v = eps - x_0``, and a step goes from ``sigma`` to ``sigma_next < sigma``.
+Every kernel returns the Gaussian ``N(mean, std^2)`` of ``x_next`` given ``x``; the log-prob of a
+step is that density averaged over the latent elements (the Flow-GRPO / DanceGRPO convention, so
+its scale does not depend on resolution).
+
+Shapes: ``model_output``, ``sample``: ``[B, C, H, W]``; ``sigma``, ``sigma_next``: float32 tensors
+broadcastable to ``[B, 1, 1, 1]`` (0-d or per sample); log-probs: ``[B]``. All math runs in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from unirl_core.errors import ConfigError, InvariantError, field_error
+from unirl_core.types.sampling import SDE_TYPES, SDEType
+
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass
+class StepOutput:
+    """One transition. ``prev_sample`` is already round-tripped through the trajectory dtype."""
+
+    prev_sample: Tensor
+    """[B, C, H, W] next state, fp32 holding values exactly representable in the trajectory dtype."""
+    mean: Tensor
+    """[B, C, H, W] fp32 mean of the transition."""
+    std: Tensor
+    """fp32 std broadcastable to ``mean`` (0 for the ODE kernel)."""
+    log_prob: Tensor
+    """[B] fp32 mean per-element log-density of ``prev_sample``; 0 where the step is deterministic."""
+
+
+def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Mean over non-batch dims of ``log N(x; mean, std^2)`` in fp32: ``[B, ...] -> [B]``."""
+    x, mean, std = x.float(), mean.float(), std.float()
+    z = (x - mean) / std
+    lp = -0.5 * z * z - torch.log(std) - _HALF_LOG_2PI
+    return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def ode_mean(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+    """Euler step of the probability-flow ODE: ``x + (sigma_next - sigma) * v``."""
+    return sample.float() + (sigma_next - sigma) * model_output.float()
+
+
+def flow_mean_std(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
+                  noise_level: float, sigma_cap: Tensor) -> tuple[Tensor, Tensor]:
+    """Flow-GRPO SDE (Liu et al. 2025, eq. 9): marginal-preserving SDE with ``sigma_t = a sqrt(s / (1 - s))``.
+
+    ``sigma_cap`` replaces ``sigma`` in ``1 - sigma`` when ``sigma == 1`` (the first step of a
+    shifted schedule), where the diffusion coefficient would be infinite; Flow-GRPO uses the
+    schedule's second sigma there.
+    """
+    v, x = model_output.float(), sample.float()
+    dt = sigma_next - sigma                                   # negative
+    denom = 1 - torch.where(sigma >= 1, sigma_cap, sigma)
+    std_t = noise_level * torch.sqrt(sigma / denom)
+    mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
+    return mean, std_t * torch.sqrt(-dt)
+
+
+def dance_mean_std(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
+                   noise_level: float) -> tuple[Tensor, Tensor]:
+    """DanceGRPO SDE (Xue et al. 2025): Euler drift plus a score correction, ``std = eta sqrt(sigma - sigma_next)``."""
+    v, x = model_output.float(), sample.float()
+    dsigma = sigma_next - sigma
+    x0 = x - sigma * v
+    score = -(x - x0 * (1 - sigma)) / sigma ** 2
+    mean = x + dsigma * v - 0.5 * noise_level ** 2 * score * dsigma
+    return mean, noise_level * torch.sqrt(sigma - sigma_next)
+
+
+def cps_mean_std(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
+                 noise_level: float) -> tuple[Tensor, Tensor]:
+    """Coefficients-preserving sampling (Wang & Yu 2025): keeps ``x_next = (1 - s') x0 + s' eps`` exactly.
+
+    ``std = sigma_next * sin(noise_level * pi / 2)``; the remaining noise share is the model's own
+    noise estimate. At ``sigma_next = 0`` the step is deterministic (std 0).
+    """
+    v, x = model_output.float(), sample.float()
+    std = sigma_next * math.sin(noise_level * math.pi / 2)
+    x0 = x - sigma * v
+    eps = x + (1 - sigma) * v
+    mean = x0 * (1 - sigma_next) + eps * torch.sqrt(sigma_next ** 2 - std ** 2)
+    return mean, std
+
+
+def kernel_mean_std(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
+                    noise_level: float, sigma_cap: Tensor) -> tuple[Tensor, Tensor]:
+    """Dispatch to the kernel named by ``sde_type`` (``ode`` returns std 0)."""
+    if sde_type == "flow":
+        return flow_mean_std(model_output, sample, sigma, sigma_next, noise_level=noise_level, sigma_cap=sigma_cap)
+    if sde_type == "dance":
+        return dance_mean_std(model_output, sample, sigma, sigma_next, noise_level=noise_level)
+    if sde_type == "cps":
+        return cps_mean_std(model_output, sample, sigma, sigma_next, noise_level=noise_level)
+    if sde_type == "ode":
+        return ode_mean(model_output, sample, sigma, sigma_next), torch.zeros_like(sigma)
+    raise field_error(ConfigError, "sde_type", sde_type, f"one of {SDE_TYPES}", "pick a supported kernel")
+
+
+def step_is_stochastic(sde_type: SDEType, noise_level: float, sigma_next: float) -> bool:
+    """Whether a kernel has std > 0 at a step ending at ``sigma_next`` (only those carry log-probs)."""
+    if sde_type == "ode" or noise_level == 0:
+        return False
+    return not (sde_type == "cps" and sigma_next == 0)
+
+
+def transition(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
+               sde_mask: Tensor, noise_level: float, sigma_cap: Tensor, trajectory_dtype: torch.dtype,
+               noise: Tensor | None = None, prev_sample: Tensor | None = None) -> StepOutput:
+    """One step for a batch: SDE where ``sde_mask[b]``, Euler ODE elsewhere.
+
+    Rollout passes ``noise`` ([B, C, H, W], any float dtype) and gets a new ``prev_sample``; replay
+    passes the stored ``prev_sample`` and gets its log-prob. Either way the log-prob is taken of the
+    state as stored (rounded to ``trajectory_dtype``), so rollout and replay see the same numbers.
+    """
+    if (noise is None) == (prev_sample is None):
+        raise field_error(InvariantError, "transition(noise, prev_sample)", (noise is None, prev_sample is None),
+                          "exactly one of noise (rollout) or prev_sample (replay)", "pass one of them")
+    mask = sde_mask.to(device=sample.device, dtype=torch.bool).view(-1, *([1] * (sample.ndim - 1)))
+    euler = ode_mean(model_output, sample, sigma, sigma_next)
+    if sde_type == "ode" or not bool(mask.any()):
+        mean, std = euler, torch.zeros_like(euler[:, :1, :1, :1])
+    else:
+        sde_mean, sde_std = kernel_mean_std(sde_type, model_output, sample, sigma, sigma_next,
+                                            noise_level=noise_level, sigma_cap=sigma_cap)
+        mean = torch.where(mask, sde_mean, euler)
+        std = torch.where(mask, torch.as_tensor(sde_std, dtype=torch.float32, device=mean.device)
+                          .expand(mask.shape), torch.zeros((), device=mean.device))
+    if prev_sample is None:
+        prev = mean + std * noise.float()
+        prev = prev.to(trajectory_dtype).float()
+    else:
+        prev = prev_sample.float()
+    flat_mask = mask.view(-1)
+    safe_std = torch.where(std > 0, std, torch.ones_like(std))
+    log_prob = torch.where(flat_mask, gaussian_log_prob(prev, mean, safe_std), torch.zeros((), device=mean.device))
+    return StepOutput(prev_sample=prev, mean=mean, std=std, log_prob=log_prob)

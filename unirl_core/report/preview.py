@@ -1,0 +1,62 @@
+"""Light HTML previews of a SampleBatch (decks, run reports): no JavaScript, small thumbnails."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+
+from unirl_core.types import DiffusionSegment, Part, SampleBatch, TokenSegment
+
+THUMB_PX = 96
+
+
+def thumbnail_data_uri(png: bytes, size: int = THUMB_PX) -> str:
+    """A small JPEG data URI of an image (keeps a deck of 64 samples well under 1 MB)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as im:
+        im = im.convert("RGB")
+        im.thumbnail((size, size))
+        out = io.BytesIO()
+        im.save(out, format="JPEG", quality=80)
+    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def _fmt(x: float | None) -> str:
+    return "" if x is None else f"{x:.4g}"
+
+
+def _shapes(p: Part) -> str:
+    seg = p.segment
+    if isinstance(seg, DiffusionSegment):
+        return f"latents {tuple(seg.latents.shape)} {str(seg.latents.dtype).removeprefix('torch.')}, " \
+               f"{int(seg.sde_mask.sum())} SDE steps"
+    if isinstance(seg, TokenSegment):
+        return f"prompt {seg.prompt_ids.numel()} tok, response {seg.response_ids.numel()} tok ({seg.finish_reason})"
+    return "not rolled out"
+
+
+def batch_preview_html(batch: SampleBatch, *, max_rows: int = 64, title: str = "SampleBatch") -> str:
+    """A self-contained HTML table: sample, group, prompt, output (thumbnail or text), rewards, advantage."""
+    rows = []
+    for s in batch.samples[:max_rows]:
+        p = s.generated
+        if p.media:
+            out = f'<img src="{thumbnail_data_uri(p.media)}" width="{THUMB_PX}">'
+        else:
+            out = html.escape((p.text or "")[:300])
+        comps = ", ".join(f"{html.escape(k)}={v:.3g}" for k, v in p.rewards.items())
+        rows.append(
+            f"<tr><td>{html.escape(s.sample_id)}</td><td>{html.escape(s.group_id)}</td>"
+            f"<td>{html.escape(p.prompt[:200])}</td><td>{out}</td><td>{_fmt(p.reward)}"
+            f"{'' if p.valid else ' <b>invalid</b>'}</td><td>{comps}</td><td>{_fmt(p.advantage)}</td>"
+            f"<td>v{p.policy_version}</td><td>{html.escape(_shapes(p))}</td></tr>")
+    more = len(batch) - max_rows
+    meta = ", ".join(f"{html.escape(k)}={html.escape(v)}" for k, v in batch.metadata.items())
+    return (f"<h3>{html.escape(title)}: {len(batch)} samples in {len(batch.groups())} groups</h3>"
+            f"<p>{meta}</p>"
+            "<table border='1' cellspacing='0' cellpadding='3' style='font-family:sans-serif;font-size:12px'>"
+            "<tr><th>sample</th><th>group</th><th>prompt</th><th>output</th><th>reward</th><th>components</th>"
+            "<th>advantage</th><th>policy</th><th>shapes</th></tr>" + "".join(rows) + "</table>"
+            + (f"<p>... {more} more samples</p>" if more > 0 else ""))

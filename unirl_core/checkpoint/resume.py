@@ -1,0 +1,58 @@
+"""Save / restore a TrainBackend through a CheckpointStore, rank-aware under FSDP."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from unirl_core.checkpoint.ref import CheckpointRef
+from unirl_core.checkpoint.store import CheckpointStore, LoadedCheckpoint, load_checkpoint
+from unirl_core.errors import CheckpointError, field_error
+from unirl_core.train.backend import TrainBackend
+from unirl_core.train.distributed import current_world
+
+log = logging.getLogger(__name__)
+
+
+def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, config: object | None = None,
+                          extra: dict[str, object] | None = None, publish: bool = True) -> CheckpointRef:
+    """Checkpoint the backend after its latest step: weights, EMA, optimizer/scheduler/RNG/counters, the run
+    config and ``extra`` JSON state (e.g. the advantage stat tracker).
+
+    Collective under FSDP: every rank gathers, rank 0 writes, all ranks return the same ref.
+    """
+    weights = backend.model_state_dict()
+    state = backend.state_dict()
+    ema = state.pop("ema")
+    rank, world = current_world()
+    ref = None
+    if rank == 0:
+        ref = store.save(backend.step_count, weights=weights, ema_weights=ema, train_state=state, config=config,
+                         extra=extra, policy_version=backend.policy_version, publish=publish,
+                         meta={"weights_scope": backend.cfg.weights_scope, "world_size": str(world)})
+    if world > 1:
+        box = [ref]
+        dist.broadcast_object_list(box, src=0)
+        ref = box[0]
+    assert ref is not None
+    return ref
+
+
+def restore_train_checkpoint(backend: TrainBackend, ref: CheckpointRef, *,
+                             storage_options: dict[str, object] | None = None) -> LoadedCheckpoint:
+    """Load a version into the backend (weights, EMA, optimizer, scheduler, RNG, counters) so the next
+    ``step`` equals the uninterrupted run's. Every rank reads (shared storage) and verifies checksums."""
+    loaded = load_checkpoint(ref, storage_options=storage_options)
+    if loaded.train_state is None:
+        raise field_error(CheckpointError, ref.uri, "no train_state.pt", "a training checkpoint",
+                          "this version holds weights only (load_weights); resume needs a training checkpoint")
+    backend.load_model_state_dict(loaded.weights)
+    state = dict(loaded.train_state)
+    state["ema"] = loaded.ema_weights
+    backend.load_state_dict(state)
+    if backend.policy_version != ref.policy_version:
+        raise field_error(CheckpointError, f"{ref.uri}: policy_version", backend.policy_version,
+                          f"{ref.policy_version} as in the manifest", "the checkpoint is inconsistent")
+    log.info("resumed from %s (step %d)", ref.uri, ref.step)
+    return loaded

@@ -1,0 +1,335 @@
+"""CheckpointStore: versioned, crash-safe checkpoints over fsspec (a local directory or ``s3://``).
+
+Layout ``<root>/<run>/step-XXXXXXXX/{model.safetensors, ema.safetensors, train_state.pt, config.json,
+extra.json, manifest.json}`` plus ``<root>/<run>/LATEST``. A version exists only once its manifest
+(written last) parses; the pointer is replaced atomically after the manifest (local: temp file +
+``os.replace``; S3: one PUT of a small object).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import posixpath
+from dataclasses import asdict, dataclass, is_dataclass
+
+import fsspec
+import safetensors.torch
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from torch import Tensor
+
+from unirl_core.checkpoint.manifest import MANIFEST, Manifest, sha256_hex
+from unirl_core.checkpoint.ref import CheckpointRef, parse_step_dirname, step_dirname
+from unirl_core.errors import CheckpointError, ConfigError, field_error
+
+log = logging.getLogger(__name__)
+
+LATEST = "LATEST"
+WEIGHTS, EMA, TRAIN_STATE, CONFIG, EXTRA = "model.safetensors", "ema.safetensors", "train_state.pt", \
+    "config.json", "extra.json"
+_CHUNK = 8 << 20
+
+
+@dataclass(kw_only=True, eq=False)
+class LoadedCheckpoint:
+    """Everything one version holds, verified against its manifest."""
+
+    ref: CheckpointRef
+    manifest: Manifest
+    weights: dict[str, Tensor]
+    ema_weights: dict[str, Tensor] | None
+    train_state: dict[str, object] | None
+    config: dict[str, object] | None
+    extra: dict[str, object]
+
+
+def _to_json(obj: object, what: str) -> bytes:
+    if is_dataclass(obj) and not isinstance(obj, type):
+        obj = asdict(obj)
+    try:
+        return json.dumps(obj, indent=1, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise field_error(ConfigError, what, type(obj).__name__, "JSON-serialisable data (dicts, lists, numbers, "
+                          "strings) or a dataclass of them", f"convert the offending value ({e})") from e
+
+
+class _Folder:
+    """File IO on one fsspec directory, atomic where the backend allows it."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
+        self.fs, self.path = fs, path
+        self.local = isinstance(fs, LocalFileSystem)
+
+    def join(self, *names: str) -> str:
+        return posixpath.join(self.path, *names)
+
+    def uri(self, path: str | None = None) -> str:
+        path = self.path if path is None else path
+        return path if self.local else self.fs.unstrip_protocol(path)
+
+    def write(self, name: str, data: bytes, *, atomic: bool = False) -> None:
+        path = self.join(name)
+        if not self.local:
+            self.fs.pipe_file(path, data)  # one PUT (or a multipart upload): the object appears whole or not at all
+            return
+        target = path + ".tmp" if atomic else path
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _write_local(target, data)
+        if atomic:
+            os.replace(target, path)
+
+    def read(self, name: str) -> bytes:
+        try:
+            return self.fs.cat_file(self.join(name))
+        except FileNotFoundError:
+            raise field_error(CheckpointError, self.uri(self.join(name)), "missing", "an existing file",
+                              "the version is incomplete; resume from another one") from None
+
+    def listdir(self) -> list[str]:
+        self.fs.invalidate_cache(self.path)
+        try:
+            return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.path, detail=False)]
+        except FileNotFoundError:
+            return []
+
+
+def _write_local(path: str, data: bytes) -> None:
+    # Chunked so a kill mid-file leaves a short file (caught by size + sha256), fsync so a manifest never
+    # reaches disk before the bytes it describes.
+    view = memoryview(data)
+    with open(path, "wb") as f:
+        for i in range(0, len(view), _CHUNK):
+            f.write(view[i:i + _CHUNK])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class CheckpointStore:
+    """Versions of one run under a root URL; one writer (rank 0) per run, any number of readers."""
+
+    def __init__(self, root: str, run: str, *, keep_last: int = 3, keep_every: int | None = None,
+                 storage_options: dict[str, object] | None = None) -> None:
+        if not run or "/" in run or run in (".", ".."):
+            raise field_error(ConfigError, "checkpoint.run", run, "a non-empty name without '/'",
+                              "use the run name, e.g. 'tiny-flow-grpo-0'")
+        if not (isinstance(keep_last, int) and keep_last >= 1):
+            raise field_error(ConfigError, "checkpoint.keep_last", keep_last, "an integer >= 1",
+                              "keep at least the newest version")
+        if keep_every is not None and not (isinstance(keep_every, int) and keep_every >= 1):
+            raise field_error(ConfigError, "checkpoint.keep_every", keep_every, "an integer >= 1 or None",
+                              "e.g. 100 keeps every 100th step forever")
+        self.storage_options = dict(storage_options or {})
+        fs, path = fsspec.core.url_to_fs(root, **self.storage_options)
+        self.run, self.keep_last, self.keep_every = run, keep_last, keep_every
+        self._run = _Folder(fs, posixpath.join(path.rstrip("/"), run))
+
+    @property
+    def uri(self) -> str:
+        return self._run.uri()
+
+    def _version(self, step: int) -> _Folder:
+        return _Folder(self._run.fs, self._run.join(step_dirname(step)))
+
+    # ------------------------------------------------------------------------------------------ write
+
+    def save(self, step: int, *, weights: dict[str, Tensor], policy_version: int,
+             ema_weights: dict[str, Tensor] | None = None, train_state: dict[str, object] | None = None,
+             config: object | None = None, extra: dict[str, object] | None = None,
+             meta: dict[str, str] | None = None, publish: bool = True, overwrite: bool = False) -> CheckpointRef:
+        """Write version ``step``: every payload file, then ``manifest.json``; then (``publish``) the pointer
+        and retention. A crash before the manifest leaves an invisible partial folder that the next save of
+        that step clears."""
+        folder = self._version(step)
+        if self._read_manifest(folder) is not None:
+            if not overwrite:
+                raise field_error(CheckpointError, folder.uri(), "exists", "a step without a published version",
+                                  "versions are immutable; save under a new step or pass overwrite=True")
+            folder.fs.rm_file(folder.join(MANIFEST))  # invisible first, then rewritten
+        if folder.fs.exists(folder.path):
+            folder.fs.rm(folder.path, recursive=True)
+        payload = self._payload(weights, ema_weights, train_state, config, extra)
+        files = {}
+        for name, data in payload.items():
+            folder.write(name, data)
+            files[name] = {"sha256": sha256_hex(data), "bytes": len(data)}
+        manifest = Manifest(run=self.run, step=step, policy_version=policy_version, files=files,
+                            meta=dict(meta or {}))
+        folder.write(MANIFEST, manifest.to_json(), atomic=True)
+        ref = CheckpointRef(uri=folder.uri(), run=self.run, step=step, policy_version=policy_version)
+        log.info("saved checkpoint %s (%.1f MB)", ref.uri, sum(len(d) for d in payload.values()) / 1e6)
+        if publish:
+            self.publish(ref)
+        return ref
+
+    @staticmethod
+    def _payload(weights, ema_weights, train_state, config, extra) -> dict[str, bytes]:
+        out = {WEIGHTS: safetensors.torch.save(_contiguous(weights, "weights"))}
+        if ema_weights is not None:
+            out[EMA] = safetensors.torch.save(_contiguous(ema_weights, "ema_weights"))
+        if train_state is not None:
+            buf = io.BytesIO()
+            torch.save(train_state, buf)
+            out[TRAIN_STATE] = buf.getvalue()
+        if config is not None:
+            out[CONFIG] = _to_json(config, "config")
+        if extra:
+            out[EXTRA] = _to_json(extra, "extra")
+        return out
+
+    def publish(self, ref: CheckpointRef) -> None:
+        """Point ``LATEST`` at ``ref`` (atomically), then apply retention."""
+        if ref.run != self.run:
+            raise field_error(CheckpointError, "ref.run", ref.run, f"{self.run!r}", "publish with the run's store")
+        if self._read_manifest(self._version(ref.step)) is None:
+            raise field_error(CheckpointError, ref.uri, "no valid manifest", "a complete version",
+                              "save the version before publishing it")
+        body = json.dumps({"step": ref.step, "policy_version": ref.policy_version, "dir": step_dirname(ref.step)})
+        self._run.write(LATEST, body.encode(), atomic=True)
+        self.apply_retention()
+
+    def apply_retention(self) -> list[int]:
+        """Delete versions outside keep_last / keep_every (never the published one) and stale partial folders.
+        Returns the deleted steps."""
+        valid = [r.step for r in self.versions()]
+        pointed = self._pointer_step()
+        keep = set(valid[-self.keep_last:])
+        if self.keep_every:
+            keep |= {s for s in valid if s % self.keep_every == 0}
+        if pointed is not None:
+            keep.add(pointed)
+        newest = valid[-1] if valid else -1
+        doomed = [s for s in valid if s not in keep]
+        partial = [s for s in self._steps_on_disk() if s not in valid and s < newest]
+        for step in doomed + partial:
+            folder = self._version(step)
+            if step in doomed:
+                folder.fs.rm_file(folder.join(MANIFEST))  # the version disappears atomically for readers
+            folder.fs.rm(folder.path, recursive=True)
+        if doomed or partial:
+            log.info("retention removed versions %s and partial folders %s", doomed, partial)
+        return sorted(doomed + partial)
+
+    # ------------------------------------------------------------------------------------------ read
+
+    def _steps_on_disk(self) -> list[int]:
+        steps = [parse_step_dirname(n) for n in self._run.listdir()]
+        return sorted(s for s in steps if s is not None)
+
+    def _read_manifest(self, folder: _Folder) -> Manifest | None:
+        try:
+            data = folder.fs.cat_file(folder.join(MANIFEST))
+        except FileNotFoundError:
+            return None
+        try:
+            return Manifest.from_json(data, folder.uri(folder.join(MANIFEST)))
+        except CheckpointError as e:
+            log.warning("ignoring %s: %s", folder.uri(), e)
+            return None
+
+    def versions(self) -> list[CheckpointRef]:
+        """Complete versions (valid manifest), oldest first. Folders without one are invisible."""
+        out = []
+        for step in self._steps_on_disk():
+            folder = self._version(step)
+            m = self._read_manifest(folder)
+            if m is not None and m.step == step:
+                out.append(CheckpointRef(uri=folder.uri(), run=self.run, step=step, policy_version=m.policy_version))
+        return out
+
+    def _pointer_step(self) -> int | None:
+        try:
+            body = json.loads(self._run.fs.cat_file(self._run.join(LATEST)))
+            return int(body["step"])
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring damaged pointer %s: %s", self._run.uri(self._run.join(LATEST)), e)
+            return None
+
+    def latest(self) -> CheckpointRef | None:
+        """The published version (``LATEST``); falls back to the newest complete version if the pointer is
+        missing or names a version that is gone. None for an empty run."""
+        self._run.fs.invalidate_cache(self._run.path)
+        step = self._pointer_step()
+        if step is not None:
+            folder = self._version(step)
+            m = self._read_manifest(folder)
+            if m is not None:
+                return CheckpointRef(uri=folder.uri(), run=self.run, step=step, policy_version=m.policy_version)
+            log.warning("LATEST names step %d without a valid manifest; using the newest complete version", step)
+        found = self.versions()
+        return found[-1] if found else None
+
+    def load(self, ref: CheckpointRef | None = None, *, train_state: bool = True) -> LoadedCheckpoint:
+        """Read and verify a version (default: :meth:`latest`). Raises CheckpointError naming the bad file."""
+        ref = ref or self.latest()
+        if ref is None:
+            raise field_error(CheckpointError, self.uri, "no versions", "at least one saved checkpoint",
+                              "start the run from scratch, or point the store at the right root/run")
+        return load_checkpoint(ref, storage_options=self.storage_options, train_state=train_state)
+
+
+def _contiguous(tensors: dict[str, Tensor], what: str) -> dict[str, Tensor]:
+    bad = [k for k, v in tensors.items() if not isinstance(v, Tensor)]
+    if bad or not tensors:
+        raise field_error(ConfigError, what, bad or "{}", "a non-empty dict of tensors",
+                          "pass the model's (trainable) state dict")
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for k, v in tensors.items():
+        t = v.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel():
+            t = t.clone()  # safetensors refuses tensors that share storage (tied weights, views)
+        seen.add(t.untyped_storage().data_ptr())
+        out[k] = t
+    return out
+
+
+def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | None = None,
+                    train_state: bool = True) -> LoadedCheckpoint:
+    """Read a version from its ref alone (what rollout/train tasks get); every file is checksum-verified."""
+    fs, path = fsspec.core.url_to_fs(ref.uri, **(storage_options or {}))
+    folder = _Folder(fs, path.rstrip("/"))
+    try:
+        raw = fs.cat_file(folder.join(MANIFEST))
+    except FileNotFoundError:
+        raise field_error(CheckpointError, folder.uri(folder.join(MANIFEST)), "missing", "a manifest",
+                          "the version is incomplete; resume from another one") from None
+    manifest = Manifest.from_json(raw, folder.uri(folder.join(MANIFEST)))
+
+    def read(name: str) -> bytes | None:
+        if name not in manifest.files:
+            return None
+        data = folder.read(name)
+        manifest.verify(name, data, folder.uri())
+        return data
+
+    state = None
+    if train_state and (blob := read(TRAIN_STATE)) is not None:
+        state = torch.load(io.BytesIO(blob), weights_only=True)  # nothing beyond tensors and containers
+    weights_blob = read(WEIGHTS)
+    if weights_blob is None:
+        raise field_error(CheckpointError, folder.uri(), "no weights", WEIGHTS, "the version is foreign or damaged")
+    ema_blob = read(EMA)
+    config_blob, extra_blob = read(CONFIG), read(EXTRA)
+    return LoadedCheckpoint(
+        ref=ref, manifest=manifest, weights=safetensors.torch.load(weights_blob),
+        ema_weights=safetensors.torch.load(ema_blob) if ema_blob is not None else None, train_state=state,
+        config=json.loads(config_blob) if config_blob is not None else None,
+        extra=json.loads(extra_blob) if extra_blob is not None else {})
+
+
+def load_weights(ref: CheckpointRef, *, storage_options: dict[str, object] | None = None,
+                 ema: bool = False) -> dict[str, Tensor]:
+    """Only the (EMA) weights of a version, verified: what a rollout engine needs after publish."""
+    fs, path = fsspec.core.url_to_fs(ref.uri, **(storage_options or {}))
+    folder = _Folder(fs, path.rstrip("/"))
+    manifest = Manifest.from_json(folder.read(MANIFEST), folder.uri(folder.join(MANIFEST)))
+    name = EMA if ema else WEIGHTS
+    data = folder.read(name)
+    manifest.verify(name, data, folder.uri())
+    return safetensors.torch.load(data)

@@ -1,0 +1,317 @@
+"""TrainBackend: one optimizer loop for every model family, driven by an Algorithm's loss.
+
+Per rollout batch (``step``): take this rank's contiguous shard, cut it into micro-batches in batch
+order, freeze pi_old once (rollout log-probs, or a no-grad replay over exactly these micro-batches
+before any update), then run ``num_updates_per_batch`` passes of gradient accumulation -> clip ->
+AdamW -> schedule (-> EMA). The same code runs at world size 1 (plain module) and above (FSDP2).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from unirl_core.algorithms.base import Algorithm, Policy
+from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
+from unirl_core.train import distributed as D
+from unirl_core.train.config import TrainConfig
+from unirl_core.train.ema import ParameterEMA
+from unirl_core.train.optim import build_optimizer, build_scheduler, trainable_parameters
+from unirl_core.train.state import capture_rng, restore_rng, seed_everything
+from unirl_core.types import SampleBatch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class TrainMetrics:
+    """What one rollout batch did to the weights."""
+
+    step: int
+    """Rollout batches trained so far (the policy version the new weights carry)."""
+    optimizer_steps: int
+    """Optimizer updates so far."""
+    loss: float
+    """Mean micro-batch loss over all micro-batches of all updates (mean over ranks)."""
+    grad_norms: tuple[float, ...]
+    """Global pre-clip gradient L2 norm of each update."""
+    lr: float
+    """Learning rate the last update used."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Algorithm metrics averaged over micro-batches of all updates and over ranks."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in ``old_logp``, ``forward_backward``, ``optimizer`` and ``total``."""
+    num_samples: int = 0
+    """Samples of the whole rollout batch (all ranks)."""
+
+    @property
+    def grad_norm(self) -> float:
+        return self.grad_norms[-1]
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat float view for loggers and decks."""
+        out = {"step": float(self.step), "optimizer_steps": float(self.optimizer_steps), "loss": self.loss,
+               "grad_norm": self.grad_norm, "lr": self.lr, "num_samples": float(self.num_samples)}
+        out.update(self.metrics)
+        out.update({f"time_{k}": v for k, v in self.timings.items()})
+        return out
+
+
+class TrainBackend:
+    """Owns optimizer, scheduler, precision, EMA, sharding and RNG of one policy.
+
+    ``policy.module`` is prepared in place: trainable parameters become fp32 master weights and, at world
+    size > 1 (``cfg.shard='auto'``), the module is sharded with FSDP2. Call :func:`init_distributed` first
+    (or pass ``dist_info``) when launched by torchrun.
+    """
+
+    def __init__(self, policy: Policy, algorithm: Algorithm, cfg: TrainConfig, *,
+                 dist_info: D.DistInfo | None = None) -> None:
+        for obj, proto, name in ((policy, Policy, "policy"), (algorithm, Algorithm, "algorithm")):
+            if not isinstance(obj, proto):
+                raise field_error(ConfigError, name, type(obj).__name__, f"an object implementing {proto.__name__}",
+                                  "see unirl_core.algorithms.base for the contract")
+        self.policy, self.algorithm, self.cfg = policy, algorithm, cfg
+        self.dist = dist_info or D.init_distributed()
+        self.rank, self.world_size = D.current_world()
+        seed_everything(cfg.seed + self.rank)
+        module = policy.module
+        named = trainable_parameters(module)
+        self._upcast_master_weights(named)
+        self._compute_dtype = _DTYPES[cfg.mixed_precision]
+        if cfg.shard == "auto" and self.world_size > 1:
+            D.apply_fsdp(module, cfg.fsdp_wrap_classes, self._compute_dtype)
+            named = trainable_parameters(module)  # fully_shard swapped the parameters for DTensor shards
+        self.sharded = D.is_sharded(module)
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.optimizer = build_optimizer(self.params, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=cfg.mixed_precision == "fp16")
+        self.ema = ParameterEMA(named, cfg.ema_decay) if cfg.ema_decay is not None else None
+        self.step_count = 0
+        self.optimizer_steps = 0
+        log.info("train backend: %d trainable tensors (%.3fM params), world=%d, sharded=%s, precision=%s",
+                 len(self.params), sum(p.numel() for p in self.params) / 1e6 * (self.world_size if self.sharded
+                                                                                 else 1),
+                 self.world_size, self.sharded, cfg.mixed_precision)
+
+    @staticmethod
+    def _upcast_master_weights(named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        # Low-precision master weights lose small AdamW updates (bf16 has 8 mantissa bits); autocast
+        # still runs the matmuls in the compute dtype.
+        low = [n for n, p in named if p.dtype != torch.float32]
+        for _, p in named:
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        if low:
+            log.info("upcast %d trainable tensors to fp32 master weights", len(low))
+
+    @property
+    def policy_version(self) -> int:
+        """Version the current weights carry: the number of rollout batches trained on."""
+        return self.step_count
+
+    def autocast(self) -> AbstractContextManager[None]:
+        """The forward-pass precision context (a no-op in fp32)."""
+        if self._compute_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.dist.device.type, dtype=self._compute_dtype)
+
+    def ema_applied(self) -> AbstractContextManager[None]:
+        """Within this context the module carries the EMA weights (for EMA rollout or eval)."""
+        if self.ema is None:
+            raise field_error(ConfigError, "train.ema_decay", None, "a decay to keep an EMA",
+                              "set ema_decay in TrainConfig to sample with EMA weights")
+        return self.ema.applied()
+
+    # ----------------------------------------------------------------------------------- one rollout batch
+
+    def local_shard(self, batch: SampleBatch) -> SampleBatch:
+        """This rank's contiguous equal share of the rollout batch."""
+        n = len(batch)
+        if n == 0 or n % self.world_size:
+            raise field_error(ConfigError, "batch size", n, f"a positive multiple of world_size={self.world_size}",
+                              "FSDP ranks must run the same number of forward passes; resize the rollout batch")
+        per = n // self.world_size
+        return batch[self.rank * per:(self.rank + 1) * per]
+
+    def step(self, batch: SampleBatch) -> TrainMetrics:
+        """Train on one rollout batch; returns metrics averaged over micro-batches and ranks."""
+        t_start = time.perf_counter()
+        micro = self.local_shard(batch).split(self.cfg.micro_batch_size)
+        t0 = time.perf_counter()
+        old = self._freeze_old_log_probs(micro)
+        t_old = time.perf_counter() - t0
+        local_n = sum(len(mb) for mb in micro)
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        grad_norms: list[float] = []
+        t_fb = t_opt = 0.0
+        lr = self.scheduler.get_last_lr()[0]
+        for _ in range(self.cfg.num_updates_per_batch):
+            t0 = time.perf_counter()
+            self._accumulate(micro, old, local_n, sums, counts)
+            t1 = time.perf_counter()
+            lr = self.scheduler.get_last_lr()[0]
+            grad_norms.append(self._optimizer_step())
+            t_fb += t1 - t0
+            t_opt += time.perf_counter() - t1
+        self.step_count += 1
+        if self.dist.device.type == "cuda":
+            torch.cuda.synchronize(self.dist.device)
+        means = {k: sums[k] / counts[k] for k in sums}
+        means = D.all_reduce_mean(means, self.dist.device)
+        loss = means.pop("loss")
+        timings = {"old_logp": t_old, "forward_backward": t_fb, "optimizer": t_opt,
+                   "total": time.perf_counter() - t_start}
+        return TrainMetrics(step=self.step_count, optimizer_steps=self.optimizer_steps, loss=loss,
+                            grad_norms=tuple(grad_norms), lr=lr, metrics=means, timings=timings,
+                            num_samples=len(batch))
+
+    @torch.no_grad()
+    def _freeze_old_log_probs(self, micro: list[SampleBatch]) -> list[Tensor | None]:
+        if self.cfg.old_logp_source == "rollout":
+            return [None] * len(micro)
+        out = []
+        with self.autocast():
+            for mb in micro:
+                out.append(self.algorithm.old_log_probs(self.policy, mb).detach())
+        return out
+
+    def _accumulate(self, micro: list[SampleBatch], old: list[Tensor | None], local_n: int,
+                    sums: dict[str, float], counts: dict[str, int]) -> None:
+        module = self.policy.module
+        for i, (mb, olp) in enumerate(zip(micro, old)):
+            if self.sharded:
+                # Reduce-scatter once, after the last micro-batch, instead of after each backward.
+                module.set_requires_gradient_sync(i == len(micro) - 1)
+            with self.autocast():
+                out = self.algorithm.loss(self.policy, mb, old_log_probs=olp)
+            # Each micro-batch loss is a per-sample mean; weight by its share so a ragged tail counts fairly.
+            weighted = out.loss.float() * (len(mb) / local_n)
+            self.scaler.scale(weighted).backward()
+            for k, v in (("loss", float(out.loss.detach())), *out.metrics.items()):
+                sums[k] = sums.get(k, 0.0) + float(v)
+                counts[k] = counts.get(k, 0) + 1
+
+    def _optimizer_step(self) -> float:
+        self.scaler.unscale_(self.optimizer)
+        grads = [p for p in self.params if p.grad is not None]
+        if self.cfg.max_grad_norm is None:
+            total = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
+        else:
+            total = torch.nn.utils.clip_grad_norm_(grads, self.cfg.max_grad_norm, foreach=True)
+        norm = float(D.full_tensor(total))
+        if not math.isfinite(norm) and not self.scaler.is_enabled():
+            raise field_error(NumericsError, "grad_norm", norm, "a finite gradient norm",
+                              f"the loss diverged at optimizer step {self.optimizer_steps}; lower lr or check "
+                              "the log-prob replay (ratio metrics)")
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        self.optimizer_steps += 1
+        return norm
+
+    # ----------------------------------------------------------------------------------- state
+
+    def model_state_dict(self) -> dict[str, Tensor]:
+        """Full (unsharded) CPU weights to checkpoint: trainable params only, or all with weights_scope='full'.
+
+        Collective under FSDP: every rank must call it; only rank 0 receives the tensors.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                ignore_frozen_params=self.cfg.weights_scope == "trainable")
+        return {k: v.detach().contiguous() for k, v in get_model_state_dict(self.policy.module, options=opts).items()}
+
+    def load_model_state_dict(self, weights: dict[str, Tensor]) -> None:
+        """Load weights written by :meth:`model_state_dict` (any world size); every saved name must exist."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        names = {n for n, _ in self.policy.module.named_parameters()} | {n for n, _ in
+                                                                         self.policy.module.named_buffers()}
+        unknown = sorted(set(weights) - names)
+        if unknown:
+            raise field_error(CheckpointError, "weights", unknown[:5], "parameter names of this module",
+                              "resume with the same model/LoRA layout the checkpoint was written with")
+        missing = [n for n in self.param_names if n not in weights]
+        if missing:
+            raise field_error(CheckpointError, "weights", missing[:5], "a tensor for every trainable parameter",
+                              "the checkpoint was written with another trainable layout")
+        set_model_state_dict(self.policy.module, weights,
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def state_dict(self) -> dict[str, object]:
+        """Optimizer (FQN-keyed, full), scheduler, scaler, EMA (full tensors), per-rank RNG and counters.
+
+        Collective under FSDP; the optimizer state and EMA tensors are complete on rank 0.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        optim = get_optimizer_state_dict(self.policy.module, self.optimizer, options=opts)
+        ema = None
+        if self.ema is not None:
+            ema = {n: D.full_tensor(t).detach().cpu().contiguous() for n, t in self.ema.state_dict().items()}
+        rng = capture_rng()
+        if self.world_size > 1:
+            gathered: list[object] = [None] * self.world_size
+            dist.all_gather_object(gathered, rng)
+            rng_all = gathered
+        else:
+            rng_all = [rng]
+        return {"optimizer": optim, "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "ema": ema, "ema_num_updates": self.ema.num_updates if self.ema else 0, "rng": rng_all,
+                "counters": {"step": self.step_count, "optimizer_steps": self.optimizer_steps,
+                             "world_size": self.world_size}}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore what :meth:`state_dict` captured; RNG is restored exactly when the world size matches."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        try:
+            set_optimizer_state_dict(self.policy.module, self.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+            self.scheduler.load_state_dict(state["scheduler"])
+            if state["scaler"]:
+                self.scaler.load_state_dict(state["scaler"])
+            counters = state["counters"]
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise field_error(CheckpointError, "train_state", type(e).__name__, "a state written by TrainBackend",
+                              f"resume with the same trainable layout and optimizer ({e})") from e
+        self._load_ema(state.get("ema"), int(state.get("ema_num_updates", 0)))
+        self.step_count = int(counters["step"])
+        self.optimizer_steps = int(counters["optimizer_steps"])
+        rngs = state["rng"]
+        if len(rngs) == self.world_size:
+            restore_rng(rngs[self.rank])
+        else:
+            log.warning("checkpoint has RNG of %d ranks, job has %d: reseeding instead of restoring", len(rngs),
+                        self.world_size)
+            seed_everything(self.cfg.seed + self.rank + 1_000_003 * self.step_count)
+
+    def _load_ema(self, ema: dict[str, Tensor] | None, num_updates: int) -> None:
+        if self.ema is None:
+            return
+        if ema is None:
+            raise field_error(CheckpointError, "ema", None, "EMA weights in the checkpoint",
+                              "this run enables ema_decay but the checkpoint was written without EMA")
+        local = {}
+        for name, like in zip(self.ema.names, self.ema.shadow):
+            if name in ema:
+                local[name] = D.like_layout(ema[name], like)
+        self.ema.load_state_dict(local, num_updates)

@@ -248,6 +248,12 @@ class TrainBackend:
         if unknown:
             raise field_error(CheckpointError, "weights", unknown[:5], "parameter names of this module",
                               "resume with the same model/LoRA layout the checkpoint was written with")
+        shapes = {n: tuple(p.shape) for n, p in self.policy.module.named_parameters()}  # global shape under FSDP
+        wrong = [(n, tuple(t.shape), shapes[n]) for n, t in weights.items() if n in shapes and
+                 tuple(t.shape) != shapes[n]]
+        if wrong:
+            raise field_error(CheckpointError, "weights", wrong[:3], "the shapes of this module's parameters",
+                              "resume with the same model config and LoRA rank the checkpoint was written with")
         missing = [n for n in self.param_names if n not in weights]
         if missing:
             raise field_error(CheckpointError, "weights", missing[:5], "a tensor for every trainable parameter",

@@ -13,7 +13,7 @@ from unirl_core.io.schema import (
     sampling_from_json,
     sampling_to_json,
 )
-from unirl_core.io.tensors import TensorReader, tensor_column
+from unirl_core.io.tensors import TensorReader, tensor_chunks, tensor_column
 from unirl_core.types import DiffusionSegment, Part, Sample, SampleBatch, TokenSegment
 
 _SEGMENT_CLS = {"diffusion": DiffusionSegment, "ar": TokenSegment}
@@ -32,10 +32,10 @@ def _conditions_column(parts: list[Part]) -> pa.Array:
 
 
 def batch_to_table(batch: SampleBatch) -> pa.Table:
-    """Encode a batch; tensor bytes are copied once into contiguous column buffers."""
+    """Encode a batch; big segment tensors are referenced, small ones copied once into shared buffers."""
     parts = [(s, i, p) for s in batch.samples for i, p in enumerate(s.parts)]
     ps = [p for _, _, p in parts]
-    cols: dict[str, pa.Array] = {
+    cols: dict[str, pa.Array | pa.ChunkedArray] = {
         "sample_id": pa.array([s.sample_id for s, _, _ in parts], pa.string()),
         "group_id": pa.array([s.group_id for s, _, _ in parts], pa.string()),
         "part_index": pa.array([i for _, i, _ in parts], pa.int32()),
@@ -50,7 +50,7 @@ def batch_to_table(batch: SampleBatch) -> pa.Table:
     }
     for name, (kind, attr) in SEGMENT_TENSORS.items():
         seg_cls = _SEGMENT_CLS[kind]
-        cols[name] = tensor_column([getattr(p.segment, attr) if isinstance(p.segment, seg_cls) else None
+        cols[name] = tensor_chunks([getattr(p.segment, attr) if isinstance(p.segment, seg_cls) else None
                                     for p in ps], name)
     cols["conditions"] = _conditions_column(ps)
     cols["media"] = pa.array([p.media for p in ps], pa.large_binary())

@@ -35,40 +35,88 @@ def _padded(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _raw_bytes(t: Tensor) -> Tensor:
+    """A contiguous CPU uint8 view of ``t`` (no copy when ``t`` is already contiguous on the CPU)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _check_dtype(t: Tensor, field: str, row: int) -> None:
+    if t.dtype not in DTYPE_NAMES:
+        raise SchemaError(f"column '{field}' row {row}: dtype {t.dtype} is not storable; "
+                          f"supported: {sorted(DTYPE_NAMES.values())}")
+
+
 def tensor_column(values: Sequence[Tensor | None], field: str) -> pa.StructArray:
     """Pack tensors (or None) into one struct array with a single contiguous data buffer (one copy)."""
     n = len(values)
     sizes = []
     for i, t in enumerate(values):
-        if t is None:
-            sizes.append(0)
-            continue
-        if t.dtype not in DTYPE_NAMES:
-            raise SchemaError(f"column '{field}' row {i}: dtype {t.dtype} is not storable; "
-                              f"supported: {sorted(DTYPE_NAMES.values())}")
-        sizes.append(_padded(t.numel() * t.element_size()))
+        if t is not None:
+            _check_dtype(t, field, i)
+        sizes.append(0 if t is None else _padded(t.numel() * t.element_size()))
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    data = np.zeros(int(offsets[-1]), dtype=np.uint8)
+    data = np.empty(int(offsets[-1]), dtype=np.uint8)
     dtypes, shapes = [], []
     for i, t in enumerate(values):
+        dtypes.append("" if t is None else DTYPE_NAMES[t.dtype])
+        shapes.append([] if t is None else list(t.shape))
         if t is None:
-            dtypes.append("")
-            shapes.append([])
             continue
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        nbytes = t.numel() * t.element_size()
-        if nbytes:
-            dst = torch.from_numpy(data[offsets[i]:offsets[i] + nbytes])
-            dst.copy_(t.contiguous().reshape(-1).view(torch.uint8))
-        dtypes.append(DTYPE_NAMES[t.dtype])
-        shapes.append(list(t.shape))
+        raw = _raw_bytes(t)
+        dst = torch.from_numpy(data[offsets[i]:offsets[i + 1]])
+        dst[:raw.numel()].copy_(raw)
+        dst[raw.numel():].zero_()
     valid = [t is not None for t in values]
     mask = None if all(valid) else pa.array(valid, type=pa.bool_()).buffers()[1]
-    data_arr = pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(offsets),
-                                                                        pa.py_buffer(data)])
+    return _struct(n, mask, dtypes, shapes, pa.py_buffer(offsets), pa.py_buffer(data))
+
+
+def single_tensor_column(t: Tensor, field: str) -> pa.StructArray:
+    """One tensor as a 1-row struct array whose data buffer IS the tensor's memory (no copy).
+
+    The IPC writer pads every buffer to 8 bytes, so the tensor still lands 8-aligned in the file.
+    The array keeps a reference to the tensor until it is written.
+    """
+    _check_dtype(t, field, 0)
+    raw = _raw_bytes(t)
+    nbytes = raw.numel()
+    buf = pa.py_buffer(raw.numpy()) if nbytes else pa.py_buffer(b"")
+    offsets = pa.py_buffer(np.array([0, nbytes], dtype=np.int64))
+    return _struct(1, None, [DTYPE_NAMES[t.dtype]], [list(t.shape)], offsets, buf)
+
+
+BIG_TENSOR_BYTES = 1 << 18
+
+
+def tensor_chunks(values: Sequence[Tensor | None], field: str) -> pa.ChunkedArray:
+    """A column whose big tensors (>= 256 KiB) are written straight from their own memory.
+
+    Small tensors are packed (copied) into shared chunks; each big one becomes a 1-row chunk that
+    references the tensor, so the writer streams it to the file without an intermediate copy.
+    """
+    chunks: list[pa.Array] = []
+    pending: list[Tensor | None] = []
+    for t in values:
+        if t is not None and t.numel() * t.element_size() >= BIG_TENSOR_BYTES:
+            if pending:
+                chunks.append(tensor_column(pending, field))
+                pending = []
+            chunks.append(single_tensor_column(t, field))
+        else:
+            pending.append(t)
+    if pending or not chunks:
+        chunks.append(tensor_column(pending, field))
+    return pa.chunked_array(chunks, type=TENSOR_TYPE)
+
+
+def _struct(n, mask, dtypes, shapes, offsets: pa.Buffer, data: pa.Buffer) -> pa.StructArray:
+    data_arr = pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, offsets, data])
     children = [pa.array(dtypes, pa.string()), pa.array(shapes, pa.list_(pa.int64())), data_arr]
     return pa.StructArray.from_buffers(TENSOR_TYPE, n, [mask], children=children)
 

@@ -73,3 +73,21 @@ def test_empty_batch_roundtrip(tmp_path):
     write_batch(SampleBatch(metadata={"step": "0"}), tmp_path / "e.arrow")
     got = read_batch(tmp_path / "e.arrow")
     assert len(got) == 0 and got.metadata == {"step": "0"}
+
+
+def test_big_tensors_are_written_from_their_own_memory_and_read_bit_exact(tmp_path):
+    from tests.unit.io.test_bad_input import _mapping_of, diffusion_batch
+    from unirl_core.io.tensors import BIG_TENSOR_BYTES
+
+    b = diffusion_batch(2, 2, steps=3)
+    g = torch.Generator().manual_seed(1)
+    for i, s in enumerate(b):  # mix big fp32 / bf16 trajectories with small ones
+        shape = (4, 16, 64, 64) if i % 2 == 0 else (4, 4, 8, 8)
+        lat = torch.randn(shape, generator=g)
+        s.generated.segment.latents = lat.bfloat16() if i == 2 else lat
+    assert b[0].generated.segment.latents.nbytes >= BIG_TENSOR_BYTES
+    path = write_batch(b, tmp_path / "big.arrow")
+    got = read_batch(path)
+    assert_same(b, got)
+    assert all(_mapping_of(p.segment.latents.data_ptr()) == str(path) for p in got.generated)
+    assert all(p.segment.latents.data_ptr() % 8 == 0 for p in got.generated)

@@ -1,0 +1,239 @@
+"""Flow-GRPO: clipped per-step surrogate over replayed SDE log-probs, with an optional KL to a reference.
+
+Replay runs ``unirl_core.sde.trajectory.denoise_step`` on the stored trajectory - the same function,
+inputs and batch slicing as the trainside rollout - so on the first update log-probs equal the
+stored ones bit for bit (ratio exactly 1). Shapes: B samples in the micro-batch, T steps, S the
+trained steps (SDE steps of the micro-batch, optionally a ``timestep_fraction`` of them).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+import torch
+from torch import Tensor
+
+from unirl_core.algorithms.base import LossOutput, OldLogpSource, Policy
+from unirl_core.errors import ConfigError, InvariantError, NumericsError, field_error
+from unirl_core.models.diffusion import stack_conditions
+from unirl_core.sde.noise import stable_seed
+from unirl_core.sde.trajectory import denoise_step
+from unirl_core.sde.window import select_train_steps
+from unirl_core.types import DiffusionSamplingParams, DiffusionSegment, Part, SampleBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlowGRPOConfig:
+    """Flow-GRPO loss settings."""
+
+    clip_range: float = 1e-4
+    """PPO clip epsilon on the per-step ratio (Flow-GRPO uses 1e-4: per-step ratios stay very close to 1)."""
+    adv_clip_max: float = 5.0
+    """Advantages are clamped to [-adv_clip_max, adv_clip_max]."""
+    kl_beta: float = 0.0
+    """Weight of the KL to the reference policy (LoRA off / frozen copy); 0 skips the reference forward."""
+    timestep_fraction: float = 1.0
+    """Fraction of the micro-batch's SDE steps to train (a seeded subset, the same for pi_old and the loss)."""
+    old_logp_source: OldLogpSource = "rollout"
+    """``rollout``: pi_old = the stored log-probs; ``replay``: the backend recomputes them with ``old_log_probs``."""
+    replay_batch_size: int | None = None
+    """Samples per replay forward; set it to the engine's ``forward_batch_size`` for exact replay. None: whole micro-batch."""
+    logp_tolerance: float | None = 1e-3
+    """Fail closed when max |logp_rollout - logp_replay| exceeds this (checked wherever pi_old is replayed); None disables."""
+    seed: int = 0
+    """Seed of the ``timestep_fraction`` subset."""
+
+    def __post_init__(self) -> None:
+        if not (self.clip_range > 0):
+            raise field_error(ConfigError, "flow_grpo.clip_range", self.clip_range, "a value > 0", "use e.g. 1e-4")
+        if not (self.adv_clip_max > 0):
+            raise field_error(ConfigError, "flow_grpo.adv_clip_max", self.adv_clip_max, "a value > 0", "use e.g. 5.0")
+        if not (self.kl_beta >= 0):
+            raise field_error(ConfigError, "flow_grpo.kl_beta", self.kl_beta, "a value >= 0", "use 0.0 to disable KL")
+        if not (0 < self.timestep_fraction <= 1):
+            raise field_error(ConfigError, "flow_grpo.timestep_fraction", self.timestep_fraction, "a value in (0, 1]",
+                              "use 1.0 to train every SDE step")
+        if self.old_logp_source not in ("rollout", "replay"):
+            raise field_error(ConfigError, "flow_grpo.old_logp_source", self.old_logp_source, "'rollout' or 'replay'",
+                              "use 'replay' when train micro-batches differ from the rollout slices")
+        if self.replay_batch_size is not None and not (isinstance(self.replay_batch_size, int) and self.replay_batch_size >= 1):
+            raise field_error(ConfigError, "flow_grpo.replay_batch_size", self.replay_batch_size, "None or an integer >= 1",
+                              "match the engine's forward_batch_size")
+        if self.logp_tolerance is not None and not (self.logp_tolerance >= 0):
+            raise field_error(ConfigError, "flow_grpo.logp_tolerance", self.logp_tolerance, "None or a value >= 0",
+                              "use e.g. 1e-3")
+
+
+def clipped_surrogate(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_range: float,
+                      adv_clip_max: float) -> tuple[Tensor, Tensor]:
+    """PPO-clip loss per trained entry, averaged over ``mask``. ``[B, S]`` log-probs, ``[B]`` advantages.
+
+    Returns ``(loss, ratio)``; ``loss = mean(max(-A r, -A clip(r, 1-eps, 1+eps)))`` with ``A`` clamped.
+    """
+    adv = advantages.clamp(-adv_clip_max, adv_clip_max)[:, None]
+    ratio = torch.exp(new_logp - old_logp)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    per = torch.maximum(unclipped, clipped)
+    return masked_mean(per, mask), ratio
+
+
+def gaussian_kl_same_std(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
+    """KL(N(mean, std^2) || N(ref_mean, std^2)) per element, averaged over latent dims: ``[B, ...] -> [B]``."""
+    d = (mean - ref_mean) ** 2
+    return d.mean(dim=tuple(range(1, d.ndim))) / (2 * std.reshape(-1) ** 2)
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp_min(1.0)
+
+
+@dataclass
+class _Replay:
+    log_probs: Tensor  # [B, S] fp32, with grad when requested
+    kl: Tensor  # [B, S] fp32 (zeros without KL)
+
+
+class FlowGRPO:
+    """``Algorithm`` for diffusion Parts; the policy must be a ``DiffusionBundle``-like object."""
+
+    def __init__(self, config: FlowGRPOConfig | None = None) -> None:
+        self.config = config or FlowGRPOConfig()
+
+    # -- Algorithm ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def old_log_probs(self, policy: Policy, micro_batch: SampleBatch) -> Tensor:
+        """``[B, T]`` pi_old log-probs replayed over exactly this micro-batch (0 off the trained steps)."""
+        parts, segs, sampling = _diffusion_parts(micro_batch)
+        steps = self._train_steps(micro_batch, segs)
+        rep = self._replay(policy, parts, segs, sampling, steps, with_kl=False)
+        full = torch.zeros(len(parts), sampling.num_steps, dtype=torch.float32)
+        full[:, steps] = rep.log_probs.cpu()
+        stored = torch.stack([s.log_probs for s in segs])
+        self._check_logp(stored[:, steps], full[:, steps], _mask(segs, steps), where="old_log_probs")
+        return full
+
+    def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None) -> LossOutput:
+        cfg = self.config
+        parts, segs, sampling = _diffusion_parts(micro_batch)
+        steps = self._train_steps(micro_batch, segs)
+        mask = _mask(segs, steps)
+        if not steps:
+            raise field_error(InvariantError, "micro_batch.sde_mask", "no SDE step", "at least one SDE step",
+                              "sample with noise_level > 0 and a stochastic sde_type")
+        adv = _advantages(parts)
+        rep = self._replay(policy, parts, segs, sampling, steps, with_kl=cfg.kl_beta > 0)
+        device = rep.log_probs.device
+        stored = torch.stack([s.log_probs for s in segs])[:, steps].to(device)
+        old = stored if old_log_probs is None else old_log_probs[:, steps].to(device)
+        mask = mask.to(device)
+        policy_loss, ratio = clipped_surrogate(rep.log_probs, old, adv.to(device), mask,
+                                               clip_range=cfg.clip_range, adv_clip_max=cfg.adv_clip_max)
+        kl = masked_mean(rep.kl, mask)
+        total = policy_loss + cfg.kl_beta * kl if cfg.kl_beta > 0 else policy_loss
+        # pi_old as replayed: the given tensor, else the current forward (equal to pi_old on the first update).
+        pi_old_replay = old if old_log_probs is not None else rep.log_probs.detach()
+        absdiff = (stored - pi_old_replay).abs()
+        if old_log_probs is not None:
+            self._check_logp(stored, old, mask, where="loss(old_log_probs)")
+        with torch.no_grad():
+            sel = mask.bool()
+            r = ratio.detach()[sel]
+            metrics = {
+                "loss": float(total.detach()), "policy_loss": float(policy_loss.detach()),
+                "ratio_mean": float(r.mean()), "ratio_min": float(r.min()), "ratio_max": float(r.max()),
+                "clip_frac": float(((r - 1).abs() > cfg.clip_range).float().mean()),
+                "kl": float(kl.detach()),
+                "logp_absdiff_mean": float(absdiff[sel].mean()), "logp_absdiff_max": float(absdiff[sel].max()),
+                "advantage_mean": float(adv.mean()), "trained_steps": float(len(steps)),
+            }
+        return LossOutput(loss=total, metrics=metrics)
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _train_steps(self, micro_batch: SampleBatch, segs: list[DiffusionSegment]) -> list[int]:
+        mask = torch.stack([s.sde_mask for s in segs])
+        gen = torch.Generator().manual_seed(stable_seed(self.config.seed, *[s.sample_id for s in micro_batch.samples]))
+        return select_train_steps(mask, fraction=self.config.timestep_fraction, generator=gen)
+
+    def _check_logp(self, stored: Tensor, replayed: Tensor, mask: Tensor, *, where: str) -> None:
+        tol = self.config.logp_tolerance
+        if tol is None or not bool(mask.any()):
+            return
+        diff = (stored.to(replayed.device) - replayed).abs()[mask.to(replayed.device).bool()]
+        worst = float(diff.max())
+        if worst > tol:
+            raise field_error(NumericsError, f"{where}: max |logp_rollout - logp_replay|", worst, f"<= {tol}",
+                              "rollout and replay ran different numerics: match replay_batch_size to the engine's "
+                              "forward_batch_size, keep the same dtype and CFG, and check sigma_verify")
+
+    def _replay(self, policy: Policy, parts: list[Part], segs: list[DiffusionSegment],
+                sampling: DiffusionSamplingParams, steps: list[int], *, with_kl: bool) -> _Replay:
+        if not hasattr(policy, "guided_velocity"):
+            raise field_error(ConfigError, "policy", type(policy).__name__, "a DiffusionBundle (guided_velocity)",
+                              "train Flow-GRPO with unirl_core.models.diffusion.DiffusionBundle")
+        device = policy.device
+        size = self.config.replay_batch_size or len(parts)
+        sig = segs[0].sigmas.to(device)
+        lps, kls = [], []
+        for lo in range(0, len(parts), size):
+            chunk = range(lo, min(lo + size, len(parts)))
+            conds = stack_conditions([parts[i].conditions for i in chunk], device)
+            lat = torch.stack([segs[i].latents for i in chunk]).to(device)
+            smask = torch.stack([segs[i].sde_mask for i in chunk]).to(device)
+
+            def vel(x: Tensor, sigma: Tensor, conds=conds) -> Tensor:
+                return policy.guided_velocity(x, sigma, conds, guidance_scale=sampling.guidance_scale)
+
+            lp_cols, kl_cols = [], []
+            for k in steps:
+                kw = dict(sde_type=sampling.sde_type, noise_level=sampling.noise_level, sde_mask_k=smask[:, k],
+                          trajectory_dtype=lat.dtype, prev_sample=lat[:, k + 1])
+                out = denoise_step(vel, lat[:, k].float(), k, sig, **kw)
+                lp_cols.append(out.log_prob)
+                if with_kl:
+                    with torch.no_grad(), policy.reference():
+                        ref = denoise_step(vel, lat[:, k].float(), k, sig, **kw)
+                    safe = torch.where(out.std > 0, out.std, torch.ones_like(out.std)).expand(len(chunk), 1, 1, 1)
+                    kl_cols.append(torch.where(smask[:, k], gaussian_kl_same_std(out.mean, ref.mean, safe),
+                                               torch.zeros((), device=device)))
+                else:
+                    kl_cols.append(torch.zeros(len(chunk), device=device))
+            lps.append(torch.stack(lp_cols, dim=1))
+            kls.append(torch.stack(kl_cols, dim=1))
+        return _Replay(log_probs=torch.cat(lps), kl=torch.cat(kls))
+
+
+def _diffusion_parts(batch: SampleBatch) -> tuple[list[Part], list[DiffusionSegment], DiffusionSamplingParams]:
+    if not len(batch):
+        raise field_error(InvariantError, "micro_batch", 0, "at least one sample", "drop empty micro-batches")
+    parts = batch.generated
+    segs, first = [], None
+    for s, p in zip(batch.samples, parts):
+        if p.kind != "diffusion" or not isinstance(p.segment, DiffusionSegment):
+            raise field_error(InvariantError, f"sample[{s.sample_id}].segment", type(p.segment).__name__,
+                              "a filled DiffusionSegment", "run the diffusion rollout before training")
+        first = first or p.sampling
+        same = (p.sampling.sigmas, p.sampling.sde_type, p.sampling.noise_level, p.sampling.guidance_scale) == (
+            first.sigmas, first.sde_type, first.noise_level, first.guidance_scale)
+        if not same:
+            raise field_error(InvariantError, f"sample[{s.sample_id}].sampling", p.sampling,
+                              "the schedule, kernel, noise level and CFG scale of the micro-batch's first sample",
+                              "build micro-batches from samples rolled out with the same sampling params")
+        segs.append(p.segment)
+    return parts, segs, first
+
+
+def _mask(segs: list[DiffusionSegment], steps: list[int]) -> Tensor:
+    return torch.stack([s.sde_mask for s in segs])[:, steps]
+
+
+def _advantages(parts: list[Part]) -> Tensor:
+    missing = [p.sample_id for p in parts if p.advantage is None]
+    if missing:
+        raise field_error(InvariantError, "part.advantage", missing[:5], "a float on every trained Part",
+                          "run the advantage phase before training")
+    return torch.tensor([p.advantage for p in parts], dtype=torch.float32)
+

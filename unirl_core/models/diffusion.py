@@ -1,0 +1,297 @@
+"""Diffusion model bundle over diffusers: SD3 and Flux families, tiny presets, LoRA or full fine-tune.
+
+The bundle is what both the trainside engine and Flow-GRPO replay call, so the two run the very
+same ops: ``velocity`` (one transformer forward on a batch, CFG included) is the only way a latent
+meets the transformer. It is also the ``Policy`` the train backend sees (``module``, ``reference``).
+
+Shapes: latents ``[B, C, h, w]`` (unpacked, also for Flux), sigma a 0-d float32 tensor, conditions
+``prompt_embeds [B, L, D]`` and ``pooled_prompt_embeds [B, P]`` (batched) or ``[L, D]`` / ``[P]``
+(per sample, as stored on a Part).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from unirl_core.errors import ConfigError, field_error
+from unirl_core.models.lora import apply_lora, lora_disabled
+
+logger = logging.getLogger(__name__)
+
+DiffusionFamily = Literal["sd3", "flux"]
+FAMILIES: tuple[str, ...] = ("sd3", "flux")
+TINY_PRESETS = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-flux-guidance": "flux"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    # Joint-attention projections of both streams (the Flow-GRPO SD3 choice).
+    "sd3": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"),
+    # Double blocks have both streams; single blocks only to_q/k/v plus their fused MLP in/out.
+    "flux": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "proj_mlp", "proj_out"),
+}
+_PIPELINE_FAMILY = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
+NEG_PREFIX = "negative_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRASpec:
+    """LoRA adapter shape."""
+
+    rank: int = 8
+    """Adapter rank r."""
+    alpha: float = 8.0
+    """Scale numerator; the update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Adapter dropout; keep 0.0 so rollout and replay see the same forward."""
+    target_modules: tuple[str, ...] | None = None
+    """Module-name suffixes to wrap; None uses the family default (``LORA_TARGETS``)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rank, int) and self.rank >= 1):
+            raise field_error(ConfigError, "lora.rank", self.rank, "an integer >= 1", "use e.g. 8 or 32")
+        if self.dropout != 0.0:
+            raise field_error(ConfigError, "lora.dropout", self.dropout, "0.0",
+                              "dropout makes the replayed forward differ from the rollout forward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusionModelConfig:
+    """Which diffusion model to load and how to train it."""
+
+    source: str = "tiny-sd3"
+    """``tiny-sd3`` / ``tiny-flux`` / ``tiny-flux-guidance`` (built from config), or a local dir / hub id for ``from_pretrained``."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of every component (and, by default, of the stored trajectory)."""
+    device: str = "cpu"
+    """Torch device the bundle lives on."""
+    finetune: Literal["lora", "full"] = "lora"
+    """``lora``: train an adapter, the reference is the adapter switched off; ``full``: train all weights."""
+    lora: LoRASpec = field(default_factory=LoRASpec)
+    """Adapter shape when ``finetune == 'lora'``."""
+    reference_copy: bool = True
+    """Full fine-tune only: keep a frozen copy of the initial transformer as the KL reference."""
+    seed: int = 0
+    """Seed of the random init of the tiny presets."""
+    max_sequence_length: int | None = None
+    """T5 context length; None uses 32 for tiny presets, 256 for SD3 and 512 for Flux."""
+    gradient_checkpointing: bool = False
+    """Recompute transformer activations in backward (same forward numerics, less memory)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise field_error(ConfigError, "model.dtype", self.dtype, f"one of {tuple(DTYPES)}", "use 'bfloat16' on GPU")
+        if self.finetune not in ("lora", "full"):
+            raise field_error(ConfigError, "model.finetune", self.finetune, "'lora' or 'full'", "pick one")
+        if not self.source:
+            raise field_error(ConfigError, "model.source", self.source, "a preset name, directory or hub id",
+                              "use 'tiny-sd3' for an offline run")
+
+
+class DiffusionBundle:
+    """Transformer + VAE + text encoders of one pipeline; the trainable ``module`` is the transformer."""
+
+    def __init__(self, pipeline, *, family: DiffusionFamily, config: DiffusionModelConfig) -> None:
+        if family not in FAMILIES:
+            raise field_error(ConfigError, "model.family", family, f"one of {FAMILIES}", "use an SD3 or Flux pipeline")
+        self.pipeline = pipeline
+        self.family: DiffusionFamily = family
+        self.config = config
+        self.dtype = DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        self._module: nn.Module = pipeline.transformer
+        self._reference: nn.Module | None = None
+        self._use_reference = False
+        self.max_sequence_length = config.max_sequence_length or (
+            32 if config.source in TINY_PRESETS else (256 if family == "sd3" else 512))
+        self.vae_scale_factor = 2 ** (len(pipeline.vae.config.block_out_channels) - 1)
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def build(cls, config: DiffusionModelConfig) -> DiffusionBundle:
+        """Load (or build the tiny preset), cast, move, freeze the frozen parts and attach LoRA."""
+        pipe, family = _load_pipeline(config)
+        pipe.to(config.device)
+        if config.source in TINY_PRESETS and DTYPES[config.dtype] != torch.float32:
+            pipe.to(dtype=DTYPES[config.dtype])  # from_pretrained already loaded in the asked dtype
+        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            comp = getattr(pipe, name, None)
+            if comp is not None:
+                comp.requires_grad_(False).eval()
+        bundle = cls(pipe, family=family, config=config)
+        transformer = pipe.transformer
+        if config.finetune == "lora":
+            spec = config.lora
+            apply_lora(transformer, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout,
+                       target_modules=spec.target_modules or LORA_TARGETS[family])
+        else:
+            transformer.requires_grad_(True)
+            if config.reference_copy:
+                bundle._reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+        if config.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        logger.info("diffusion bundle %s (%s, %s, %s): %.2fM trainable params", config.source, family,
+                    config.dtype, config.finetune,
+                    sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6)
+        return bundle
+
+    # -- Policy -------------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The trainable transformer (the train backend may replace it with a wrapped one)."""
+        return self._module
+
+    @module.setter
+    def module(self, wrapped: nn.Module) -> None:
+        self._module = wrapped
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """Forward through the reference policy: LoRA switched off, or the frozen initial copy."""
+        if self.config.finetune == "lora":
+            with lora_disabled(self._module):
+                yield
+            return
+        if self._reference is None:
+            raise field_error(ConfigError, "model.reference_copy", False, "True to evaluate a KL reference",
+                              "set reference_copy=True or train with kl_beta=0")
+        prev, self._use_reference = self._use_reference, True
+        try:
+            yield
+        finally:
+            self._use_reference = prev
+
+    # -- geometry -----------------------------------------------------------------------------
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """``(C, h, w)`` of one unpacked latent for an image of ``height x width`` pixels."""
+        # Both families split the latent into 2x2 patches (SD3 patchify, Flux packing).
+        step = self.vae_scale_factor * 2
+        if height % step or width % step:
+            raise field_error(ConfigError, "sampling.height/width", (height, width), f"multiples of {step}",
+                              "pick an image size the VAE and the 2x2 patches split evenly")
+        channels = self.pipeline.transformer.config.in_channels // (4 if self.family == "flux" else 1)
+        f = self.vae_scale_factor
+        return channels, height // f, width // f
+
+    def guidance_uses_negative(self, guidance_scale: float) -> bool:
+        """Whether CFG runs an unconditional (negative-prompt) branch at this scale."""
+        if self.family == "flux" and self.pipeline.transformer.config.guidance_embeds:
+            return False  # guidance-distilled Flux takes the scale as an embedding instead
+        return guidance_scale > 1.0
+
+    # -- text ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_text(self, prompts: Sequence[str]) -> list[dict[str, Tensor]]:
+        """Per-prompt conditions ``{"prompt_embeds": [L, D], "pooled_prompt_embeds": [P]}`` (model dtype)."""
+        texts = list(prompts)
+        if self.family == "sd3":
+            embeds, _, pooled, _ = self.pipeline.encode_prompt(
+                prompt=texts, prompt_2=None, prompt_3=None, device=self.device, do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length)
+        else:
+            embeds, pooled, _ = self.pipeline.encode_prompt(
+                prompt=texts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length)
+        embeds, pooled = embeds.to(self.dtype), pooled.to(self.dtype)
+        return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i]} for i in range(len(texts))]
+
+    # -- transformer --------------------------------------------------------------------------
+    def _transformer(self) -> nn.Module:
+        return self._reference if self._use_reference else self._module
+
+    def velocity(self, latents: Tensor, sigma: Tensor, conds: dict[str, Tensor], *,
+                 guidance_scale: float = 1.0) -> Tensor:
+        """One transformer forward: ``[B, C, h, w]`` latents (model dtype) -> velocity ``[B, C, h, w]``."""
+        model = self._transformer()
+        b = latents.shape[0]
+        if self.family == "sd3":
+            timestep = (sigma * 1000).expand(b)  # diffusers' timesteps are sigmas * num_train_timesteps
+            return model(hidden_states=latents, encoder_hidden_states=conds["prompt_embeds"],
+                         pooled_projections=conds["pooled_prompt_embeds"], timestep=timestep, return_dict=False)[0]
+        c, h, w = latents.shape[1:]
+        pipe = self.pipeline
+        packed = pipe._pack_latents(latents, b, c, h, w)
+        img_ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
+        txt_ids = torch.zeros(conds["prompt_embeds"].shape[1], 3, device=latents.device, dtype=latents.dtype)
+        guidance = None
+        if model.config.guidance_embeds:
+            guidance = torch.full((b,), guidance_scale, device=latents.device, dtype=torch.float32)
+        # Flux takes the sigma itself (the pipeline's t / 1000), passed exactly as pinned.
+        out = model(hidden_states=packed, timestep=sigma.expand(b).to(latents.dtype), guidance=guidance,
+                    pooled_projections=conds["pooled_prompt_embeds"], encoder_hidden_states=conds["prompt_embeds"],
+                    txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        return pipe._unpack_latents(out, h * self.vae_scale_factor, w * self.vae_scale_factor, self.vae_scale_factor)
+
+    def guided_velocity(self, latents: Tensor, sigma: Tensor, conds: dict[str, Tensor], *,
+                        guidance_scale: float) -> Tensor:
+        """CFG velocity in fp32. ``conds`` holds ``negative_*`` keys when the unconditional branch runs.
+
+        SD3 batches ``[uncond; cond]`` into one forward of 2B (as its pipeline does); Flux runs two
+        forwards (as its true-CFG path does). Rollout and replay both come through here.
+        """
+        x = latents.to(self.dtype)
+        if not self.guidance_uses_negative(guidance_scale):
+            return self.velocity(x, sigma, conds, guidance_scale=guidance_scale).float()
+        neg = {k: conds[NEG_PREFIX + k] for k in COND_KEYS}
+        if self.family == "sd3":
+            both = {k: torch.cat([neg[k], conds[k]]) for k in COND_KEYS}
+            v_u, v_c = self.velocity(torch.cat([x, x]), sigma, both).float().chunk(2)
+        else:
+            v_c = self.velocity(x, sigma, conds).float()
+            v_u = self.velocity(x, sigma, neg).float()
+        return v_u + guidance_scale * (v_c - v_u)
+
+    # -- images -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents ``[B, C, h, w]`` -> uint8 images ``[B, H, W, 3]`` on CPU."""
+        vae = self.pipeline.vae
+        z = latents.to(device=self.device, dtype=vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        img = vae.decode(z, return_dict=False)[0]
+        img = ((img.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        return img.permute(0, 2, 3, 1).cpu()
+
+    def decode_png(self, latents: Tensor) -> list[bytes]:
+        """Latents -> PNG bytes per image."""
+        from PIL import Image
+
+        out = []
+        for arr in self.decode(latents).numpy():
+            buf = io.BytesIO()
+            Image.fromarray(arr).save(buf, format="PNG")
+            out.append(buf.getvalue())
+        return out
+
+
+def stack_conditions(conds: list[dict[str, Tensor]], device: torch.device) -> dict[str, Tensor]:
+    """Per-sample conditions -> one batched dict (the same op in rollout and replay)."""
+    return {k: torch.stack([c[k] for c in conds]).to(device) for k in conds[0]}
+
+
+def _load_pipeline(config: DiffusionModelConfig):
+    from unirl_core.models import diffusion_tiny
+
+    if config.source == "tiny-sd3":
+        return diffusion_tiny.tiny_sd3_pipeline(seed=config.seed), "sd3"
+    if config.source in ("tiny-flux", "tiny-flux-guidance"):
+        return diffusion_tiny.tiny_flux_pipeline(seed=config.seed,
+                                                 guidance_embeds=config.source == "tiny-flux-guidance"), "flux"
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(config.source, torch_dtype=DTYPES[config.dtype])
+    family = _PIPELINE_FAMILY.get(type(pipe).__name__)
+    if family is None:
+        raise field_error(ConfigError, "model.source", config.source,
+                          f"an SD3 or Flux pipeline ({', '.join(_PIPELINE_FAMILY)})",
+                          f"got {type(pipe).__name__}; point the source at an SD3/SD3.5 or Flux checkpoint")
+    return pipe, family

@@ -23,6 +23,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
 from unirl_core.errors import ConfigError, SchemaError, field_error
 from unirl_core.reward.config import RewardComponent
 from unirl_core.reward.scorers.base import ComponentScores, ScoreItem, Scorer, build_scorer, run_scorer, scorer_names
@@ -81,11 +84,8 @@ def score_request(cache: ScorerCache, items: list[ScoreItem], comps: list[Reward
     return [run_scorer(cache.get(c), items, name=c.name, isolate=isolate) for c in comps]
 
 
-def create_app(cfg: ServerConfig, cache: ScorerCache | None = None):
+def create_app(cfg: ServerConfig, cache: ScorerCache | None = None) -> FastAPI:
     """The ASGI app; ``cache`` may be pre-filled (``--preload``)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
-
     app = FastAPI(title="unirl reward server", docs_url=None, redoc_url=None)
     cache = cache or ScorerCache()
     pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="score")

@@ -111,10 +111,15 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+class ScorerContractError(RewardError):
+    """A scorer broke its contract (wrong number of values): a bug, never isolated per item."""
+
+
 def _call(scorer: Scorer, items: Sequence[ScoreItem], name: str) -> list[float]:
     out = list(scorer(items))
     if len(out) != len(items):
-        raise RewardError(f"scorer {name!r} returned {len(out)} values for {len(items)} items")
+        raise ScorerContractError(f"scorer {name!r} returned {len(out)} values for {len(items)} items; "
+                                  "a scorer must return exactly one value per item")
     return [float(v) for v in out]
 
 
@@ -123,10 +128,13 @@ def run_scorer(scorer: Scorer, items: Sequence[ScoreItem], *, name: str, isolate
 
     If the whole call raises and ``isolate`` is True, each item is retried alone so one bad
     item does not fail its neighbours; with ``isolate`` False every item gets the error.
-    Non-finite values are kept as they are; ``ComponentScores.failed`` flags them.
+    Non-finite values are kept as they are; ``ComponentScores.failed`` flags them. A wrong
+    number of values raises ScorerContractError.
     """
     try:
         return ComponentScores(values=_call(scorer, items, name), errors=[None] * len(items))
+    except ScorerContractError:
+        raise
     except Exception as e:  # noqa: BLE001 - any scorer failure becomes a per-item error for the policy
         logger.warning("scorer %r failed on %d items: %s", name, len(items), _describe(e))
         if not isolate or len(items) == 1:
@@ -137,6 +145,8 @@ def run_scorer(scorer: Scorer, items: Sequence[ScoreItem], *, name: str, isolate
         try:
             values.append(_call(scorer, [item], name)[0])
             errors.append(None)
+        except ScorerContractError:
+            raise
         except Exception as e:  # noqa: BLE001
             values.append(math.nan)
             errors.append(_describe(e))

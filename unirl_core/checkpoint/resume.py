@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, config: object | None = None,
-                          extra: dict[str, object] | None = None, publish: bool = True) -> CheckpointRef:
+                          extra: dict[str, object] | None = None, publish: bool = True,
+                          overwrite: bool = False) -> CheckpointRef:
     """Checkpoint the backend after its latest step: weights, EMA, optimizer/scheduler/RNG/counters, the run
     config and ``extra`` JSON state (e.g. the advantage stat tracker).
 
@@ -29,7 +30,7 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
     ref = None
     if rank == 0:
         ref = store.save(backend.step_count, weights=weights, ema_weights=ema, train_state=state, config=config,
-                         extra=extra, policy_version=backend.policy_version, publish=publish,
+                         extra=extra, policy_version=backend.policy_version, publish=publish, overwrite=overwrite,
                          meta={"weights_scope": backend.cfg.weights_scope, "world_size": str(world)})
     if world > 1:
         box = [ref]

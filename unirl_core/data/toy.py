@@ -57,3 +57,17 @@ def toy_arithmetic_reward(completion: str, answer: str) -> float:
     digit_frac = sum(c.isdigit() for c in text) / len(text)
     correct = text.isdigit() and int(text) == int(answer)
     return 0.5 * digit_frac + 0.5 * float(correct)
+
+
+class ToyArithmeticScorer:
+    """Reward scorer (registered as ``toy_arithmetic``) applying :func:`toy_arithmetic_reward` to each
+    completion against ``targets['answer']``."""
+
+    def __call__(self, items) -> list[float]:
+        out = []
+        for it in items:
+            if "answer" not in it.targets:
+                raise field_error(ConfigError, "targets['answer']", dict(it.targets), "the toy task's answer",
+                                  "use the toy_arithmetic prompt source with this scorer")
+            out.append(toy_arithmetic_reward(it.text or "", it.targets["answer"]))
+        return out

@@ -242,8 +242,8 @@ class TrainBackend:
         """Load weights written by :meth:`model_state_dict` (any world size); every saved name must exist."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        names = {n for n, _ in self.policy.module.named_parameters()} | {n for n, _ in
-                                                                         self.policy.module.named_buffers()}
+        # state_dict keys, not named_parameters: tied weights (lm_head = embeddings) appear under both names
+        names = set(self.policy.module.state_dict().keys())
         unknown = sorted(set(weights) - names)
         if unknown:
             raise field_error(CheckpointError, "weights", unknown[:5], "parameter names of this module",

@@ -62,6 +62,7 @@ _REGISTRY: dict[str, str | Callable[..., Scorer]] = {
     "math": "unirl_core.reward.scorers.text:MathScorer",
     "format": "unirl_core.reward.scorers.text:FormatScorer",
     "length_penalty": "unirl_core.reward.scorers.text:LengthPenalty",
+    "toy_arithmetic": "unirl_core.data.toy:ToyArithmeticScorer",
 }
 
 

@@ -1,0 +1,159 @@
+"""Strict dataclass <-> dict conversion for run configs and recipes.
+
+Unknown keys, wrong types and values outside a ``Literal`` raise ``ConfigError`` naming the dotted
+path, the value and the allowed choices, so a typo in a recipe never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+from unirl_core.errors import ConfigError, field_error
+
+T = typing.TypeVar("T")
+
+
+def from_dict(cls: type[T], data: Any, path: str = "") -> T:
+    """Build dataclass ``cls`` from plain data (as parsed from YAML/JSON), checking every field."""
+    return _convert(cls, data, path or cls.__name__)
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain, JSON/YAML-ready data of a (nested) config dataclass."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def apply_overrides(data: dict, overrides: typing.Sequence[str]) -> dict:
+    """Apply ``dotted.key=value`` overrides (values parsed as YAML) to a nested dict, in order."""
+    out = _deep_copy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise field_error(ConfigError, "override", item, "'dotted.key=value'", "e.g. train.lr=1e-5")
+        key, raw = item.split("=", 1)
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            if not isinstance(node.get(p, {}), dict):
+                raise field_error(ConfigError, f"override {key}", item, f"'{p}' to be a section",
+                                  "override a leaf field, e.g. train.lr=1e-5")
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
+def _deep_copy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deep_copy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deep_copy(v) for v in d]
+    return d
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _dataclass(tp, value, path)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise field_error(ConfigError, path, value, f"one of {choices}", "pick one of the listed values")
+        return value
+    if origin in (Union, types.UnionType):
+        return _union(tp, value, path)
+    if origin in (tuple, list):
+        return _sequence(tp, origin, value, path)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise field_error(ConfigError, path, value, "a mapping", "write it as key: value pairs")
+        kt, vt = typing.get_args(tp) or (Any, Any)
+        return {_convert(kt, k, f"{path}.<key>"): _convert(vt, v, f"{path}.{k}") for k, v in value.items()}
+    return _scalar(tp, value, path)
+
+
+def _dataclass(cls: type, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(value) and isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise field_error(ConfigError, path, value, f"a mapping for {cls.__name__}", "write the section as key: value")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise field_error(ConfigError, f"{path}.{unknown[0]}", value[unknown[0]], f"a field of {cls.__name__}",
+                          f"valid fields: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, f in fields.items():
+        if name in value:
+            kwargs[name] = _convert(hints[name], value[name], f"{path}.{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise field_error(ConfigError, f"{path}.{name}", None, "a value (the field is required)",
+                              f"add '{name}' to the '{path}' section")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{path}: {e}") from e
+
+
+def _union(tp: Any, value: Any, path: str) -> Any:
+    args = typing.get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise field_error(ConfigError, path, value, f"a value of {tp}", "this field cannot be null")
+    errors = []
+    for a in args:
+        if a is type(None):
+            continue
+        try:
+            return _convert(a, value, path)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(f"{path}={value!r}: matches none of {tp}: " + "; ".join(errors))
+
+
+def _sequence(tp: Any, origin: type, value: Any, path: str) -> Any:
+    if not isinstance(value, (list, tuple)):
+        raise field_error(ConfigError, path, value, "a list", "write it as a YAML list [a, b]")
+    args = typing.get_args(tp)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(args) != len(value):
+            raise field_error(ConfigError, path, value, f"exactly {len(args)} items", "fix the list length")
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    item = args[0] if args else Any
+    items = [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+def _scalar(tp: Any, value: Any, path: str) -> Any:
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise field_error(ConfigError, path, value, "a number", "write a number such as 1e-4")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise field_error(ConfigError, path, value, "an integer", "write a whole number")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise field_error(ConfigError, path, value, "true or false", "write true or false")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise field_error(ConfigError, path, value, "a string", "quote the value")
+        return value
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise field_error(ConfigError, path, value, f"a {getattr(tp, '__name__', tp)}", "check the recipe")

@@ -1,0 +1,226 @@
+"""RunConfig: the whole run, one typed tree, saved with every checkpoint and shown in the run report."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from unirl_core.advantage.config import AdvantageConfig, StatTrackerConfig
+from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
+from unirl_core.algorithms.grpo import GRPOConfig
+from unirl_core.data.prompts import PromptDataConfig
+from unirl_core.data.toy import ToyArithmeticConfig
+from unirl_core.errors import ConfigError, field_error
+from unirl_core.models.diffusion import DiffusionModelConfig
+from unirl_core.models.lm import LMConfig
+from unirl_core.reward.config import RewardConfig
+from unirl_core.rollout.ar import AREngineConfig
+from unirl_core.rollout.diffusion import DiffusionEngineConfig
+from unirl_core.sde.schedules import flow_sigmas
+from unirl_core.train.config import TrainConfig
+from unirl_core.types import ARSamplingParams, DiffusionSamplingParams, SDEType
+
+Family = Literal["diffusion", "lm"]
+PromptSource = Literal["inline", "toy_arithmetic", "file"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusionSamplingConfig:
+    """How each step's DiffusionSamplingParams are built (the schedule is computed once and pinned)."""
+
+    num_steps: int = 10
+    """Denoising steps T."""
+    shift: float = 3.0
+    """Static SD3 timestep shift of the flow-matching schedule."""
+    sde_type: SDEType = "flow"
+    """SDE kernel: flow (Flow-GRPO), dance (DanceGRPO), cps, ode."""
+    noise_level: float = 0.7
+    """Kernel noise level (Flow-GRPO a / DanceGRPO eta)."""
+    sde_window_size: int | None = None
+    """Flow-GRPO-Fast window of SDE steps; None = every step."""
+    sde_window_range: tuple[int, int] | None = None
+    """Range the window start is drawn from; None = the whole schedule."""
+    guidance_scale: float = 4.5
+    """Classifier-free guidance scale (1.0 = off)."""
+    negative_prompt: str = ""
+    """Negative prompt of the unconditional branch."""
+    height: int = 64
+    """Image height in pixels."""
+    width: int = 64
+    """Image width in pixels."""
+    same_noise_per_group: bool = False
+    """Start all siblings of a group from the same x_T."""
+
+    def params(self) -> DiffusionSamplingParams:
+        return DiffusionSamplingParams(
+            sigmas=flow_sigmas(num_steps=self.num_steps, shift=self.shift), sde_type=self.sde_type,
+            noise_level=self.noise_level, sde_window_size=self.sde_window_size,
+            sde_window_range=self.sde_window_range, guidance_scale=self.guidance_scale,
+            negative_prompt=self.negative_prompt, height=self.height, width=self.width)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiffusionSection:
+    """Model, sampling, engine and loss of a Flow-GRPO run."""
+
+    model: DiffusionModelConfig = field(default_factory=DiffusionModelConfig)
+    sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)
+    engine: DiffusionEngineConfig = field(default_factory=DiffusionEngineConfig)
+    algorithm: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LMSection:
+    """Model, sampling, engine and loss of a GRPO run."""
+
+    model: LMConfig = field(default_factory=LMConfig)
+    sampling: ARSamplingParams = field(default_factory=ARSamplingParams)
+    engine: AREngineConfig = field(default_factory=AREngineConfig)
+    algorithm: GRPOConfig = field(default_factory=GRPOConfig)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where prompts come from and how many go into one step."""
+
+    source: PromptSource = "inline"
+    """``inline`` (``prompts`` below), ``toy_arithmetic`` (built-in verifiable task) or ``file`` (jsonl/parquet/HF)."""
+    prompts: tuple[str, ...] = ()
+    """Inline prompt texts (``source='inline'``)."""
+    toy: ToyArithmeticConfig = field(default_factory=ToyArithmeticConfig)
+    """Toy arithmetic task shape (``source='toy_arithmetic'``)."""
+    file: PromptDataConfig | None = None
+    """Prompt file (``source='file'``)."""
+    prompts_per_step: int = 4
+    """Distinct prompts (groups) per step."""
+    samples_per_prompt: int = 4
+    """Siblings per prompt (the GRPO group size)."""
+    seed: int = 0
+    """Seed of the per-epoch prompt shuffle."""
+
+    def __post_init__(self) -> None:
+        if self.source == "inline" and not self.prompts:
+            raise field_error(ConfigError, "data.prompts", self.prompts, "at least one prompt for source='inline'",
+                              "list prompts or pick source='toy_arithmetic' / 'file'")
+        if self.source == "file" and self.file is None:
+            raise field_error(ConfigError, "data.file", None, "a PromptDataConfig for source='file'",
+                              "add data.file.path")
+        for name in ("prompts_per_step", "samples_per_prompt"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise field_error(ConfigError, f"data.{name}", v, "an integer >= 1", "use e.g. 4")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where versions live and how many are kept."""
+
+    root: str = "runs"
+    """fsspec URL of the store root: a local directory (default) or ``s3://bucket/prefix``."""
+    keep_last: int = 3
+    """Keep the newest k versions."""
+    keep_every: int | None = None
+    """Also keep every m-th step forever."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``); credentials come from the environment."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    """Length and shape of the training loop."""
+
+    total_steps: int = 8
+    """Rollout -> train steps of the whole run."""
+    steps_per_chunk: int = 4
+    """Steps per @dynamic chunk; chunks are chained so the DAG stays bounded."""
+    rollout_shards: int = 1
+    """Prompt shards rolled out in parallel (map_task); each shard holds whole groups."""
+    seed: int = 0
+    """Base seed of the per-step NoiseRecipe and the sampling generators."""
+
+    def __post_init__(self) -> None:
+        for name in ("total_steps", "steps_per_chunk", "rollout_shards"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise field_error(ConfigError, f"loop.{name}", v, "an integer >= 1", "use e.g. 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One run: which family, its model/sampling/loss section, data, reward, advantage, train, checkpoints."""
+
+    name: str
+    """Run name: the checkpoint folder under ``checkpoint.root`` and the run-report title."""
+    family: Family
+    """``diffusion`` (Flow-GRPO) or ``lm`` (GRPO)."""
+    diffusion: DiffusionSection | None = None
+    """Required for ``family='diffusion'``."""
+    lm: LMSection | None = None
+    """Required for ``family='lm'``."""
+    data: DataConfig
+    reward: RewardConfig
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    tracker: StatTrackerConfig | None = None
+    """Per-prompt reward statistics across steps (Flow-GRPO); None normalises within the batch's groups."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise field_error(ConfigError, "name", self.name, "a non-empty run name without '/'", "e.g. tiny-grpo")
+        section = self.diffusion if self.family == "diffusion" else self.lm
+        if section is None:
+            raise field_error(ConfigError, self.family, None, f"a '{self.family}' section for family={self.family!r}",
+                              f"add the '{self.family}' section to the recipe")
+        other = "lm" if self.family == "diffusion" else "diffusion"
+        if getattr(self, other) is not None:
+            raise field_error(ConfigError, other, "set", f"no '{other}' section for family={self.family!r}",
+                              f"remove the '{other}' section")
+        self._check_geometry()
+
+    @property
+    def section(self) -> DiffusionSection | LMSection:
+        return self.diffusion if self.family == "diffusion" else self.lm
+
+    def _check_geometry(self) -> None:
+        total = self.data.samples_per_step
+        shards = self.loop.rollout_shards
+        if self.data.prompts_per_step % shards:
+            raise field_error(ConfigError, "loop.rollout_shards", shards,
+                              f"a divisor of data.prompts_per_step={self.data.prompts_per_step}",
+                              "every shard must hold whole groups")
+        mb = self.train.micro_batch_size
+        if total % mb:
+            raise field_error(ConfigError, "train.micro_batch_size", mb, f"a divisor of samples per step ({total})",
+                              "keep micro-batches equal so every update sees the same geometry")
+        algo_src = self.section.algorithm.old_logp_source if hasattr(self.section.algorithm, "old_logp_source") \
+            else None
+        if algo_src is not None and algo_src != self.train.old_logp_source:
+            raise field_error(ConfigError, f"{self.family}.algorithm.old_logp_source", algo_src,
+                              f"the same as train.old_logp_source ({self.train.old_logp_source!r})",
+                              "set both to 'rollout' (exact, needs equal slicing) or both to 'replay'")
+        if self.train.old_logp_source == "rollout":
+            fbs = self.section.engine.forward_batch_size
+            per_shard = total // shards
+            if fbs != mb or per_shard % mb:
+                raise field_error(ConfigError, "train.micro_batch_size", mb,
+                                  f"equal to {self.family}.engine.forward_batch_size ({fbs}) and dividing the "
+                                  f"samples of one rollout shard ({per_shard})",
+                                  "the stored log-probs are exact only over the same slices; match them or set "
+                                  "train.old_logp_source='replay'")
+            if self.advantage.drop_zero_std_groups:
+                raise field_error(ConfigError, "advantage.drop_zero_std_groups", True,
+                                  "False while train.old_logp_source='rollout'",
+                                  "dropping groups re-slices the batch; use old_logp_source='replay' with it")
+            if self.reward.failure_policy == "mark_invalid":
+                raise field_error(ConfigError, "reward.failure_policy", "mark_invalid",
+                                  "'fail' while train.old_logp_source='rollout'",
+                                  "excluding invalid samples re-slices the batch; use old_logp_source='replay'")
+        if not math.isfinite(self.train.lr):
+            raise field_error(ConfigError, "train.lr", self.train.lr, "a finite number", "e.g. 1e-4")

@@ -86,14 +86,20 @@ def test_stop_string_cuts_at_the_completing_token(bundle):
     assert seg.response_ids.tolist() == free.samples[0].generated.segment.response_ids[:seg.num_response_tokens].tolist()
 
 
-def test_greedy_top_k_1_matches_argmax_of_full_forward(bundle):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_greedy_top_k_1_matches_argmax_of_full_forward(attn):
+    # Prompts of different lengths, so the decode loop runs with left padding.
+    bundle = build_tiny_lm(seed=0, keep_reference=False, attn_implementation=attn)
     eng = TrainsideAREngine(bundle, AREngineConfig(apply_chat_template=False))
-    out = eng.generate(_batch(n_prompts=1, k=1, max_new_tokens=6, top_k=1))
-    seg = out.samples[0].generated.segment
-    ids = torch.cat([seg.prompt_ids, seg.response_ids])[None]
-    with torch.no_grad():
-        logits = bundle.module(ids).logits[0, seg.prompt_ids.numel() - 1:-1]
-    assert seg.response_ids.tolist() == logits.argmax(-1).tolist()
+    batch = _batch(n_prompts=1, k=1, max_new_tokens=6, top_k=1)
+    batch.samples[0].generated.prompt = "a much longer prompt than the other one"
+    out = eng.generate(SampleBatch.concat([batch, _batch(n_prompts=2, k=1, max_new_tokens=6, top_k=1)[1:]]))
+    for s in out:
+        seg = s.generated.segment
+        ids = torch.cat([seg.prompt_ids, seg.response_ids])[None]
+        with torch.no_grad():
+            logits = bundle.module(ids).logits[0, seg.prompt_ids.numel() - 1:-1]
+        assert seg.response_ids.tolist() == logits.argmax(-1).tolist()
 
 
 def test_sample_next_top_k_top_p_filters_and_logp_is_untruncated():

@@ -288,7 +288,12 @@ def _load_pipeline(config: DiffusionModelConfig):
                                                  guidance_embeds=config.source == "tiny-flux-guidance"), "flux"
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(config.source, torch_dtype=DTYPES[config.dtype])
+    import diffusers
+    from packaging.version import Version
+
+    # diffusers renamed torch_dtype to dtype (0.42); older releases only know torch_dtype.
+    key = "dtype" if Version(diffusers.__version__) >= Version("0.42") else "torch_dtype"
+    pipe = DiffusionPipeline.from_pretrained(config.source, **{key: DTYPES[config.dtype]})
     family = _PIPELINE_FAMILY.get(type(pipe).__name__)
     if family is None:
         raise field_error(ConfigError, "model.source", config.source,

@@ -139,6 +139,11 @@ def _sequence(tp: Any, origin: type, value: Any, path: str) -> Any:
 
 def _scalar(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise field_error(ConfigError, path, value, "a number", "write a number such as 1e-4")
         return float(value)

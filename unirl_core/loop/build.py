@@ -35,12 +35,18 @@ def _key(obj: object) -> str:
     return json.dumps(to_dict(obj), sort_keys=True, default=str)
 
 
-def bundle(cfg: RunConfig):
-    """The model bundle of the run (a Policy), built once per process and model config."""
+def fresh_bundle(cfg: RunConfig):
+    """A newly built bundle with the model's initial weights (pretrained or seeded tiny init)."""
     model_cfg = cfg.section.model
-    key = f"{cfg.family}:{_key(model_cfg)}"
+    return DiffusionBundle.build(model_cfg) if cfg.family == "diffusion" else load_lm(model_cfg)
+
+
+def bundle(cfg: RunConfig):
+    """The run's bundle (a Policy), built once per process and model config. Its trainable weights are
+    whatever the last phase loaded: always load a checkpoint into it before use."""
+    key = f"{cfg.family}:{_key(cfg.section.model)}"
     if key not in _BUNDLES:
-        _BUNDLES[key] = DiffusionBundle.build(model_cfg) if cfg.family == "diffusion" else load_lm(model_cfg)
+        _BUNDLES[key] = fresh_bundle(cfg)
     return _BUNDLES[key]
 
 

@@ -51,7 +51,8 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest") -> CheckpointRef:
                               f"{latest.step}", "pass resume_from='latest' or choose another run name")
         log.info("resuming run %s from step %d (%s)", cfg.name, latest.step, latest.uri)
         return latest
-    backend = TrainBackend(build.bundle(cfg), build.algorithm(cfg), cfg.train)
+    # a fresh build: the cached bundle may carry another run's trained weights
+    backend = TrainBackend(build.fresh_bundle(cfg), build.algorithm(cfg), cfg.train)
     return save_train_checkpoint(store, backend, config=to_dict(cfg), extra={}, publish=True)
 
 

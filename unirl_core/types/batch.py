@@ -59,6 +59,11 @@ class SampleBatch:
                 samples.append(Sample(sample_id=sid, group_id=rec.prompt_id, parts=[part]))
         return cls(samples=samples, metadata=dict(metadata or {}))
 
+    def __repr__(self) -> str:
+        # short on purpose: flytekit logs every task's inputs with an eager f-string, and the generated
+        # repr prints every tensor of every sample (seconds per task for a small image batch)
+        return f"SampleBatch({len(self.samples)} samples, {len(self.groups())} groups, metadata={self.metadata})"
+
     def __len__(self) -> int:
         return len(self.samples)
 

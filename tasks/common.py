@@ -1,0 +1,102 @@
+"""What every phase task shares: cache version, resources, decks, phase timing, the progress logger."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import flytekit
+from flytekit import Deck, Resources
+from flytekit.deck import DeckField
+from flytekit.exceptions.user import FlyteRecoverableException
+from flytekit.extras.accelerators import H100, H200
+
+from unirl_core.errors import ConfigError, RewardError, field_error
+
+# Bump when a task's behaviour changes for the same inputs (new phase code that must not reuse old outputs).
+CACHE_VERSION = "unirl-1"
+
+ACCELERATOR_ENV = "UNIRL_ACCELERATOR"
+ACCELERATORS = {"h100": H100, "h200": H200}
+
+
+def _accelerator_from_env():
+    # read at import, i.e. when the workflow is registered or packaged: the GPU kind belongs to the cluster
+    name = os.environ.get(ACCELERATOR_ENV, "h200").lower()
+    if name not in ACCELERATORS:
+        raise field_error(ConfigError, ACCELERATOR_ENV, name, f"one of {sorted(ACCELERATORS)}",
+                          "set it to the GPU kind of the cluster you register to")
+    return ACCELERATORS[name]
+
+
+DEFAULT_ACCELERATOR = _accelerator_from_env()
+
+GPU_TASK = dict(requests=Resources(cpu="8", mem="64Gi", gpu="1"), limits=Resources(mem="96Gi", gpu="1"))
+CPU_TASK = dict(requests=Resources(cpu="2", mem="8Gi"), limits=Resources(mem="16Gi"))
+
+# Only our own decks: flytekit's default ones render every input/output with repr() (tensor reprs of whole
+# batches) and run `pip list` in a subprocess, seconds per task on a small CPU box.
+DECK = dict(enable_deck=True, deck_fields=())
+
+ROLLOUT_TIMEOUT = timedelta(hours=2)
+REWARD_TIMEOUT = timedelta(minutes=45)
+TRAIN_TIMEOUT = timedelta(hours=4)
+SMALL_TIMEOUT = timedelta(minutes=20)
+
+# Failures worth a retry: IO and timeouts (a reward server restarting, S3 hiccups, a node going away).
+# Library errors that mean "this input cannot work" (ConfigError, NumericsError, SchemaError) are not.
+TRANSIENT = (TimeoutError, ConnectionError, OSError)
+
+
+def progress_logger() -> logging.Logger:
+    """``unirl.progress``: one line per step at INFO, shown even when the root logger has no handler
+    (``pyflyte run`` only configures flytekit's own logger)."""
+    log = logging.getLogger("unirl.progress")
+    if not log.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+def is_transient(e: BaseException) -> bool:
+    """True for failures a retry can fix: IO errors and timeouts anywhere in the cause chain, and the reward
+    client's give-up after its own retries (RewardClient raises it without a cause; its message is pinned by
+    tests/flyte/test_tasks.py::test_reward_server_timeout_is_recoverable)."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, TRANSIENT) or (isinstance(seen, RewardError) and "attempts (last:" in str(seen)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@contextmanager
+def phase(name: str, metrics_out: dict[str, float]) -> Iterator[None]:
+    """Time the library call of a phase into ``metrics_out['time/<name>']`` and turn transient failures into
+    ``FlyteRecoverableException`` so Flyte retries the task (remote runs; local runs do not retry)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    except Exception as e:
+        if is_transient(e):
+            raise FlyteRecoverableException(f"{name}: transient failure, Flyte retries the task: {e}") from e
+        raise
+    metrics_out[f"time/{name}"] = time.perf_counter() - t0
+
+
+def deck(name: str, html: str) -> None:
+    """Add a deck to the running task (HTML fragments from unirl_core.report.phase_html)."""
+    Deck(name, html)
+
+
+def session_id() -> str:
+    """Execution name (remote) - local executions all share the name ``local``."""
+    return flytekit.current_context().execution_id.name

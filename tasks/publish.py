@@ -1,0 +1,36 @@
+"""Publish: make a trained version the run's current one (atomic pointer + retention)."""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+from flytekit import task
+
+from images import train_image
+from tasks.common import DECK, CPU_TASK, SMALL_TIMEOUT, deck, phase
+from tasks.run_types import HashedCheckpointRef, use_storage_options
+from unirl_core.checkpoint import CheckpointRef
+from unirl_core.config import RunConfig
+from unirl_core.report.phase_html import publish_html
+
+if train_image.is_container():
+    from unirl_core.loop import phases
+
+
+class Published(NamedTuple):
+    ckpt: HashedCheckpointRef
+    info: str
+    """JSON of what was published: uri, step, policy_version, files (bytes, sha256), bytes, time/publish."""
+
+
+# not cached: publishing moves the run's pointer, a side effect a cache hit would skip
+@task(container_image=train_image, **CPU_TASK, retries=3, timeout=SMALL_TIMEOUT, **DECK)
+def publish_task(cfg: RunConfig, ckpt: CheckpointRef) -> Published:
+    timings: dict[str, float] = {}
+    with phase("publish", timings):
+        info = phases.publish_phase(cfg, ckpt)
+    info.update(timings)
+    deck("publish", publish_html(info))
+    use_storage_options(cfg)
+    return Published(ckpt=ckpt, info=json.dumps(info, sort_keys=True))

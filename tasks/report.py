@@ -1,0 +1,50 @@
+"""Report: per-step artifacts in the run directory, the HTML run report, and the progress line."""
+
+from __future__ import annotations
+
+import json
+
+from flytekit import task
+
+from images import train_image
+from tasks.common import CPU_TASK, SMALL_TIMEOUT, progress_logger
+from unirl_core.config import RunConfig
+from unirl_core.loop.local import progress_line
+from unirl_core.report.phase_html import advantage_html, publish_html, reward_html, rollout_html, train_html
+from unirl_core.report.run_report import RunReport, StepRecord, step_seconds
+from unirl_core.types import SampleBatch
+
+
+def run_report(cfg: RunConfig) -> RunReport:
+    """The run directory's report under the checkpoint root: ``<root>/<run>/report``."""
+    return RunReport(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}", storage_options=cfg.checkpoint.storage_options)
+
+
+def progress(records: list[StepRecord], rec: StepRecord, total: int, session: str) -> str:
+    """The progress line of ``rec``: wall time since the previous step of this session (the first step of a
+    session only has its phase compute time), ETA from the mean step time of this session."""
+    times = step_seconds(records, session)
+    compute = sum(v for k, v in rec.metrics.items() if k.startswith("time/"))
+    mine = [r for r in records if r.session == session]
+    last = times[-1] if len(mine) > 1 and times and mine[-2].step == rec.step - 1 else compute
+    mean = sum(times) / len(times) if times else compute
+    return progress_line(rec.step, total, rec.metrics, last, mean * max(total - rec.step, 0))
+
+
+@task(container_image=train_image, **CPU_TASK, retries=2, timeout=SMALL_TIMEOUT)
+def report_task(cfg: RunConfig, session: str, step: int, batch: SampleBatch, rollout: dict[str, float],
+                reward: dict[str, float], advantage: dict[str, float], train: dict[str, float],
+                published: str) -> int:
+    """Write step ``step`` into the run report, re-render ``index.html`` and log the progress line.
+
+    Returns ``step`` so the workflow can order the reports of consecutive steps (one writer of index.html)."""
+    info = json.loads(published)
+    metrics = {**rollout, **reward, **advantage, **train}
+    metrics["time/publish"] = float(info.get("time/publish", 0.0))
+    pages = {"rollout": rollout_html(batch, rollout), "reward": reward_html(batch, reward),
+             "advantage": advantage_html(batch, advantage), "train": train_html(train), "publish": publish_html(info)}
+    report = run_report(cfg)
+    rec = report.record_step(step, metrics=metrics, batch=batch, pages=pages, session=session)
+    report.render(title=f"run {cfg.name}")
+    progress_logger().info(progress(report.steps(), rec, cfg.loop.total_steps, session))
+    return step

@@ -1,0 +1,63 @@
+"""Rollout: one prompt shard of one step (mapped over shards by the workflow), then the shards joined."""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+from flytekit import task
+
+from images import rollout_image, train_image
+from tasks.common import DECK, CACHE_VERSION, CPU_TASK, DEFAULT_ACCELERATOR, GPU_TASK, ROLLOUT_TIMEOUT, SMALL_TIMEOUT, \
+    deck, phase
+from tasks.types import HashedSampleBatch
+from unirl_core.checkpoint import CheckpointRef
+from unirl_core.config import RunConfig
+from unirl_core.report.phase_html import rollout_html
+from unirl_core.types import SampleBatch
+
+if rollout_image.is_container():
+    from unirl_core.loop import phases
+
+# A map task has exactly one output, so a shard's metrics ride in its batch metadata until join_shards_task.
+SHARD_METRICS_KEY = "unirl.rollout_metrics"
+
+
+@task(container_image=rollout_image, **GPU_TASK, accelerator=DEFAULT_ACCELERATOR, retries=2,
+      timeout=ROLLOUT_TIMEOUT, cache=True, cache_version=CACHE_VERSION, **DECK)
+def rollout_task(cfg: RunConfig, ckpt: CheckpointRef, step: int, num_shards: int, shard: int) -> HashedSampleBatch:
+    """Sample shard ``shard`` of step ``step`` with the weights of ``ckpt``."""
+    metrics: dict[str, float] = {}
+    with phase("rollout", metrics):
+        batch, m = phases.rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=num_shards)
+    metrics.update(m)
+    deck("rollout", rollout_html(batch, metrics))
+    batch.metadata[SHARD_METRICS_KEY] = json.dumps(metrics, sort_keys=True)
+    return batch
+
+
+class Joined(NamedTuple):
+    batch: HashedSampleBatch
+    metrics: dict[str, float]
+
+
+def merge_shard_metrics(per_shard: list[dict[str, float]]) -> dict[str, float]:
+    """Counts add up, times take the slowest shard (shards run in parallel), anything else is averaged."""
+    out: dict[str, float] = {}
+    for key in sorted({k for m in per_shard for k in m}):
+        vals = [m[key] for m in per_shard if key in m]
+        if key.startswith("time/") or key.endswith("seconds"):
+            out[key] = max(vals)
+        elif key.endswith("samples"):
+            out[key] = sum(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
+    return out
+
+
+@task(container_image=train_image, **CPU_TASK, timeout=SMALL_TIMEOUT)
+def join_shards_task(shards: list[SampleBatch]) -> Joined:
+    """Concatenate the shards in shard order; their metrics leave the batch metadata here."""
+    metrics = merge_shard_metrics([json.loads(b.metadata.pop(SHARD_METRICS_KEY, "{}")) for b in shards])
+    meta = {k: v for k, v in shards[0].metadata.items() if k != "shard"}
+    return Joined(batch=SampleBatch.concat(shards, metadata=meta), metrics=metrics)

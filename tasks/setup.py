@@ -1,0 +1,47 @@
+"""Setup tasks: parse the recipe once, and find (or write) the checkpoint the loop starts from."""
+
+from __future__ import annotations
+
+import uuid
+from typing import NamedTuple
+
+from flytekit import task
+
+from images import train_image
+from tasks.common import DECK, CPU_TASK, SMALL_TIMEOUT, deck, phase, session_id
+from tasks.run_types import ClusterConfig, HashedCheckpointRef, load_run_config, use_storage_options
+from unirl_core.config import RunConfig, to_dict
+from unirl_core.report.phase_html import metrics_table
+from unirl_core.report.run_report import RunReport
+
+if train_image.is_container():
+    from unirl_core.loop import phases
+
+
+class Setup(NamedTuple):
+    cfg: RunConfig
+    cluster: ClusterConfig
+    session: str
+
+
+@task(container_image=train_image, **CPU_TASK, timeout=SMALL_TIMEOUT, **DECK)
+def setup_task(recipe: str, overrides: list[str]) -> Setup:
+    """Load and validate the recipe with its overrides (a bad override fails here, before any GPU starts)."""
+    cfg, cluster = load_run_config(recipe, overrides)
+    deck("config", f"<pre>{to_dict(cfg)}</pre>" + metrics_table(cluster.__dict__, "cluster"))
+    # local executions all share the execution name 'local': add a random suffix so step times of two
+    # local sessions of one run are never mixed up in the progress line
+    return Setup(cfg=cfg, cluster=cluster, session=f"{session_id()}-{uuid.uuid4().hex[:8]}")
+
+
+@task(container_image=train_image, **CPU_TASK, retries=2, timeout=SMALL_TIMEOUT)
+def init_task(cfg: RunConfig, resume: str) -> HashedCheckpointRef:
+    """``resume``: ``latest`` (the run's published version, or a fresh step-0 version), ``never`` (the run
+    must be empty) or the URI of one version folder of this run."""
+    timings: dict[str, float] = {}
+    with phase("init", timings):
+        ckpt = phases.init_run(cfg, resume_from=resume)
+    report = RunReport(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}", storage_options=cfg.checkpoint.storage_options)
+    report.write_config(to_dict(cfg))
+    use_storage_options(cfg)
+    return ckpt

@@ -1,0 +1,84 @@
+"""The GRPO loop as a Flyte workflow: rollout -> reward -> advantage -> train -> publish, step after step.
+
+    pyflyte run workflows/grpo.py grpo                                   # tiny-flow-grpo, local, CPU
+    pyflyte run workflows/grpo.py grpo --recipe tiny-grpo --overrides '["loop.total_steps=2"]'
+    pyflyte run --remote workflows/grpo.py grpo --recipe sd35m-pickscore  # a cluster with GPUs
+
+``grpo_chunk`` is a @dynamic that wires ``loop.steps_per_chunk`` steps and then calls itself for the next
+chunk, so no single DAG grows with ``loop.total_steps``. Only wiring lives here; each phase is one task.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from flytekit import dynamic, map_task, workflow
+
+from images import train_image
+from tasks.advantage import advantage_task
+from tasks.common import CPU_TASK
+from tasks.publish import publish_task
+from tasks.report import report_task
+from tasks.reward import reward_task
+from tasks.rollout import Joined, join_shards_task, rollout_task
+from tasks.run_types import ClusterConfig
+from tasks.setup import init_task, setup_task
+from tasks.train import TRAIN_TASKS
+from unirl_core.checkpoint import CheckpointRef
+from unirl_core.config import RunConfig
+
+
+@workflow
+def rollout_step(cfg: RunConfig, ckpt: CheckpointRef, step: int, num_shards: int, shards: list[int]) -> Joined:
+    """The rollout pod pool: one mapped task per prompt shard, then the shards joined in order.
+
+    A static sub-workflow (not wired inside the dynamic) so the map task is part of the registered package."""
+    batches = map_task(functools.partial(rollout_task, cfg=cfg, ckpt=ckpt, step=step, num_shards=num_shards))(
+        shard=shards)
+    joined = join_shards_task(shards=batches)
+    return joined.batch, joined.metrics
+
+
+@dynamic(container_image=train_image, **CPU_TASK)
+def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: CheckpointRef,
+               max_steps: int) -> CheckpointRef:
+    """Steps ``ckpt.step + 1 ..``, at most ``loop.steps_per_chunk`` of them; then the next chunk.
+
+    ``max_steps`` > 0 bounds the steps of this execution (scheduled runs); otherwise run to ``loop.total_steps``."""
+    first, total = ckpt.step + 1, cfg.loop.total_steps
+    budget = total - ckpt.step if max_steps <= 0 else min(max_steps, total - ckpt.step)
+    if budget <= 0:
+        return ckpt
+    last = first + min(cfg.loop.steps_per_chunk, budget) - 1
+    shards = cfg.loop.rollout_shards
+    train = TRAIN_TASKS[(cluster.train_nnodes, cluster.train_nproc_per_node)]
+    state, prev_report = ckpt, None
+    for step in range(first, last + 1):
+        joined = rollout_step(cfg=cfg, ckpt=state, step=step, num_shards=shards, shards=list(range(shards)))
+        scored = reward_task(cfg=cfg, batch=joined.batch)
+        adv = advantage_task(cfg=cfg, batch=scored.batch, ckpt=state)
+        trained = train(cfg=cfg, batch=adv.batch, ckpt=state, step=step)
+        published = publish_task(cfg=cfg, ckpt=trained.ckpt)
+        report = report_task(cfg=cfg, session=session, step=step, batch=adv.batch, rollout=joined.metrics,
+                             reward=scored.metrics, advantage=adv.metrics, train=trained.metrics,
+                             published=published.info)
+        if prev_report is not None:
+            prev_report >> report  # one writer of index.html at a time
+        state, prev_report = published.ckpt, report
+    done = last - first + 1
+    if budget > done:
+        return grpo_chunk(cfg=cfg, cluster=cluster, session=session, ckpt=state, max_steps=budget - done)
+    return state
+
+
+@workflow
+def grpo(recipe: str = "tiny-flow-grpo", overrides: list[str] = [],  # noqa: B006 (flytekit copies defaults)
+         resume: str = "latest", max_steps: int = 0) -> CheckpointRef:
+    """Train ``recipe`` (a shipped recipe name or a YAML path) with ``a.b=value`` overrides.
+
+    ``resume``: ``latest`` continues the run's newest published version (a new run starts from a fresh
+    step-0 version), ``never`` requires an empty run, or the URI of one version folder of the run.
+    ``max_steps``: stop this execution after that many steps (0: run to ``loop.total_steps``)."""
+    setup = setup_task(recipe=recipe, overrides=overrides)
+    start = init_task(cfg=setup.cfg, resume=resume)
+    return grpo_chunk(cfg=setup.cfg, cluster=setup.cluster, session=setup.session, ckpt=start, max_steps=max_steps)

@@ -29,11 +29,13 @@ from torch import Tensor
 
 from unirl_core.errors import ConfigError, EngineError, field_error
 from unirl_core.models.lm import LMBundle, build_layout, replay_log_probs
+from unirl_core.rollout.ar_decoder import SUPPORTED_MODEL_TYPES, LeanDecoder, lean_decoder_supported
 from unirl_core.types import ARSamplingParams, NoiseRecipe, Sample, SampleBatch, TokenSegment
 
 logger = logging.getLogger(__name__)
 
 LogpSource = Literal["rescore", "decode"]
+DecoderKind = Literal["auto", "lean", "transformers"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +55,9 @@ class AREngineConfig:
     """Decode steps between stop-string checks (each check decodes unfinished rows on the host)."""
     seed: int = 0
     """Seed of the engine generator used when a Part's ``sampling.seed`` is None."""
+    decoder: DecoderKind = "auto"
+    """``lean`` (static-cache decoder over the model's submodules, Llama-family only), ``transformers``
+    (the model's own forward with a DynamicCache), or ``auto`` (lean where supported)."""
     ignore_eos: bool = False
     """Keep sampling past EOS until ``max_new_tokens`` (throughput benchmarks); EOS then never ends a row."""
 
@@ -61,6 +66,9 @@ class AREngineConfig:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise field_error(ConfigError, f"engine.{name}", v, "an integer >= 1", "use e.g. 16")
+        if self.decoder not in ("auto", "lean", "transformers"):
+            raise field_error(ConfigError, "engine.decoder", self.decoder, "'auto', 'lean' or 'transformers'",
+                              "use 'auto'")
         if self.logp_source not in ("rescore", "decode"):
             raise field_error(ConfigError, "engine.logp_source", self.logp_source, "'rescore' or 'decode'",
                               "use 'rescore' for exact replay")
@@ -144,7 +152,11 @@ class TrainsideAREngine:
                 raise field_error(EngineError, f"batch[{i}].generated.kind", p.kind, "'ar'",
                                   "route diffusion Parts to a diffusion engine")
         sps = [p.sampling or ARSamplingParams() for p in parts]
-        prompts = [self.encode_prompt(p.prompt) for p in parts]
+        encoded: dict[str, Tensor] = {}  # siblings share a prompt: encode each text once
+        for p in parts:
+            if p.prompt not in encoded:
+                encoded[p.prompt] = self.encode_prompt(p.prompt)
+        prompts = [encoded[p.prompt] for p in parts]
         decoded: list[tuple[Tensor, Tensor, str] | None] = [None] * len(parts)
         module = self.bundle.module
         was_training = module.training
@@ -166,6 +178,16 @@ class TrainsideAREngine:
         finally:
             module.train(was_training)
         return self._fill(batch, segments)
+
+    def _use_lean(self, model) -> bool:
+        mode = self.config.decoder
+        if mode == "transformers":
+            return False
+        ok = lean_decoder_supported(model) and getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
+        if mode == "lean" and not ok:
+            raise field_error(ConfigError, "engine.decoder", mode, f"a model of type {SUPPORTED_MODEL_TYPES}",
+                              "use decoder='auto' or 'transformers'")
+        return ok
 
     def _generator_for(self, sp: ARSamplingParams, chunk_index: int) -> torch.Generator:
         if sp.seed is None:
@@ -205,17 +227,16 @@ class TrainsideAREngine:
         eos = torch.tensor([] if self.config.ignore_eos else self.bundle.eos_token_ids, dtype=torch.int64, device=dev)
         b, p, n = len(prompts), max(int(x.numel()) for x in prompts), sp.max_new_tokens
         ids = torch.full((b, p), pad, dtype=torch.int64)
-        mask = torch.zeros((b, p + n), dtype=torch.int64)
+        mask = torch.zeros((b, p), dtype=torch.int64)
         for i, x in enumerate(prompts):
             ids[i, p - x.numel():] = x
             mask[i, p - x.numel():] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        mask[:, p:] = 1
-        pos = (mask[:, :p].cumsum(1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask[:, :p], position_ids=pos, use_cache=True, logits_to_keep=1)
-        cache, logits = out.past_key_values, out.logits[:, -1]
-        next_pos = pos[:, -1:] + 1
-        step_mask = _decode_mask(mask, getattr(model.config, "_attn_implementation", None), logits.dtype)
+        if self._use_lean(model):
+            stepper = LeanDecoder(model, batch=b, max_len=p + n)
+            logits, step = stepper.prefill(ids, mask), stepper.step
+        else:
+            logits, step = _transformers_stepper(model, ids, mask, n)
         tokens = torch.full((b, n), pad, dtype=torch.int64, device=dev)
         logps = torch.zeros((b, n), dtype=torch.float32, device=dev)
         lengths = torch.full((b,), n, dtype=torch.int64, device=dev)
@@ -233,9 +254,7 @@ class TrainsideAREngine:
                 self._check_stops(tokens, steps, sp.stop, finished, lengths)
             if steps == n or bool(finished.all()):
                 break
-            out = model(input_ids=tok[:, None], attention_mask=step_mask(p + t + 1), position_ids=next_pos,
-                        past_key_values=cache, use_cache=True)
-            cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
+            logits = step(tok)
         lengths = lengths.clamp(max=steps).cpu()
         finished = finished.cpu()
         tokens, logps = tokens.cpu(), logps.cpu()
@@ -257,6 +276,25 @@ class TrainsideAREngine:
                        if any(s in tok.decode(host[i, :k].tolist(), skip_special_tokens=True) for s in stop))
             lengths[i] = cut
             finished[i] = True
+
+
+def _transformers_stepper(model, ids: Tensor, mask: Tensor, n: int):
+    """Prefill through the model's own forward; returns first logits ``[B, V]`` and a ``step(tokens)`` closure."""
+    b, p = ids.shape
+    full = torch.cat([mask, torch.ones((b, n), dtype=mask.dtype, device=mask.device)], dim=1)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    state = {"cache": out.past_key_values, "pos": pos[:, -1:] + 1, "len": p}
+    step_mask = _decode_mask(full, getattr(model.config, "_attn_implementation", None), out.logits.dtype)
+
+    def step(tok: Tensor) -> Tensor:
+        state["len"] += 1
+        o = model(input_ids=tok[:, None], attention_mask=step_mask(state["len"]), position_ids=state["pos"],
+                  past_key_values=state["cache"], use_cache=True)
+        state["cache"], state["pos"] = o.past_key_values, state["pos"] + 1
+        return o.logits[:, -1]
+
+    return out.logits[:, -1], step
 
 
 def _decode_mask(mask: Tensor, attn: str | None, dtype: torch.dtype):

@@ -1,0 +1,6 @@
+"""vLLM rollout engine: a vLLM server in its own process (own venv), token-in / token-out."""
+
+from unirl_core.rollout.vllm.config import VLLMEngineConfig, default_python
+from unirl_core.rollout.vllm.engine import VLLMEngine
+
+__all__ = ["VLLMEngine", "VLLMEngineConfig", "default_python"]

@@ -1,0 +1,263 @@
+"""vLLM rollout engine: token-in / token-out generation against a vLLM server in its own process.
+
+Why a server and not an in-process ``vllm.LLM``: vLLM pins its own torch / transformers / numba
+versions, so it lives in its own virtual environment (scripts/install_vllm.sh) and the trainer
+never imports it. The same engine then attaches to a server pool on other machines (``base_url``).
+
+Endpoints used (vLLM 0.32, all present when started with ``VLLM_SERVER_DEV_MODE=1`` and
+``--enable-scale-out``):
+
+- ``POST /inference/v1/generate``: prompt token ids in, sampled token ids + the sampled tokens'
+  log-probs out, plus ``weight_versions`` spans naming the weights that produced each token;
+- ``POST /pause`` / ``/resume``, ``/collective_rpc`` (``reload_weights`` from a folder),
+  ``/reset_prefix_cache``, ``/update_weight_version``, ``GET /weight_info``: full-weight publish;
+- ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``: LoRA publish;
+- ``POST /sleep`` / ``/wake_up``: colocated deployments (a no-op on the CPU backend).
+
+Log-probs: the server runs with ``--logprobs-mode processed_logprobs``, i.e. ``log_softmax`` of
+the logits after temperature (and after top-k/top-p, when set) -- the distribution the token was
+drawn from, which is what the trainer replays when top_p=1 and top_k=0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from torch import Tensor
+
+from unirl_core.errors import EngineError, field_error
+from unirl_core.rollout.dedicated import (
+    Completion,
+    ar_parts,
+    encode_prompt,
+    eos_token_ids,
+    fill_batch,
+    request_seed,
+    to_finish_reason,
+)
+from unirl_core.rollout.server import HTTPJSONClient, ManagedServer, reserve_port
+from unirl_core.rollout.vllm.config import VLLMEngineConfig, default_python
+from unirl_core.rollout.weights import stage_weights
+from unirl_core.types import ARSamplingParams, NoiseRecipe, SampleBatch
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "unirl_core.rollout.vllm.worker_ext.WeightSyncExtension"
+_REPO_ROOT = str(Path(__file__).resolve().parents[3])
+
+
+def server_argv(cfg: VLLMEngineConfig, python: str, port: int) -> list[str]:
+    """Command line of the OpenAI-compatible vLLM server the engine starts."""
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model,
+            "--served-model-name", cfg.served_model_name, "--host", cfg.host, "--port", str(port),
+            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
+            "--logprobs-mode", "processed_logprobs", "--seed", str(cfg.seed), "--enable-scale-out",
+            "--worker-extension-cls", WORKER_EXTENSION]
+    if cfg.enforce_eager:
+        argv.append("--enforce-eager")
+    if cfg.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if cfg.weight_sync == "lora":
+        argv += ["--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank), "--max-loras", "1"]
+    return argv + list(cfg.extra_args)
+
+
+def server_env(cfg: VLLMEngineConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    # The worker imports WORKER_EXTENSION from this checkout; vLLM's venv does not install us.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    env.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib)})
+    if cfg.weight_sync == "lora":
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    env.update(cfg.env)
+    return env
+
+
+def sampling_body(sp: ARSamplingParams, seed: int | None) -> dict:
+    """vLLM ``SamplingParams`` fields of one request; ``logprobs=0`` returns the sampled token's only."""
+    body = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "max_tokens": sp.max_new_tokens,
+            "logprobs": 0, "detokenize": bool(sp.stop)}
+    if sp.stop:
+        body["stop"] = list(sp.stop)
+    if seed is not None:
+        body["seed"] = seed
+    return body
+
+
+def parse_completion(resp: object, where: str) -> Completion:
+    """One ``/inference/v1/generate`` response (output_mode=tokens) -> ``Completion``."""
+    try:
+        choice = resp["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logps = [float(c["logprob"]) for c in content]
+        spans = choice.get("weight_versions") or []
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise field_error(EngineError, where, str(resp)[:300], "a generate response with token_ids and logprobs",
+                          f"check the server version and flags ({e!r})") from None
+    if [int(c.get("token_id", t)) for c, t in zip(content, ids)] != ids:
+        raise field_error(EngineError, f"{where}.logprobs", "token ids differ", "log-probs of the sampled tokens",
+                          "request logprobs=0")
+    versions = {str(s["version"]) for s in spans}
+    if len(versions) != 1:
+        raise field_error(EngineError, f"{where}.weight_versions", sorted(versions), "exactly one weight version",
+                          "a completion mixing weights cannot be trained on; publish only between generate() calls")
+    label = versions.pop()
+    if not label.lstrip("-").isdigit():
+        raise field_error(EngineError, f"{where}.weight_versions", label, "an integer policy version",
+                          "let the engine label the server (update_weight_version) before generating")
+    return Completion(response_ids=ids, log_probs=logps, policy_version=int(label),
+                      finish_reason=to_finish_reason(choice.get("finish_reason"), f"{where}.finish_reason"))
+
+
+class VLLMEngine:
+    """``RolloutEngine`` over a vLLM server; fills AR Parts and stamps the version the server reports."""
+
+    def __init__(self, config: VLLMEngineConfig, *, policy_version: int = 0, tokenizer=None) -> None:
+        from unirl_core.models.tokenizer import load_tokenizer
+
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer or config.model)
+        self.eos_ids = eos_token_ids(self.tokenizer, config.model if os.path.isdir(config.model) else None)
+        self._lock = threading.Lock()  # generate and publish never overlap on one engine
+        self._lora_name: str | None = None
+        self._staging = Path(config.staging_dir or tempfile.mkdtemp(prefix="unirl-vllm-weights-"))
+        self.server: ManagedServer | None = None
+        self.last_sync_s: float | None = None
+        """Wall seconds of the last ``update_weights`` (publish -> served)."""
+        if config.base_url is not None:
+            self.client = HTTPJSONClient(config.base_url, timeout_s=config.request_timeout_s)
+            if not self.client.is_healthy("/health"):
+                raise field_error(EngineError, "vllm.base_url", config.base_url, "a healthy vLLM server",
+                                  "start it first (see the rollout README) or leave base_url None")
+        else:
+            port = config.port or reserve_port(config.host)
+            self.client = HTTPJSONClient(f"http://{config.host}:{port}", timeout_s=config.request_timeout_s)
+            python = config.python or default_python()
+            self.server = ManagedServer(server_argv(config, python, port), env=server_env(config), name="vllm",
+                                        log_dir=config.log_dir)
+            self.server.start(self.client, health_path="/health", timeout_s=config.startup_timeout_s)
+        self.policy_version = int(policy_version)
+        try:
+            self._label(self.policy_version)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ RolloutEngine
+    def generate(self, batch: SampleBatch, *, noise: NoiseRecipe | None = None) -> SampleBatch:
+        """Sample every AR Part; ``noise`` is unused (AR randomness comes from per-request seeds)."""
+        parts = ar_parts(batch)
+        cache: dict[str, Tensor] = {}
+        prompts = []
+        for p in parts:  # siblings share a prompt: encode it once
+            if p.prompt not in cache:
+                cache[p.prompt] = encode_prompt(self.tokenizer, p.prompt, self.config.prompt)
+            prompts.append(cache[p.prompt])
+        tag = uuid.uuid4().hex[:8]
+        bodies = []
+        for i, (p, ids) in enumerate(zip(parts, prompts)):
+            sp = p.sampling or ARSamplingParams()
+            if ids.numel() + sp.max_new_tokens > self.config.max_model_len:
+                raise field_error(EngineError, f"batch[{i}] prompt + max_new_tokens", ids.numel() + sp.max_new_tokens,
+                                  f"<= max_model_len={self.config.max_model_len}",
+                                  "shorten the prompt, lower max_new_tokens or raise vllm.max_model_len")
+            bodies.append({"token_ids": ids.tolist(), "model": self._lora_name or self.config.served_model_name,
+                           "output_mode": "tokens", "request_id": f"{p.sample_id}@v{self.policy_version}-{tag}",
+                           "sampling_params": sampling_body(sp, request_seed(sp, p.sample_id))})
+        with self._lock:
+            done = self._post_all(bodies)
+        stale = [(i, c.policy_version) for i, c in enumerate(done) if c.policy_version != self.policy_version]
+        if stale:
+            raise field_error(EngineError, "served policy_version", stale[:5], f"{self.policy_version} everywhere",
+                              "another client updated this server; give each engine its own server or publisher")
+        return fill_batch(batch, prompts, done, self.tokenizer, self.eos_ids)
+
+    def _post_all(self, bodies: Sequence[dict]) -> list[Completion]:
+        def one(i: int) -> Completion:
+            return parse_completion(self.client.post("/inference/v1/generate", bodies[i]), f"vllm.generate[{i}]")
+
+        workers = max(1, min(self.config.max_concurrency, len(bodies)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vllm-req") as pool:
+            return list(pool.map(one, range(len(bodies))))
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, path_or_ref: object, policy_version: int) -> float:
+        """Serve the published weights as ``policy_version``; returns the wall seconds it took.
+
+        ``path_or_ref``: a ``save_pretrained`` folder / peft adapter folder, or a ``CheckpointRef``
+        (its weights are checksum-verified and unpacked into the staging folder).
+        """
+        t0 = time.perf_counter()
+        version = int(policy_version)
+        folder = stage_weights(path_or_ref, want="lora" if self.config.weight_sync == "lora" else "full",
+                               staging=self._staging, policy_version=version, lora_alpha=self.config.lora_alpha,
+                               base_model=self.config.model)
+        with self._lock:
+            if self.config.weight_sync == "lora":
+                self._swap_adapter(folder, version)
+            else:
+                self._reload(folder, version)
+            self.policy_version = version
+        self.last_sync_s = time.perf_counter() - t0
+        logger.info("vllm serves policy v%d from %s (%.2f s)", version, folder, self.last_sync_s)
+        return self.last_sync_s
+
+    def _reload(self, folder: Path, version: int) -> None:
+        # Drain in-flight requests, swap weights in place, drop KV blocks computed with the old
+        # weights (a prefix-cache hit would otherwise mix versions), label, then resume.
+        self.client.post("/pause?mode=wait")
+        try:
+            self.client.post("/collective_rpc", {"method": "unirl_reload_weights",
+                                                 "kwargs": {"weights_path": str(folder)}})
+            self.client.post("/reset_prefix_cache")
+            self._label(version)
+        finally:
+            self.client.post("/resume")
+
+    def _swap_adapter(self, folder: Path, version: int) -> None:
+        name = f"policy-v{version}"
+        self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        old, self._lora_name = self._lora_name, name
+        self._label(version)
+        if old is not None and old != name:
+            self.client.post("/v1/unload_lora_adapter", {"lora_name": old})
+
+    def _label(self, version: int) -> None:
+        self.client.post("/update_weight_version", {"new_version": str(version)})
+
+    def served_version(self) -> int:
+        """The weight version label the server reports now (``GET /weight_info``)."""
+        info = self.client.get("/weight_info")
+        return int(info["weight_version"])
+
+    # ------------------------------------------------------------------ colocate
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory for training (level 1 keeps weights in host memory, 2 drops them)."""
+        if level not in (1, 2):
+            raise field_error(EngineError, "sleep.level", level, "1 or 2", "use 1 unless weights are reloaded after")
+        self.client.post(f"/sleep?level={level}")
+
+    def wake_up(self) -> None:
+        self.client.post("/wake_up")
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Stop the server this engine started (an attached server is left running)."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

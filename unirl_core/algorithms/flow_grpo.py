@@ -180,9 +180,10 @@ class FlowGRPO:
         lps, kls = [], []
         for lo in range(0, len(parts), size):
             chunk = range(lo, min(lo + size, len(parts)))
-            conds = stack_conditions([parts[i].conditions for i in chunk], device)
+            conds = policy.prepare_cfg(stack_conditions([parts[i].conditions for i in chunk], device),
+                                       guidance_scale=sampling.guidance_scale)
             lat = torch.stack([segs[i].latents for i in chunk]).to(device)
-            smask = torch.stack([segs[i].sde_mask for i in chunk]).to(device)
+            smask = torch.stack([segs[i].sde_mask for i in chunk])  # stays on CPU (see transition)
 
             def vel(x: Tensor, sigma: Tensor, conds=conds) -> Tensor:
                 return policy.guided_velocity(x, sigma, conds, guidance_scale=sampling.guidance_scale)
@@ -197,7 +198,7 @@ class FlowGRPO:
                     with torch.no_grad(), policy.reference():
                         ref = denoise_step(vel, lat[:, k].float(), k, sig, **kw)
                     safe = torch.where(out.std > 0, out.std, torch.ones_like(out.std)).expand(len(chunk), 1, 1, 1)
-                    kl_cols.append(torch.where(smask[:, k], gaussian_kl_same_std(out.mean, ref.mean, safe),
+                    kl_cols.append(torch.where(smask[:, k].to(device), gaussian_kl_same_std(out.mean, ref.mean, safe),
                                                torch.zeros((), device=device)))
                 else:
                     kl_cols.append(torch.zeros(len(chunk), device=device))

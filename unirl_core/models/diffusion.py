@@ -43,6 +43,7 @@ LORA_TARGETS: dict[str, tuple[str, ...]] = {
 _PIPELINE_FAMILY = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")
 NEG_PREFIX = "negative_"
+CFG_PREFIX = "cfg_"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +116,9 @@ class DiffusionBundle:
         self._use_reference = False
         self.max_sequence_length = config.max_sequence_length or (
             32 if config.source in TINY_PRESETS else (256 if family == "sd3" else 512))
-        self.vae_scale_factor = 2 ** (len(pipeline.vae.config.block_out_channels) - 1)
+        vae = getattr(pipeline, "vae", None)
+        self.vae_scale_factor = (2 ** (len(vae.config.block_out_channels) - 1) if vae is not None
+                                 else pipeline.vae_scale_factor)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -129,22 +132,36 @@ class DiffusionBundle:
             comp = getattr(pipe, name, None)
             if comp is not None:
                 comp.requires_grad_(False).eval()
-        bundle = cls(pipe, family=family, config=config)
-        transformer = pipe.transformer
+        return cls(pipe, family=family, config=config)._make_trainable()
+
+    @classmethod
+    def from_transformer(cls, transformer: nn.Module, *, family: DiffusionFamily, config: DiffusionModelConfig,
+                         vae_scale_factor: int = 8) -> DiffusionBundle:
+        """A transformer-only bundle: rollout loops and replay on stored conditions, no text encoders or VAE.
+
+        Train workers need nothing else (conditions travel on the Part); benchmarks use it for
+        full-size transformers. ``encode_text`` and ``decode`` raise on such a bundle.
+        """
+        transformer = transformer.to(device=config.device, dtype=DTYPES[config.dtype])
+        holder = _TransformerOnly(transformer=transformer, vae_scale_factor=vae_scale_factor)
+        return cls(holder, family=family, config=config)._make_trainable()
+
+    def _make_trainable(self) -> DiffusionBundle:
+        config, transformer = self.config, self._module
         if config.finetune == "lora":
             spec = config.lora
             apply_lora(transformer, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout,
-                       target_modules=spec.target_modules or LORA_TARGETS[family])
+                       target_modules=spec.target_modules or LORA_TARGETS[self.family])
         else:
             transformer.requires_grad_(True)
             if config.reference_copy:
-                bundle._reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+                self._reference = copy.deepcopy(transformer).requires_grad_(False).eval()
         if config.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
-        logger.info("diffusion bundle %s (%s, %s, %s): %.2fM trainable params", config.source, family,
+        logger.info("diffusion bundle %s (%s, %s, %s): %.2fM trainable params", config.source, self.family,
                     config.dtype, config.finetune,
                     sum(p.numel() for p in transformer.parameters() if p.requires_grad) / 1e6)
-        return bundle
+        return self
 
     # -- Policy -------------------------------------------------------------------------------
     @property
@@ -194,6 +211,7 @@ class DiffusionBundle:
     @torch.no_grad()
     def encode_text(self, prompts: Sequence[str]) -> list[dict[str, Tensor]]:
         """Per-prompt conditions ``{"prompt_embeds": [L, D], "pooled_prompt_embeds": [P]}`` (model dtype)."""
+        self._require("encode_prompt", "text encoders")
         texts = list(prompts)
         if self.family == "sd3":
             embeds, _, pooled, _ = self.pipeline.encode_prompt(
@@ -204,6 +222,11 @@ class DiffusionBundle:
                 prompt=texts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length)
         embeds, pooled = embeds.to(self.dtype), pooled.to(self.dtype)
         return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i]} for i in range(len(texts))]
+
+    def _require(self, attr: str, what: str) -> None:
+        if getattr(self.pipeline, attr, None) is None:
+            raise field_error(ConfigError, "bundle", "transformer-only", f"a bundle with {what}",
+                              "build it with DiffusionBundle.build(...) to encode prompts or decode images")
 
     # -- transformer --------------------------------------------------------------------------
     def _transformer(self) -> nn.Module:
@@ -218,8 +241,9 @@ class DiffusionBundle:
             timestep = (sigma * 1000).expand(b)  # diffusers' timesteps are sigmas * num_train_timesteps
             return model(hidden_states=latents, encoder_hidden_states=conds["prompt_embeds"],
                          pooled_projections=conds["pooled_prompt_embeds"], timestep=timestep, return_dict=False)[0]
+        from diffusers import FluxPipeline as pipe  # packing helpers are static methods
+
         c, h, w = latents.shape[1:]
-        pipe = self.pipeline
         packed = pipe._pack_latents(latents, b, c, h, w)
         img_ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, latents.dtype)
         txt_ids = torch.zeros(conds["prompt_embeds"].shape[1], 3, device=latents.device, dtype=latents.dtype)
@@ -231,6 +255,14 @@ class DiffusionBundle:
                     pooled_projections=conds["pooled_prompt_embeds"], encoder_hidden_states=conds["prompt_embeds"],
                     txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         return pipe._unpack_latents(out, h * self.vae_scale_factor, w * self.vae_scale_factor, self.vae_scale_factor)
+
+    def prepare_cfg(self, conds: dict[str, Tensor], *, guidance_scale: float) -> dict[str, Tensor]:
+        """Add the ``[uncond; cond]`` concatenations once per slice instead of once per step (same values)."""
+        if self.family != "sd3" or not self.guidance_uses_negative(guidance_scale):
+            return conds
+        out = dict(conds)
+        out.update({CFG_PREFIX + k: torch.cat([conds[NEG_PREFIX + k], conds[k]]) for k in COND_KEYS})
+        return out
 
     def guided_velocity(self, latents: Tensor, sigma: Tensor, conds: dict[str, Tensor], *,
                         guidance_scale: float) -> Tensor:
@@ -244,7 +276,8 @@ class DiffusionBundle:
             return self.velocity(x, sigma, conds, guidance_scale=guidance_scale).float()
         neg = {k: conds[NEG_PREFIX + k] for k in COND_KEYS}
         if self.family == "sd3":
-            both = {k: torch.cat([neg[k], conds[k]]) for k in COND_KEYS}
+            both = {k: conds[CFG_PREFIX + k] if CFG_PREFIX + k in conds else torch.cat([neg[k], conds[k]])
+                    for k in COND_KEYS}
             v_u, v_c = self.velocity(torch.cat([x, x]), sigma, both).float().chunk(2)
         else:
             v_c = self.velocity(x, sigma, conds).float()
@@ -255,6 +288,7 @@ class DiffusionBundle:
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         """Latents ``[B, C, h, w]`` -> uint8 images ``[B, H, W, 3]`` on CPU."""
+        self._require("vae", "a VAE")
         vae = self.pipeline.vae
         z = latents.to(device=self.device, dtype=vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         img = vae.decode(z, return_dict=False)[0]
@@ -271,6 +305,16 @@ class DiffusionBundle:
             Image.fromarray(arr).save(buf, format="PNG")
             out.append(buf.getvalue())
         return out
+
+
+@dataclass
+class _TransformerOnly:
+    """Stands in for a pipeline when only the transformer exists."""
+
+    transformer: nn.Module
+    vae_scale_factor: int = 8
+    vae: None = None
+    encode_prompt: None = None
 
 
 def stack_conditions(conds: list[dict[str, Tensor]], device: torch.device) -> dict[str, Tensor]:

@@ -21,7 +21,7 @@ from unirl_core.errors import ConfigError, EngineError, field_error
 from unirl_core.models.diffusion import COND_KEYS, DTYPES, NEG_PREFIX, DiffusionBundle, stack_conditions
 from unirl_core.sde.noise import initial_noise, sde_noise_generators, sibling_indices, stable_seed
 from unirl_core.sde.schedules import sigmas_tensor
-from unirl_core.sde.trajectory import sample_trajectory
+from unirl_core.sde.trajectory import Trajectory, sample_trajectory
 from unirl_core.sde.window import sde_step_mask
 from unirl_core.types import DiffusionSamplingParams, DiffusionSegment, NoiseRecipe, Part, Sample, SampleBatch
 
@@ -59,6 +59,36 @@ def sde_masks(batch: SampleBatch, sampling: DiffusionSamplingParams, recipe: Noi
             cache[s.group_id] = sde_step_mask(sampling, generator=gen)
         rows.append(cache[s.group_id])
     return torch.stack(rows)
+
+
+def denoise_slice(bundle: DiffusionBundle, sampling: DiffusionSamplingParams, x_T: Tensor, conds: dict[str, Tensor],
+                  sde_mask: Tensor, generators: list[torch.Generator], *, trajectory_dtype: torch.dtype) -> Trajectory:
+    """The engine's inner loop for one forward slice (also what the rollout benchmark times).
+
+    ``x_T`` ``[B, C, h, w]``, batched ``conds`` on the bundle's device, ``sde_mask`` ``[B, T]``,
+    one SDE-noise generator per sample (on the bundle's device).
+    """
+    device = bundle.device
+    sig = sigmas_tensor(sampling.sigmas, device)
+    prepared = bundle.prepare_cfg(conds, guidance_scale=sampling.guidance_scale)
+    # All steps' SDE noise up front: one draw per sample instead of one per sample and step.
+    noise = torch.stack([torch.randn((sampling.num_steps, *x_T.shape[1:]), generator=g, device=device,
+                                     dtype=torch.float32) for g in generators], dim=1)
+
+    def velocity_fn(x: Tensor, sigma: Tensor) -> Tensor:
+        return bundle.guided_velocity(x, sigma, prepared, guidance_scale=sampling.guidance_scale)
+
+    def noise_fn(k: int) -> Tensor:
+        return noise[k]
+
+    was_training = bundle.module.training
+    bundle.module.eval()
+    try:
+        return sample_trajectory(velocity_fn, x_T.to(device), sig, sde_type=sampling.sde_type,
+                                 noise_level=sampling.noise_level, sde_mask=sde_mask.cpu(),
+                                 trajectory_dtype=trajectory_dtype, noise_fn=noise_fn)
+    finally:
+        bundle.module.train(was_training)
 
 
 class TrainsideDiffusionEngine:
@@ -136,26 +166,9 @@ class TrainsideDiffusionEngine:
                    masks: Tensor, conds: list[dict[str, Tensor]], recipe: NoiseRecipe, group_ids: list[str],
                    sib: list[int]) -> list[Sample]:
         bundle = self.bundle
-        device = bundle.device
-        sig = sigmas_tensor(sampling.sigmas, device)
-        batched = stack_conditions(conds, device)
-        gens = sde_noise_generators(recipe, group_ids, sib, device)
-        shape = tuple(x_T.shape[1:])
-
-        def velocity_fn(x: Tensor, sigma: Tensor) -> Tensor:
-            return bundle.guided_velocity(x, sigma, batched, guidance_scale=sampling.guidance_scale)
-
-        def noise_fn(k: int) -> Tensor:
-            return torch.stack([torch.randn(shape, generator=g, device=device, dtype=torch.float32) for g in gens])
-
-        was_training = bundle.module.training
-        bundle.module.eval()
-        try:
-            traj = sample_trajectory(velocity_fn, x_T.to(device), sig, sde_type=sampling.sde_type,
-                                     noise_level=sampling.noise_level, sde_mask=masks.to(device),
-                                     trajectory_dtype=self.trajectory_dtype, noise_fn=noise_fn)
-        finally:
-            bundle.module.train(was_training)
+        gens = sde_noise_generators(recipe, group_ids, sib, bundle.device)
+        traj = denoise_slice(bundle, sampling, x_T, stack_conditions(conds, bundle.device), masks, gens,
+                             trajectory_dtype=self.trajectory_dtype)
         media = bundle.decode_png(traj.latents[:, -1]) if self.config.decode_media else [None] * len(idx)
         used = traj.sigmas_used.cpu()
         filled = []

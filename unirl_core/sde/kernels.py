@@ -126,22 +126,31 @@ def transition(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: T
     if (noise is None) == (prev_sample is None):
         raise field_error(InvariantError, "transition(noise, prev_sample)", (noise is None, prev_sample is None),
                           "exactly one of noise (rollout) or prev_sample (replay)", "pass one of them")
+    # Decided on the mask's own device: callers keep masks on CPU so a GPU rollout does not sync here.
+    any_sde = sde_type != "ode" and bool(sde_mask.any())
+    all_sde = any_sde and bool(sde_mask.all())
     mask = sde_mask.to(device=sample.device, dtype=torch.bool).view(-1, *([1] * (sample.ndim - 1)))
-    euler = ode_mean(model_output, sample, sigma, sigma_next)
-    if sde_type == "ode" or not bool(mask.any()):
-        mean, std = euler, torch.zeros_like(euler[:, :1, :1, :1])
+    if not any_sde:
+        mean = ode_mean(model_output, sample, sigma, sigma_next)
+        std = torch.zeros((mean.shape[0], 1, 1, 1), device=mean.device)
     else:
-        sde_mean, sde_std = kernel_mean_std(sde_type, model_output, sample, sigma, sigma_next,
-                                            noise_level=noise_level, sigma_cap=sigma_cap)
-        mean = torch.where(mask, sde_mean, euler)
-        std = torch.where(mask, torch.as_tensor(sde_std, dtype=torch.float32, device=mean.device)
-                          .expand(mask.shape), torch.zeros((), device=mean.device))
+        # Where a sample is masked out, torch.where picks the Euler values; the selected values are
+        # bitwise the same as on the all-SDE path, so slicing never changes a sample's numbers.
+        mean, sde_std = kernel_mean_std(sde_type, model_output, sample, sigma, sigma_next,
+                                        noise_level=noise_level, sigma_cap=sigma_cap)
+        std = torch.as_tensor(sde_std, dtype=torch.float32, device=mean.device).expand(mask.shape)
+        if not all_sde:
+            mean = torch.where(mask, mean, ode_mean(model_output, sample, sigma, sigma_next))
+            std = torch.where(mask, std, torch.zeros((), device=mean.device))
     if prev_sample is None:
-        prev = mean + std * noise.float()
-        prev = prev.to(trajectory_dtype).float()
+        prev = (mean + std * noise.float()).to(trajectory_dtype).float()
     else:
         prev = prev_sample.float()
-    flat_mask = mask.view(-1)
-    safe_std = torch.where(std > 0, std, torch.ones_like(std))
-    log_prob = torch.where(flat_mask, gaussian_log_prob(prev, mean, safe_std), torch.zeros((), device=mean.device))
+    if all_sde:
+        log_prob = gaussian_log_prob(prev, mean, std)
+    elif not any_sde:
+        log_prob = torch.zeros(mean.shape[0], device=mean.device)
+    else:
+        safe_std = torch.where(std > 0, std, torch.ones_like(std))
+        log_prob = torch.where(mask.view(-1), gaussian_log_prob(prev, mean, safe_std), torch.zeros((), device=mean.device))
     return StepOutput(prev_sample=prev, mean=mean, std=std, log_prob=log_prob)

@@ -1,0 +1,174 @@
+"""Trainside diffusion rollout vs a plain diffusers denoising loop, same transformer, batch and steps.
+
+Ours: ``unirl_core.rollout.diffusion.denoise_slice`` - exactly what ``TrainsideDiffusionEngine`` runs per
+forward slice: CFG forward, Flow-GRPO SDE kernel in fp32 on every step, per-sample recipe noise,
+trajectory + log-prob + sigma recording. Baseline: the inner loop of ``StableDiffusion3Pipeline``
+(``FlowMatchEulerDiscreteScheduler.step`` after the same CFG forward). Neither side encodes prompts or
+decodes images (the transformer is the cost being compared). Result: throughput ratio ours / plain.
+
+Presets:
+  tiny   CPU, the tiny SD3 preset (2-layer MMDiT), 64 px, 10 steps, batch 8, fp32.
+  sd35m  SD3.5-Medium-shaped transformer (24 layers, dual attention 0-12, random init), bf16,
+         512 px, 10 steps, batches 8 and 32, random prompt embeddings of the real shapes.
+
+  OMP_NUM_THREADS=1 python benchmarks/bench_diffusion_rollout.py --preset tiny
+  python benchmarks/bench_diffusion_rollout.py --preset sd35m --device cuda
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import report  # noqa: E402
+
+from unirl_core.models.diffusion import DiffusionBundle, DiffusionModelConfig  # noqa: E402
+from unirl_core.rollout.diffusion import denoise_slice  # noqa: E402
+from unirl_core.sde import flow_sigmas, initial_noise, sde_noise_generators  # noqa: E402
+from unirl_core.types import DiffusionSamplingParams, NoiseRecipe  # noqa: E402
+
+SD35M = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+             num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+             pooled_projection_dim=2048, pos_embed_max_size=384, dual_attention_layers=tuple(range(13)),
+             qk_norm="rms_norm")
+PRESETS = {
+    "tiny": dict(height=64, steps=10, sizes=(8,), dtype="float32", repeats=15),
+    "sd35m": dict(height=512, steps=10, sizes=(8, 32), dtype="bfloat16", repeats=3),
+}
+
+
+def build(preset: str, device: str, dtype: str, layers: int | None = None) -> DiffusionBundle:
+    cfg = DiffusionModelConfig(source="tiny-sd3" if preset == "tiny" else "sd35m-shaped", dtype=dtype, device=device,
+                               finetune="full", reference_copy=False)
+    if preset == "tiny":
+        return DiffusionBundle.build(cfg)
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    shape = dict(SD35M)
+    if layers is not None:  # CPU smoke tests of the full-width model
+        shape.update(num_layers=layers, dual_attention_layers=tuple(range(min(13, layers))))
+    return DiffusionBundle.from_transformer(SD3Transformer2DModel(**shape), family="sd3", config=cfg)
+
+
+def conditions(bundle: DiffusionBundle, preset: str, batch: int) -> dict[str, torch.Tensor]:
+    """Batched CFG conditions: real prompt encodings (tiny) or random ones of SD3.5's shapes (77 + 256 tokens)."""
+    if preset == "tiny":
+        pos = bundle.encode_text([f"a photo of object {i}" for i in range(batch)])
+        neg = bundle.encode_text([""])[0]
+        conds = {k: torch.stack([c[k] for c in pos]) for k in pos[0]}
+        conds.update({"negative_" + k: v.expand(batch, *v.shape).contiguous() for k, v in neg.items()})
+    else:
+        g = torch.Generator().manual_seed(0)
+        conds = {}
+        for prefix in ("", "negative_"):
+            conds[prefix + "prompt_embeds"] = torch.randn(batch, 333, 4096, generator=g)
+            conds[prefix + "pooled_prompt_embeds"] = torch.randn(batch, 2048, generator=g)
+    return {k: v.to(bundle.device, bundle.dtype) for k, v in conds.items()}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def plain_loop(bundle: DiffusionBundle, conds, x_T: torch.Tensor, steps: int, guidance: float) -> torch.Tensor:
+    """StableDiffusion3Pipeline's denoising loop, minus prompt encoding and decoding."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    transformer = bundle.module
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    sched.set_timesteps(steps, device=bundle.device)
+    prompt = torch.cat([conds["negative_prompt_embeds"], conds["prompt_embeds"]])
+    pooled = torch.cat([conds["negative_pooled_prompt_embeds"], conds["pooled_prompt_embeds"]])
+    latents = x_T.to(bundle.device, bundle.dtype)
+    for t in sched.timesteps:
+        model_in = torch.cat([latents] * 2)
+        v = transformer(hidden_states=model_in, timestep=t.expand(model_in.shape[0]), encoder_hidden_states=prompt,
+                        pooled_projections=pooled, return_dict=False)[0]
+        v_u, v_c = v.chunk(2)
+        latents = sched.step(v_u + guidance * (v_c - v_u), t, latents, return_dict=False)[0]
+    return latents
+
+
+def ours(bundle: DiffusionBundle, conds, x_T: torch.Tensor, sampling: DiffusionSamplingParams, recipe: NoiseRecipe):
+    b = x_T.shape[0]
+    gens = sde_noise_generators(recipe, ["g"] * b, list(range(b)), bundle.device)
+    mask = torch.ones(b, sampling.num_steps, dtype=torch.bool)
+    return denoise_slice(bundle, sampling, x_T, conds, mask, gens, trajectory_dtype=bundle.dtype)
+
+
+def timed_pair(plain, mine, device: str, repeats: int) -> tuple[float, float]:
+    """Median seconds of each, with the two runs interleaved so load drift hits both alike."""
+    plain(), mine()  # warmup (kernels, allocator)
+    sync(device)
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, out in ((plain, a), (mine, b)):
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            out.append(time.perf_counter() - t0)
+    return statistics.median(a), statistics.median(b)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sizes", default=None, help="comma-separated batch sizes (default: the preset's)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--guidance", type=float, default=4.5)
+    ap.add_argument("--layers", type=int, default=None, help="sd35m only: fewer layers (CPU smoke test)")
+    ap.add_argument("--height", type=int, default=None, help="image size in pixels (default: the preset's)")
+    args = ap.parse_args()
+    p = dict(PRESETS[args.preset])
+    if args.height:
+        p["height"] = args.height
+    steps, repeats = args.steps or p["steps"], args.repeats or p["repeats"]
+    sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else p["sizes"]
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    bundle = build(args.preset, args.device, p["dtype"], args.layers)
+    sampling = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=steps, shift=3.0), guidance_scale=args.guidance,
+                                       height=p["height"], width=p["height"])
+    recipe = NoiseRecipe(base_seed=0)
+    rows, data = [], []
+    for b in sizes:
+        conds = conditions(bundle, args.preset, b)
+        x_T = initial_noise(recipe, ["g"] * b, bundle.latent_shape(p["height"], p["height"]))
+        t_plain, t_ours = timed_pair(lambda: plain_loop(bundle, conds, x_T, steps, args.guidance),
+                                     lambda: ours(bundle, conds, x_T, sampling, recipe), args.device, repeats)
+        ips_plain, ips_ours = b * steps / t_plain, b * steps / t_ours
+        ratio = ips_ours / ips_plain
+        rows.append([args.preset, b, steps, f"{ips_plain:.1f}", f"{ips_ours:.1f}", f"{ratio:.3f}"])
+        data.append({"preset": args.preset, "batch": b, "steps": steps, "height": p["height"], "dtype": p["dtype"],
+                     "device": args.device, "plain_image_steps_per_s": ips_plain, "ours_image_steps_per_s": ips_ours,
+                     "ratio": ratio, "plain_s": t_plain, "ours_s": t_ours})
+        del conds
+    name = f"bench_diffusion_rollout_{args.preset}_{args.device.split(':')[0]}"
+    if args.layers or args.height:
+        name += "_smoke"
+    report(name, f"Diffusion rollout: trainside (SDE + recording) vs plain diffusers loop ({args.preset}, {args.device})",
+           ["preset", "batch", "steps", "plain img-steps/s", "ours img-steps/s", "ours / plain"], rows, data,
+           notes=f"Median of {repeats} runs after a warmup; CFG scale {args.guidance} (2B rows per forward); "
+                 "ours records latents, fp32 Flow-GRPO log-probs and sigmas on every step. "
+                 "OMP_NUM_THREADS=1 on CPU. Target: ours / plain >= 0.97.")
+
+
+if __name__ == "__main__":
+    main()

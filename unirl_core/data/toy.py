@@ -71,3 +71,21 @@ class ToyArithmeticScorer:
                                   "use the toy_arithmetic prompt source with this scorer")
             out.append(toy_arithmetic_reward(it.text or "", it.targets["answer"]))
         return out
+
+
+class ToyArithmeticScorer:
+    """Reward-registry scorer (name ``toy_arithmetic``): ``toy_arithmetic_reward`` per ScoreItem.
+
+    Reads ``item.text`` (the completion) and ``item.targets['answer']``; a missing answer raises,
+    which the RewardService's failure policy turns into a per-item error.
+    """
+
+    def __call__(self, items) -> list[float]:
+        out = []
+        for i, item in enumerate(items):
+            answer = item.targets.get("answer")
+            if answer is None:
+                raise field_error(ConfigError, f"items[{i}].targets['answer']", None, "the expected sum",
+                                  "build prompts with toy_arithmetic_prompts() (they carry the answer)")
+            out.append(toy_arithmetic_reward(item.text or "", answer))
+        return out

@@ -81,3 +81,14 @@ def test_toy_task_prompts_and_reward():
     assert toy_arithmetic_reward("", "12") == 0.0 and toy_arithmetic_reward("ab", "1") == 0.0
     with pytest.raises(ConfigError):
         ToyArithmeticConfig(template="{a} plus")
+
+
+def test_toy_scorer_through_the_reward_registry():
+    from unirl_core.reward.scorers.base import ScoreItem, build_scorer
+
+    scorer = build_scorer("toy_arithmetic")
+    items = [ScoreItem(text="7", targets={"answer": "7"}), ScoreItem(text="x", targets={"answer": "7"}),
+             ScoreItem(text=None, targets={"answer": "7"})]
+    assert list(scorer(items)) == [1.0, 0.0, 0.0]
+    with pytest.raises(ConfigError, match="answer"):
+        scorer([ScoreItem(text="7")])

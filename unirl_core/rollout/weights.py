@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -97,11 +98,22 @@ def stage_weights(source: object, *, want: WeightKind, staging: Path, policy_ver
             return write_peft_adapter(weights, out, alpha=lora_alpha, base_model=base_model)
         out.mkdir(parents=True, exist_ok=True)
         safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+        _copy_configs(base_model, out)
         logger.info("staged %d tensors of %s in %s", len(weights), source.uri, out)
         return out
     path = Path(os.fspath(source)).resolve()
     _check_kind(directory_kind(path), want, str(path))
     return path
+
+
+def _copy_configs(base_model: str, out: Path) -> None:
+    # Some loaders (SGLang's update_weights_from_disk) open the folder like a model folder.
+    base = Path(base_model) if base_model else None
+    if base is None or not base.is_dir():
+        return
+    for name in ("config.json", "generation_config.json"):
+        if (base / name).exists():
+            shutil.copyfile(base / name, out / name)
 
 
 def _check_kind(got: WeightKind, want: WeightKind, where: str) -> None:

@@ -57,9 +57,10 @@ def progress_logger() -> logging.Logger:
     """``unirl.progress``: one line per step at INFO, shown even when the root logger has no handler
     (``pyflyte run`` only configures flytekit's own logger)."""
     log = logging.getLogger("unirl.progress")
-    if not log.handlers:
+    if not any(getattr(h, "unirl_progress", False) for h in log.handlers):
         h = logging.StreamHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        h.unirl_progress = True
         log.addHandler(h)
         log.setLevel(logging.INFO)
         log.propagate = False

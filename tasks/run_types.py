@@ -8,7 +8,7 @@ configs give equal literals, so cache keys are stable.
 
 CheckpointRef is a plain frozen dataclass of str/int fields: flytekit's dataclass support handles it. Its
 cache key should follow the checkpoint's content, not its URI (a wiped and re-trained run reuses the URI),
-so tasks return ``HashedCheckpointRef``, which hashes the version's manifest (sha256 of every file).
+so tasks return ``HashedCheckpointRef``, which hashes the sha256 of every file the manifest lists.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from flytekit.models.literals import Literal, Primitive, Scalar
 from flytekit.models.types import LiteralType, SimpleType
 
 from unirl_core.checkpoint import CheckpointRef
-from unirl_core.checkpoint.manifest import MANIFEST
+from unirl_core.checkpoint.manifest import MANIFEST, Manifest
 from unirl_core.config import RunConfig, from_dict, load_recipe_dict, to_dict
 from unirl_core.errors import ConfigError, field_error
 
@@ -80,11 +80,16 @@ def use_storage_options(cfg: RunConfig) -> None:
 
 
 def checkpoint_digest(ref: CheckpointRef) -> str:
-    """sha256 of the version's manifest (which holds the sha256 of every file in it)."""
+    """sha256 over the version's step, policy version and the sha256 of every file its manifest lists
+    (not the manifest bytes: they hold the write time, which differs when a step is retrained identically)."""
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(ref.uri, **_STORAGE_OPTIONS)
-    return "sha256:" + hashlib.sha256(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST}")).hexdigest()
+    where = f"{ref.uri}/{MANIFEST}"
+    manifest = Manifest.from_json(fs.cat_file(f"{path.rstrip('/')}/{MANIFEST}"), where)
+    content = {"step": manifest.step, "policy_version": manifest.policy_version,
+               "files": {name: entry["sha256"] for name, entry in manifest.files.items()}}
+    return "sha256:" + hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 HashedCheckpointRef = Annotated[CheckpointRef, HashMethod(checkpoint_digest)]

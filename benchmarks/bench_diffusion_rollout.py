@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report  # noqa: E402
 
-from unirl_core.models.diffusion import DiffusionBundle, DiffusionModelConfig  # noqa: E402
+from unirl_core.models.diffusion import DTYPES, DiffusionBundle, DiffusionModelConfig  # noqa: E402
 from unirl_core.rollout.diffusion import denoise_slice  # noqa: E402
 from unirl_core.sde import flow_sigmas, initial_noise, sde_noise_generators  # noqa: E402
 from unirl_core.types import DiffusionSamplingParams, NoiseRecipe  # noqa: E402
@@ -49,9 +49,9 @@ PRESETS = {
 }
 
 
-def build(preset: str, device: str, dtype: str, layers: int | None = None) -> DiffusionBundle:
+def build(preset: str, device: str, dtype: str, layers: int | None = None, finetune: str = "full") -> DiffusionBundle:
     cfg = DiffusionModelConfig(source="tiny-sd3" if preset == "tiny" else "sd35m-shaped", dtype=dtype, device=device,
-                               finetune="full", reference_copy=False)
+                               finetune=finetune, reference_copy=False)
     if preset == "tiny":
         return DiffusionBundle.build(cfg)
     from diffusers import SD3Transformer2DModel
@@ -60,7 +60,14 @@ def build(preset: str, device: str, dtype: str, layers: int | None = None) -> Di
     shape = dict(SD35M)
     if layers is not None:  # CPU smoke tests of the full-width model
         shape.update(num_layers=layers, dual_attention_layers=tuple(range(min(13, layers))))
-    return DiffusionBundle.from_transformer(SD3Transformer2DModel(**shape), family="sd3", config=cfg)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[dtype])  # random init straight in bf16 on the device: no 10 GB fp32 detour
+    try:
+        with torch.device(device):
+            transformer = SD3Transformer2DModel(**shape)
+    finally:
+        torch.set_default_dtype(prev)
+    return DiffusionBundle.from_transformer(transformer, family="sd3", config=cfg)
 
 
 def conditions(bundle: DiffusionBundle, preset: str, batch: int) -> dict[str, torch.Tensor]:

@@ -142,7 +142,9 @@ class DiffusionBundle:
         Train workers need nothing else (conditions travel on the Part); benchmarks use it for
         full-size transformers. ``encode_text`` and ``decode`` raise on such a bundle.
         """
-        transformer = transformer.to(device=config.device, dtype=DTYPES[config.dtype])
+        p = next(transformer.parameters())
+        if p.device != torch.device(config.device) or p.dtype != DTYPES[config.dtype]:
+            transformer = transformer.to(device=config.device, dtype=DTYPES[config.dtype])
         holder = _TransformerOnly(transformer=transformer, vae_scale_factor=vae_scale_factor)
         return cls(holder, family=family, config=config)._make_trainable()
 

@@ -64,14 +64,17 @@ class Manifest:
 
     def verify(self, name: str, data: bytes, where: str) -> None:
         """Raise CheckpointError naming the file when ``data`` is not the bytes the manifest recorded."""
+        self.verify_digest(name, len(data), sha256_hex(data), where)
+
+    def verify_digest(self, name: str, size: int, digest: str, where: str) -> None:
+        """Like :meth:`verify` for a file whose size and sha256 were computed while streaming it."""
         entry = self.files.get(name)
         if entry is None:
             raise field_error(CheckpointError, f"{where}/{name}", "not in manifest", f"one of {sorted(self.files)}",
                               "the file is not part of this checkpoint version")
-        if len(data) != entry["bytes"]:
-            raise field_error(CheckpointError, f"{where}/{name}", f"{len(data)} bytes", f"{entry['bytes']} bytes",
+        if size != entry["bytes"]:
+            raise field_error(CheckpointError, f"{where}/{name}", f"{size} bytes", f"{entry['bytes']} bytes",
                               "the file is truncated or was replaced; restore it or use another version")
-        got = sha256_hex(data)
-        if got != entry["sha256"]:
-            raise field_error(CheckpointError, f"{where}/{name}", f"sha256 {got}", f"sha256 {entry['sha256']}",
+        if digest != entry["sha256"]:
+            raise field_error(CheckpointError, f"{where}/{name}", f"sha256 {digest}", f"sha256 {entry['sha256']}",
                               "the file is corrupted; restore it or resume from another version")

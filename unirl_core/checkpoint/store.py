@@ -8,11 +8,13 @@ extra.json, manifest.json}`` plus ``<root>/<run>/LATEST``. A version exists only
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import os
 import posixpath
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, is_dataclass
 
 import fsspec
@@ -70,23 +72,50 @@ class _Folder:
         path = self.path if path is None else path
         return path if self.local else self.fs.unstrip_protocol(path)
 
-    def write(self, name: str, data: bytes, *, atomic: bool = False) -> None:
+    def write(self, name: str, data: bytes, *, atomic: bool = False) -> str:
+        """Write ``data`` as ``name``; returns its sha256, hashed on a second thread while the bytes go out."""
         path = self.join(name)
-        if not self.local:
-            self.fs.pipe_file(path, data)  # one PUT (or a multipart upload): the object appears whole or not at all
-            return
-        target = path + ".tmp" if atomic else path
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        _write_local(target, data)
-        if atomic:
-            os.replace(target, path)
+        with ThreadPoolExecutor(1) as pool:
+            digest = pool.submit(sha256_hex, data)  # hashlib and file/socket IO both release the GIL
+            if not self.local:
+                self.fs.pipe_file(path, data)  # one PUT (or multipart upload): the object appears whole or not at all
+            else:
+                target = path + ".tmp" if atomic else path
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                _write_local(target, data)
+                if atomic:
+                    os.replace(target, path)
+            return digest.result()
 
-    def read(self, name: str) -> bytes:
+    def read_verified(self, name: str, manifest: Manifest) -> bytes:
+        """Read ``name`` in chunks, hashing each chunk on a second thread while the next one is read, and check
+        size and sha256 against the manifest (the error names the file)."""
+        entry = manifest.files.get(name)
+        size = int(entry["bytes"]) if entry else 0
+        buf = bytearray(size + 1)  # one spare byte reveals a file longer than recorded
+        view = memoryview(buf)
+        h = hashlib.sha256()
+        got = 0
         try:
-            return self.fs.cat_file(self.join(name))
+            with self.fs.open(self.join(name), "rb") as f, ThreadPoolExecutor(1) as pool:
+                pending = None
+                while got < len(buf):
+                    n = f.readinto(view[got:min(got + _CHUNK, len(buf))])
+                    if not n:
+                        break
+                    if pending is not None:
+                        pending.result()
+                    pending = pool.submit(h.update, view[got:got + n])
+                    got += n
+                if pending is not None:
+                    pending.result()
+                if got == len(buf):
+                    got += len(f.read())
         except FileNotFoundError:
             raise field_error(CheckpointError, self.uri(self.join(name)), "missing", "an existing file",
                               "the version is incomplete; resume from another one") from None
+        manifest.verify_digest(name, got, h.hexdigest(), self.uri())
+        return view[:size].tobytes()
 
     def listdir(self) -> list[str]:
         self.fs.invalidate_cache(self.path)
@@ -153,8 +182,7 @@ class CheckpointStore:
         payload = self._payload(weights, ema_weights, train_state, config, extra)
         files = {}
         for name, data in payload.items():
-            folder.write(name, data)
-            files[name] = {"sha256": sha256_hex(data), "bytes": len(data)}
+            files[name] = {"sha256": folder.write(name, data), "bytes": len(data)}
         manifest = Manifest(run=self.run, step=step, policy_version=policy_version, files=files,
                             meta=dict(meta or {}))
         folder.write(MANIFEST, manifest.to_json(), atomic=True)
@@ -302,11 +330,7 @@ def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | 
     manifest = Manifest.from_json(raw, folder.uri(folder.join(MANIFEST)))
 
     def read(name: str) -> bytes | None:
-        if name not in manifest.files:
-            return None
-        data = folder.read(name)
-        manifest.verify(name, data, folder.uri())
-        return data
+        return folder.read_verified(name, manifest) if name in manifest.files else None
 
     state = None
     if train_state and (blob := read(TRAIN_STATE)) is not None:
@@ -328,8 +352,10 @@ def load_weights(ref: CheckpointRef, *, storage_options: dict[str, object] | Non
     """Only the (EMA) weights of a version, verified: what a rollout engine needs after publish."""
     fs, path = fsspec.core.url_to_fs(ref.uri, **(storage_options or {}))
     folder = _Folder(fs, path.rstrip("/"))
-    manifest = Manifest.from_json(folder.read(MANIFEST), folder.uri(folder.join(MANIFEST)))
-    name = EMA if ema else WEIGHTS
-    data = folder.read(name)
-    manifest.verify(name, data, folder.uri())
-    return safetensors.torch.load(data)
+    try:
+        raw = fs.cat_file(folder.join(MANIFEST))
+    except FileNotFoundError:
+        raise field_error(CheckpointError, folder.uri(folder.join(MANIFEST)), "missing", "a manifest",
+                          "the version is incomplete; resume from another one") from None
+    manifest = Manifest.from_json(raw, folder.uri(folder.join(MANIFEST)))
+    return safetensors.torch.load(folder.read_verified(EMA if ema else WEIGHTS, manifest))

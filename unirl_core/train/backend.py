@@ -156,11 +156,12 @@ class TrainBackend:
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         grad_norms: list[float] = []
+        loss_sums: list[Tensor] = []
         t_fb = t_opt = 0.0
         lr = self.scheduler.get_last_lr()[0]
         for _ in range(self.cfg.num_updates_per_batch):
             t0 = time.perf_counter()
-            self._accumulate(micro, old, local_n, sums, counts)
+            loss_sums.append(self._accumulate(micro, old, local_n, sums, counts))
             t1 = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
             grad_norms.append(self._optimizer_step())
@@ -169,6 +170,8 @@ class TrainBackend:
         self.step_count += 1
         if self.dist.device.type == "cuda":
             torch.cuda.synchronize(self.dist.device)
+        sums["loss"] = float(torch.stack(loss_sums).sum())
+        counts["loss"] = len(micro) * self.cfg.num_updates_per_batch
         means = {k: sums[k] / counts[k] for k in sums}
         means = D.all_reduce_mean(means, self.dist.device)
         loss = means.pop("loss")
@@ -189,8 +192,10 @@ class TrainBackend:
         return out
 
     def _accumulate(self, micro: list[SampleBatch], old: list[Tensor | None], local_n: int,
-                    sums: dict[str, float], counts: dict[str, int]) -> None:
+                    sums: dict[str, float], counts: dict[str, int]) -> Tensor:
+        """Backward every micro-batch; returns the sum of the unweighted micro-batch losses."""
         module = self.policy.module
+        loss_sum: Tensor | None = None
         for i, (mb, olp) in enumerate(zip(micro, old)):
             if self.sharded:
                 # Reduce-scatter once, after the last micro-batch, instead of after each backward.
@@ -200,9 +205,12 @@ class TrainBackend:
             # Each micro-batch loss is a per-sample mean; weight by its share so a ragged tail counts fairly.
             weighted = out.loss.float() * (len(mb) / local_n)
             self.scaler.scale(weighted).backward()
-            for k, v in (("loss", float(out.loss.detach())), *out.metrics.items()):
+            # The loss stays a tensor until the end of the step: a float() here would stall a GPU per micro-batch.
+            loss_sum = out.loss.detach().float() if loss_sum is None else loss_sum + out.loss.detach().float()
+            for k, v in out.metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
                 counts[k] = counts.get(k, 0) + 1
+        return loss_sum
 
     def _optimizer_step(self) -> float:
         self.scaler.unscale_(self.optimizer)

@@ -60,20 +60,6 @@ def toy_arithmetic_reward(completion: str, answer: str) -> float:
 
 
 class ToyArithmeticScorer:
-    """Reward scorer (registered as ``toy_arithmetic``) applying :func:`toy_arithmetic_reward` to each
-    completion against ``targets['answer']``."""
-
-    def __call__(self, items) -> list[float]:
-        out = []
-        for it in items:
-            if "answer" not in it.targets:
-                raise field_error(ConfigError, "targets['answer']", dict(it.targets), "the toy task's answer",
-                                  "use the toy_arithmetic prompt source with this scorer")
-            out.append(toy_arithmetic_reward(it.text or "", it.targets["answer"]))
-        return out
-
-
-class ToyArithmeticScorer:
     """Reward-registry scorer (name ``toy_arithmetic``): ``toy_arithmetic_reward`` per ScoreItem.
 
     Reads ``item.text`` (the completion) and ``item.targets['answer']``; a missing answer raises,

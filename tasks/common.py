@@ -16,6 +16,8 @@ from flytekit.deck import DeckField
 from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.extras.accelerators import H100, H200
 
+import tasks.run_types  # noqa: F401  (registers RunConfig's transformer before any task signature is typed)
+import tasks.types  # noqa: F401  (registers SampleBatch's transformer)
 from unirl_core.errors import ConfigError, RewardError, field_error
 
 # Bump when a task's behaviour changes for the same inputs (new phase code that must not reuse old outputs).

@@ -1,0 +1,104 @@
+"""`pyflyte --pkgs workflows package` compiles without a docker daemon or a cluster; the protobufs hold
+the GPU requests, accelerators, retries, caching, the mapped rollout, the Elastic train tasks and schedules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from flyteidl.admin import launch_plan_pb2, task_pb2, workflow_pb2
+from google.protobuf.json_format import MessageToDict
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _package(tmp: Path) -> dict[str, bytes]:
+    out = tmp / "pkg.tgz"
+    env = {**os.environ, "UNIRL_ACCELERATOR": "h200", "PYTHONPATH": str(REPO)}
+    pyflyte = Path(sys.executable).with_name("pyflyte")
+    proc = subprocess.run([str(pyflyte), "--pkgs", "workflows", "package", "--image", "ghcr.io/example/unirl:dev",
+                           "-f", "-o", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with tarfile.open(out) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".pb")}
+
+
+pytestmark = pytest.mark.slow  # one pyflyte subprocess, ~20 s on 2 busy cores
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> dict[str, dict]:
+    """Entity name -> decoded spec. Files end in _1 (task), _2 (workflow) or _3 (launch plan)."""
+    files = _package(tmp_path_factory.mktemp("pkg"))
+    out: dict[str, dict] = {}
+    for name, data in files.items():
+        kind = name.rsplit("_", 1)[1].removesuffix(".pb")
+        msg = {"1": task_pb2.TaskSpec, "2": workflow_pb2.WorkflowSpec, "3": launch_plan_pb2.LaunchPlan}[kind]()
+        msg.ParseFromString(data)
+        key = name.split("_", 1)[1].rsplit("_", 1)[0] + f"#{kind}"
+        out[key] = MessageToDict(msg)
+    return out
+
+
+def _task(package, name):
+    return package[f"{name}#1"]["template"]
+
+
+def _gpus(template) -> str | None:
+    return next((r["value"] for r in template["container"]["resources"]["requests"] if r["name"] == "GPU"), None)
+
+
+def test_gpu_tasks_request_gpus_and_the_accelerator(package):
+    for name, gpus in [("tasks.rollout.rollout_task", "1"), ("tasks.reward.reward_task", "1"),
+                       ("tasks.train.train_task", "1"), ("tasks.train.train_elastic_1x8", "8"),
+                       ("tasks.train.train_elastic_2x8", "8")]:
+        t = _task(package, name)
+        assert _gpus(t) == gpus, name
+        assert t["extendedResources"]["gpuAccelerator"]["device"] == "nvidia-h200", name
+    assert _gpus(_task(package, "tasks.advantage.advantage_task")) is None
+
+
+def test_retries_timeouts_cache_and_images(package):
+    roll = _task(package, "tasks.rollout.rollout_task")
+    assert roll["metadata"]["retries"]["retries"] == 2 and roll["metadata"]["timeout"] == "7200s"
+    assert roll["metadata"]["discoverable"] and roll["metadata"]["discoveryVersion"]
+    assert roll["container"]["image"].startswith("unirl-rollout:")
+    reward = _task(package, "tasks.reward.reward_task")
+    assert reward["metadata"]["retries"]["retries"] == 3 and reward["container"]["image"].startswith("unirl-reward:")
+    # side-effecting tasks are never cached
+    for name in ("tasks.train.train_task", "tasks.publish.publish_task"):
+        assert not _task(package, name)["metadata"].get("discoverable"), name
+
+
+def test_elastic_train_tasks(package):
+    multi = _task(package, "tasks.train.train_elastic_2x8")
+    assert multi["type"] == "pytorch"
+    assert multi["custom"]["elasticConfig"]["nprocPerNode"] == 8
+    assert multi["custom"]["elasticConfig"]["minReplicas"] == multi["custom"]["elasticConfig"]["maxReplicas"] == 2
+    assert _task(package, "tasks.train.train_elastic_4x8")["custom"]["workerReplicas"]["replicas"] == 4
+    # one node: torch elastic runs inside one pod, no training operator needed
+    assert _task(package, "tasks.train.train_elastic_1x8")["type"] == "python-task"
+
+
+def test_rollout_fans_out_with_a_map_task(package):
+    wf = package["workflows.grpo.rollout_step#2"]["template"]
+    array = [n for n in wf["nodes"] if "arrayNode" in n]
+    assert len(array) == 1
+    inner = array[0]["arrayNode"]["node"]["taskNode"]["referenceId"]["name"]
+    assert inner.startswith("tasks.rollout.map_rollout_task")
+    assert any(n.get("taskNode", {}).get("referenceId", {}).get("name") == "tasks.rollout.join_shards_task"
+               for n in wf["nodes"])
+    assert package["workflows.grpo.grpo_chunk#1"]["template"]["metadata"]["runtime"]  # the @dynamic chunk
+
+
+def test_launch_plans_schedule_and_resume_latest(package):
+    lps = {k.split("#")[0]: v for k, v in package.items() if k.endswith("#3")}
+    assert lps["nightly_sd35m_pickscore"]["spec"]["entityMetadata"]["schedule"]["cronSchedule"]["schedule"] == \
+        "0 2 * * *"
+    assert lps["qwen3_math_every_6h"]["spec"]["entityMetadata"]["schedule"]["rate"] == {"value": 6, "unit": "HOUR"}
+    fixed = lps["nightly_sd35m_pickscore"]["spec"]["fixedInputs"]["literals"]
+    assert fixed["resume"]["scalar"]["primitive"]["stringValue"] == "latest"

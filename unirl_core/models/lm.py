@@ -264,22 +264,20 @@ def build_layout(segments: Sequence[TokenSegment], temperatures: Sequence[float]
         if s.prompt_ids.numel() == 0 or s.response_ids.numel() == 0:
             raise field_error(InvariantError, f"segments[{i}]", (s.prompt_ids.numel(), s.response_ids.numel()),
                               "a non-empty prompt and response", "drop empty completions before training")
-    b = len(segments)
-    p = max(int(s.prompt_ids.numel()) for s in segments)
-    r = max(s.num_response_tokens for s in segments)
-    ids = torch.full((b, p + r), pad_id, dtype=torch.int64)
-    mask = torch.zeros((b, p + r), dtype=torch.int64)
-    valid = torch.zeros((b, r), dtype=torch.bool)
-    loss_mask = torch.zeros((b, r), dtype=torch.bool)
-    stored = torch.zeros((b, r), dtype=torch.float32)
-    for i, s in enumerate(segments):
-        n_p, n_r = int(s.prompt_ids.numel()), s.num_response_tokens
-        ids[i, p - n_p:p] = s.prompt_ids
-        ids[i, p:p + n_r] = s.response_ids
-        mask[i, p - n_p:p + n_r] = 1
-        valid[i, :n_r] = True
-        loss_mask[i, :n_r] = s.response_mask
-        stored[i, :n_r] = s.log_probs
+    from torch.nn.utils.rnn import pad_sequence
+
+    n_p = torch.tensor([int(s.prompt_ids.numel()) for s in segments])
+    n_r = torch.tensor([s.num_response_tokens for s in segments])
+    p, r = int(n_p.max()), int(n_r.max())
+    # Left-pad prompts by padding their reversals on the right and reversing back.
+    prompts = pad_sequence([s.prompt_ids.flip(0) for s in segments], batch_first=True, padding_value=pad_id).flip(1)
+    responses = pad_sequence([s.response_ids for s in segments], batch_first=True, padding_value=pad_id)
+    ids = torch.cat([prompts, responses], dim=1)
+    cols = torch.arange(r)[None]
+    valid = cols < n_r[:, None]
+    mask = torch.cat([torch.arange(p)[None] >= (p - n_p)[:, None], valid], dim=1).to(torch.int64)
+    loss_mask = pad_sequence([s.response_mask for s in segments], batch_first=True, padding_value=False)
+    stored = pad_sequence([s.log_probs for s in segments], batch_first=True, padding_value=0.0)
     pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
     temps = torch.tensor([float(t) for t in temperatures], dtype=torch.float32)
     return ReplayLayout(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),

@@ -39,7 +39,8 @@ GRID_SAMPLES = 8
 INDEX_GRID_STEPS = 20  # newest steps whose sample strips are embedded in index.html (keeps it small)
 REWARD_KEYS = ("reward/mean", "reward_mean", "reward/total_mean", "rewards/mean")
 RATIO_KEYS = ("train/ratio_mean", "ratio_mean", "train/ratio", "ratio")
-CURVE_PREFIXES = ("reward/", "train/loss", "train/kl", "train/ratio", "train/clip", "train/grad_norm")
+CURVE_METRICS = ("train/loss", "train/kl", "train/ratio_mean", "train/clip_frac", "train/grad_norm")
+"""Curves drawn besides the reward means (the rest of the metrics are in each step's metrics.json)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,7 +219,8 @@ def line_chart_svg(points: list[tuple[int, float]], *, title: str, width: int = 
 
 def index_body(title: str, records: list[StepRecord], config: bytes | None, grids: Mapping[int, str]) -> str:
     """Body of ``index.html``: curves, one row per step (metrics, samples, page links), the config."""
-    names = sorted({k for r in records for k in r.metrics if k.startswith(CURVE_PREFIXES)})
+    names = sorted({k for r in records for k in r.metrics
+                    if k in CURVE_METRICS or (k.startswith("reward/") and k.endswith("mean"))})
     reward_key = next((k for k in REWARD_KEYS if any(k in r.metrics for r in records)), None)
     curves = [line_chart_svg([(r.step, r.metrics[reward_key]) for r in records if reward_key in r.metrics],
                              title=reward_key)] if reward_key else []

@@ -52,8 +52,9 @@ class HTTPJSONClient:
         self.headers = {"Content-Type": "application/json", **dict(headers or {})}
 
     def request(self, method: str, path: str, body: object | None = None, *,
-                timeout_s: float | None = None) -> object:
-        """Send one request; returns the decoded JSON body (``None`` for an empty body)."""
+                timeout_s: float | None = None, expect_json: bool = True) -> object:
+        """Send one request; returns the decoded JSON body (``None`` for an empty body, the text when
+        ``expect_json`` is False)."""
         url = self.base_url + path
         data = None if body is None else json.dumps(body).encode("utf-8")
         req = urllib.request.Request(url, data=data, method=method, headers=self.headers)
@@ -69,6 +70,8 @@ class HTTPJSONClient:
                               f"check that the server is up and the URL is right ({e})") from None
         if not raw.strip():
             return None
+        if not expect_json:
+            return raw.decode("utf-8", "replace")
         try:
             return json.loads(raw)
         except json.JSONDecodeError:

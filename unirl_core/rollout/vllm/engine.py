@@ -225,11 +225,12 @@ class VLLMEngine:
 
     def _swap_adapter(self, folder: Path, version: int) -> None:
         name = f"policy-v{version}"
-        self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        # These two endpoints answer 200 with a plain-text sentence.
+        self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, expect_json=False)
         old, self._lora_name = self._lora_name, name
         self._label(version)
         if old is not None and old != name:
-            self.client.post("/v1/unload_lora_adapter", {"lora_name": old})
+            self.client.post("/v1/unload_lora_adapter", {"lora_name": old}, expect_json=False)
 
     def _label(self, version: int) -> None:
         self.client.post("/update_weight_version", {"new_version": str(version)})

@@ -98,3 +98,22 @@ def assign_advantages(batch: SampleBatch, cfg: AdvantageConfig,
         advantage_abs_max=float(clipped.abs().max()) if kept_rows else math.nan,
     )
     return batch.select(kept_rows), stats
+
+
+def drop_zero_std_groups(batch: SampleBatch, *, atol: float = 1e-6) -> tuple[SampleBatch, int]:
+    """DAPO dynamic sampling's filter on its own: keep groups whose valid rewards differ.
+
+    Returns the kept samples (invalid ones dropped too, shared objects, batch order) and the number
+    of groups dropped for zero std, so the driver knows how many prompts to sample again.
+    """
+    parts = batch.generated
+    valid_idx = [i for i, p in enumerate(parts) if _is_valid(p)]
+    dense: dict[str, int] = {}
+    group_index = torch.tensor([dense.setdefault(parts[i].group_id, len(dense)) for i in valid_idx],
+                               dtype=torch.int64)
+    if not valid_idx:
+        return batch.select([]), 0
+    rewards = torch.tensor([parts[i].reward for i in valid_idx], dtype=torch.float64)
+    flat = zero_std_groups(rewards, group_index, atol=atol)
+    keep = [i for i, g in zip(valid_idx, group_index.tolist()) if not bool(flat[g])]
+    return batch.select(keep), int(flat.sum())

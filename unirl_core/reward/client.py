@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 
 import httpx
@@ -23,13 +24,17 @@ class RemoteRewardClient:
     """Sends one request per call; ``score`` retries transient failures and raises RewardError otherwise."""
 
     def __init__(self, url: str, *, token: str | None, timeout_s: float = 120.0, retries: int = 3,
-                 backoff_s: float = 0.5) -> None:
+                 backoff_s: float = 0.5, max_in_flight: int = 2) -> None:
         self.url = url.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s,
+                                  limits=httpx.Limits(max_connections=max(1, max_in_flight)))
+        self._pool = ThreadPoolExecutor(max_workers=max(1, max_in_flight), thread_name_prefix="reward-client")
+        self.max_in_flight = max_in_flight
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         self._http.close()
 
     def __enter__(self) -> RemoteRewardClient:
@@ -49,7 +54,25 @@ class RemoteRewardClient:
         """Scores of every component over ``items`` (one request), in component order."""
         body = encode_request(items, components, isolate=isolate)
         resp = self._post_with_retries(body)
+        logger.debug("scored %d items; server timing: %s", len(items), resp.headers.get("server-timing"))
         return decode_response(resp.content, num_components=len(components), num_items=len(items))
+
+    def score_chunks(self, components: Sequence[RewardComponent], chunks: Sequence[Sequence[ScoreItem]], *,
+                     isolate: bool) -> list[list[ComponentScores]]:
+        """``score`` over several chunks with up to ``max_in_flight`` requests open at once.
+
+        Two in flight let the server read and decode chunk k+1 while its scoring thread works on
+        chunk k, which hides most of the transfer cost. Results come back in chunk order; the
+        first failing chunk raises.
+        """
+        if self.max_in_flight <= 1 or len(chunks) <= 1:
+            return [self.score(components, c, isolate=isolate) for c in chunks]
+        futures = [self._pool.submit(self.score, components, c, isolate=isolate) for c in chunks]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
 
     def _post_with_retries(self, body: bytes) -> httpx.Response:
         last = ""

@@ -62,6 +62,8 @@ class RewardConfig:
     """Retries after a connection error, timeout or 502/503/504 (not after 4xx)."""
     remote_backoff_s: float = 0.5
     """First retry delay; doubles after every retry."""
+    remote_max_in_flight: int = 2
+    """Requests the client keeps open at once (chunks of ``batch_size``); 2 overlaps transfer with scoring."""
 
     def __post_init__(self) -> None:
         comps = tuple(c if isinstance(c, RewardComponent) else RewardComponent(name=c[0], weight=c[1],
@@ -88,6 +90,9 @@ class RewardConfig:
             raise field_error(ConfigError, "reward.remote_timeout_s/backoff_s",
                               (self.remote_timeout_s, self.remote_backoff_s), "timeout > 0 and backoff >= 0",
                               "use e.g. 120 and 0.5")
+        if not (isinstance(self.remote_max_in_flight, int) and self.remote_max_in_flight >= 1):
+            raise field_error(ConfigError, "reward.remote_max_in_flight", self.remote_max_in_flight,
+                              "an integer >= 1", "use 2, or 1 to send chunks one after another")
         if not (isinstance(self.remote_retries, int) and self.remote_retries >= 0):
             raise field_error(ConfigError, "reward.remote_retries", self.remote_retries, "an integer >= 0",
                               "use e.g. 3")

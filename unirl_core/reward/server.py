@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -107,6 +108,7 @@ def create_app(cfg: ServerConfig, cache: ScorerCache | None = None) -> FastAPI:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > cfg.max_request_bytes:
             return error(413, f"request of {declared} bytes exceeds the limit of {cfg.max_request_bytes}")
+        t_start = time.perf_counter()
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -120,6 +122,7 @@ def create_app(cfg: ServerConfig, cache: ScorerCache | None = None) -> FastAPI:
                 return error(403, f"components {refused} are not served here (allowed: {cfg.allowed_components})")
         except (SchemaError, ConfigError) as e:
             return error(400, str(e))
+        t_read = time.perf_counter()
         loop = asyncio.get_running_loop()
         job = loop.run_in_executor(pool, score_request, cache, items, comps, isolate)
         try:
@@ -132,7 +135,11 @@ def create_app(cfg: ServerConfig, cache: ScorerCache | None = None) -> FastAPI:
         except Exception as e:  # noqa: BLE001 - e.g. a model that fails to load; report, keep serving
             logger.exception("scoring failed")
             return error(500, f"{type(e).__name__}: {e}")
-        return Response(content=encode_response(results), media_type=CONTENT_TYPE)
+        t_score = time.perf_counter()
+        # Server-Timing (W3C) lets a client tell transfer cost from scoring cost.
+        timing = f"read;dur={(t_read - t_start) * 1e3:.1f}, score;dur={(t_score - t_read) * 1e3:.1f}"
+        return Response(content=encode_response(results), media_type=CONTENT_TYPE,
+                        headers={"Server-Timing": timing})
 
     app.router.on_shutdown.append(lambda: pool.shutdown(wait=False, cancel_futures=True))
     return app

@@ -6,7 +6,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from unirl_core.errors import RewardError
@@ -56,7 +55,8 @@ class RewardService:
         if cfg.backend == "remote" and client is None:
             self._client = RemoteRewardClient(cfg.remote_url, token=os.environ.get(cfg.remote_token_env),
                                               timeout_s=cfg.remote_timeout_s, retries=cfg.remote_retries,
-                                              backoff_s=cfg.remote_backoff_s)
+                                              backoff_s=cfg.remote_backoff_s,
+                                              max_in_flight=cfg.remote_max_in_flight)
 
     def close(self) -> None:
         if self._client is not None:
@@ -73,11 +73,13 @@ class RewardService:
             self._scorers[comp.name] = build_scorer(comp.name, **comp.kwargs)
         return self._scorers[comp.name]
 
-    def _score_chunk(self, items: Sequence[ScoreItem], isolate: bool) -> list[ComponentScores]:
+    def _score_chunks(self, chunks: list[list[ScoreItem]], isolate: bool) -> list[list[ComponentScores]]:
+        """Per chunk, per component: the scores."""
         comps = self.cfg.components
         if self.cfg.backend == "remote":
-            return self._client.score(comps, items, isolate=isolate)
-        return [run_scorer(self._scorer(c), items, name=c.name, isolate=isolate) for c in comps]
+            return self._client.score_chunks(comps, chunks, isolate=isolate)
+        return [[run_scorer(self._scorer(c), items, name=c.name, isolate=isolate) for c in comps]
+                for items in chunks]
 
     def score(self, batch: SampleBatch) -> SampleBatch:
         """Score every Sample's generated Part; see ``score_with_stats``."""
@@ -90,9 +92,10 @@ class RewardService:
         isolate = self.cfg.failure_policy == "mark_invalid"
         results: list[list[float]] = [[] for _ in self.cfg.components]
         errors: list[list[str | None]] = [[] for _ in self.cfg.components]
-        for lo in range(0, len(parts), self.cfg.batch_size):
-            chunk = [ScoreItem.from_part(p) for p in parts[lo:lo + self.cfg.batch_size]]
-            for k, res in enumerate(self._score_chunk(chunk, isolate)):
+        chunks = [[ScoreItem.from_part(p) for p in parts[lo:lo + self.cfg.batch_size]]
+                  for lo in range(0, len(parts), self.cfg.batch_size)]
+        for chunk_scores in self._score_chunks(chunks, isolate):
+            for k, res in enumerate(chunk_scores):
                 results[k].extend(res.values)
                 errors[k].extend(res.errors)
         failed = self._check(batch, results, errors)

@@ -4,7 +4,13 @@ import math
 
 import pytest
 
-from unirl_core.advantage import AdvantageConfig, PerPromptStatTracker, StatTrackerConfig, assign_advantages
+from unirl_core.advantage import (
+    AdvantageConfig,
+    PerPromptStatTracker,
+    StatTrackerConfig,
+    assign_advantages,
+    drop_zero_std_groups,
+)
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch
 
 
@@ -54,3 +60,11 @@ def test_clip_count_and_tracker_path():
 def test_all_invalid_gives_empty_batch_and_nan_stats():
     out, stats = assign_advantages(_batch({"p": [None, None]}), AdvantageConfig())
     assert len(out) == 0 and stats.num_invalid == 2 and math.isnan(stats.reward_mean)
+
+
+def test_drop_zero_std_groups_alone():
+    batch = _batch({"p": [0.0, 1.0], "q": [2.0, 2.0], "r": [None, 5.0]})
+    out, dropped = drop_zero_std_groups(batch)
+    # q is constant; r has a single valid sample (std 0) -> both dropped; the invalid r/0 goes too
+    assert [s.sample_id for s in out] == ["p/0", "p/1"] and dropped == 2
+    assert drop_zero_std_groups(_batch({"p": [None]}))[1] == 0

@@ -53,6 +53,8 @@ class AREngineConfig:
     ``decode``: the decode loop's own log-probs (free, not bit-exact)."""
     stop_check_interval: int = 4
     """Decode steps between stop-string checks (each check decodes unfinished rows on the host)."""
+    finish_check_interval: int = 4
+    """Decode steps between "all rows finished?" checks (each is a host-device sync); finished rows emit padding."""
     seed: int = 0
     """Seed of the engine generator used when a Part's ``sampling.seed`` is None."""
     decoder: DecoderKind = "auto"
@@ -62,7 +64,7 @@ class AREngineConfig:
     """Keep sampling past EOS until ``max_new_tokens`` (throughput benchmarks); EOS then never ends a row."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_batch_size", "stop_check_interval"):
+        for name in ("forward_batch_size", "stop_check_interval", "finish_check_interval"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise field_error(ConfigError, f"engine.{name}", v, "an integer >= 1", "use e.g. 16")
@@ -252,7 +254,8 @@ class TrainsideAREngine:
             steps = t + 1
             if sp.stop and (steps % self.config.stop_check_interval == 0 or steps == n):
                 self._check_stops(tokens, steps, sp.stop, finished, lengths)
-            if steps == n or bool(finished.all()):
+            # Checking for "all finished" syncs with the device; every few steps keeps the GPU queue full.
+            if steps == n or (steps % self.config.finish_check_interval == 0 and bool(finished.all())):
                 break
             logits = step(tok)
         lengths = lengths.clamp(max=steps).cpu()

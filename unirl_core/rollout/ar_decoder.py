@@ -35,20 +35,15 @@ def lean_decoder_supported(model: nn.Module) -> bool:
 
 
 def _rms(norm: nn.Module, x: Tensor) -> Tensor:
-    """The model's RMSNorm as one fused kernel (fp32 statistics like transformers, then the weight)."""
+    """The model's RMSNorm as one fused call (sampling logits only: need not match transformers' bits)."""
     w = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None)
     if w is None or eps is None or type(norm).__name__ not in _PLAIN_RMS:
         return norm(x)
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight=w, eps=eps)
 
 
 _PLAIN_RMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LeanDecoder:
@@ -80,7 +75,9 @@ class LeanDecoder:
         dev = input_ids.device
         pos_all = torch.arange(self.max_len, device=dev)[None]
         cos, sin = self.inner.rotary_emb(self.k[0], pos_all)  # [1, max_len, D] tables, model dtype
-        self._cos, self._sin = cos[0], sin[0]
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]: two ops fewer per rotation.
+        half = self.head_dim // 2
+        self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
         pad_offset = (attention_mask == 0).sum(-1, keepdim=True)
         self._pad = pad_offset  # [B, 1] leading pad count: position = column - pad
         key_ok = torch.ones((b, self.max_len), dtype=torch.bool, device=dev)
@@ -117,9 +114,9 @@ class LeanDecoder:
             vs = attn.v_proj(x).view(b, q, self.n_kv, self.head_dim).transpose(1, 2)
             if hasattr(attn, "q_norm"):
                 qs, ks = _rms(attn.q_norm, qs), _rms(attn.k_norm, ks)
-            qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
-            qs = qs * cos + _rotate_half(qs) * sin
-            ks = ks * cos + _rotate_half(ks) * sin
+            qk = torch.cat((qs, ks), dim=2).transpose(1, 2)  # rotate q and k heads together
+            qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
+            qs, ks = qk[:, :self.n_heads], qk[:, self.n_heads:]
             self.k[i][:, :, start:end] = ks
             self.v[i][:, :, start:end] = vs
             o = F.scaled_dot_product_attention(qs, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask,

@@ -168,8 +168,8 @@ def report(args, rows, ratio, min_ratio) -> None:
     hw = hardware()
     vocab = len(build_tiny_lm(seed=0, keep_reference=False).tokenizer)
     setup = (f"tiny preset (Qwen3, 2 layers x 64, vocab {vocab}), {args.prompts} prompts x group {args.group}, "
-             f"{args.new_tokens} new tokens, fp32, lr {args.lr}, {args.rounds} alternating rounds of {args.steps} timed steps "
-             f"after {args.warmup} warm-up")
+             f"{args.new_tokens} new tokens, fp32, lr {args.lr}, {args.rounds} alternating rounds of "
+             f"{args.steps} timed steps after {args.warmup} warm-up")
     print(setup)
     print(f"{'method':<24}{'median s':>10}{'min s':>9}{'vs TRL':>8}{'len':>7}{'reward first->last':>22}")
     for r in rows:

@@ -31,7 +31,8 @@ def lean_decoder_supported(model: nn.Module) -> bool:
     if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
         return False
     inner = getattr(model, "model", None)
-    return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(model, "lm_head")
+    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+    return all(hasattr(inner, a) for a in parts) and hasattr(model, "lm_head")
 
 
 def _rms(norm: nn.Module, x: Tensor) -> Tensor:

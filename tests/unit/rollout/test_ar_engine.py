@@ -83,7 +83,8 @@ def test_stop_string_cuts_at_the_completing_token(bundle):
     tok = bundle.tokenizer
     assert seg.finish_reason == "stop"
     assert stop in tok.decode(seg.response_ids.tolist()) and stop not in tok.decode(seg.response_ids[:-1].tolist())
-    assert seg.response_ids.tolist() == free.samples[0].generated.segment.response_ids[:seg.num_response_tokens].tolist()
+    free_ids = free.samples[0].generated.segment.response_ids
+    assert seg.response_ids.tolist() == free_ids[:seg.num_response_tokens].tolist()
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

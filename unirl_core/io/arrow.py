@@ -44,7 +44,7 @@ def batch_to_table(batch: SampleBatch) -> pa.Table:
         "prompt": pa.array([p.prompt for p in ps], pa.large_string()),
         "image": pa.array([p.image for p in ps], pa.large_binary()),
         "targets": pa.array([list(p.targets.items()) for p in ps], pa.map_(pa.string(), pa.string())),
-        "sampling": pa.array([sampling_to_json(p.sampling) for p in ps], pa.string()),
+        "sampling": pa.array(_sampling_json(ps), pa.string()),
         "finish_reason": pa.array([p.segment.finish_reason if isinstance(p.segment, TokenSegment) else None
                                    for p in ps], pa.string()),
     }
@@ -64,6 +64,17 @@ def batch_to_table(batch: SampleBatch) -> pa.Table:
     return pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
 
 
+def _sampling_json(parts: list[Part]) -> list[str | None]:
+    memo: dict[int, str | None] = {}  # siblings share one frozen params object: encode it once
+    out = []
+    for p in parts:
+        key = id(p.sampling)
+        if key not in memo:
+            memo[key] = sampling_to_json(p.sampling)
+        out.append(memo[key])
+    return out
+
+
 def _map_rows(col: pa.ChunkedArray) -> list[dict]:
     return [dict(v) if v is not None else {} for v in col.to_pylist()]
 
@@ -78,11 +89,12 @@ def table_to_batch(table: pa.Table, *, source: str = "<table>", reader: TensorRe
     targets, rewards = _map_rows(table.column("targets")), _map_rows(table.column("rewards"))
     tensors = {name: reader.column(table.column(name), name) for name in SEGMENT_TENSORS}
     conditions = _read_conditions(table.column("conditions"), reader)
+    sampling_memo: dict[str | None, object] = {}  # rows of one batch usually share one JSON string
     samples: list[Sample] = []
     current: list[Part] = []
     for r in range(table.num_rows):
         try:
-            part = _part(r, py, targets, rewards, tensors, conditions, source)
+            part = _part(r, py, targets, rewards, tensors, conditions, source, sampling_memo)
         except SchemaError:
             raise
         except UniRLError as e:
@@ -115,7 +127,7 @@ def _read_conditions(col: pa.ChunkedArray, reader: TensorReader) -> list[dict]:
     return out
 
 
-def _part(r, py, targets, rewards, tensors, conditions, source) -> Part:
+def _part(r, py, targets, rewards, tensors, conditions, source, sampling_memo) -> Part:
     kind = py["kind"][r]
     segment = None
     seg_cls = _SEGMENT_CLS.get(kind)
@@ -131,10 +143,16 @@ def _part(r, py, targets, rewards, tensors, conditions, source) -> Part:
             segment = seg_cls(**vals)
     return Part(kind=kind, sample_id=py["sample_id"][r], group_id=py["group_id"][r], parent=py["parent"][r],
                 prompt=py["prompt"][r], image=py["image"][r], targets=targets[r],
-                sampling=sampling_from_json(py["sampling"][r], source, r), segment=segment,
+                sampling=_sampling(py["sampling"][r], source, r, sampling_memo), segment=segment,
                 conditions=conditions[r], media=py["media"][r], text=py["text"][r], rewards=rewards[r],
                 reward=py["reward"][r], valid=py["valid"][r], advantage=py["advantage"][r],
                 policy_version=py["policy_version"][r])
+
+
+def _sampling(text: str | None, source: str, row: int, memo: dict):
+    if text not in memo:
+        memo[text] = sampling_from_json(text, source, row)  # frozen dataclass: safe to share
+    return memo[text]
 
 
 def _sample(parts: list[Part], source: str) -> Sample:

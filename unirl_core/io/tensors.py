@@ -6,6 +6,7 @@ Padding keeps every tensor's first byte 8-aligned inside the IPC body (Arrow ali
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,6 +24,7 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8, "bool": torch.bool,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 
 TENSOR_TYPE = pa.struct([
     pa.field("dtype", pa.string(), nullable=False),
@@ -54,26 +56,30 @@ def _check_dtype(t: Tensor, field: str, row: int) -> None:
 def tensor_column(values: Sequence[Tensor | None], field: str) -> pa.StructArray:
     """Pack tensors (or None) into one struct array with a single contiguous data buffer (one copy)."""
     n = len(values)
-    sizes = []
+    pieces: list[Tensor] = []
+    sizes: list[int] = []
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
+    zeros = torch.zeros(ALIGN, dtype=torch.uint8)
     for i, t in enumerate(values):
-        if t is not None:
-            _check_dtype(t, field, i)
-        sizes.append(0 if t is None else _padded(t.numel() * t.element_size()))
+        if t is None:
+            sizes.append(0)
+            dtypes.append("")
+            shapes.append([])
+            continue
+        _check_dtype(t, field, i)
+        raw = _raw_bytes(t)
+        pad = _padded(raw.numel()) - raw.numel()
+        pieces.append(raw)
+        if pad:
+            pieces.append(zeros[:pad])
+        sizes.append(raw.numel() + pad)
+        dtypes.append(DTYPE_NAMES[t.dtype])
+        shapes.append(list(t.shape))
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    data = np.empty(int(offsets[-1]), dtype=np.uint8)
-    dtypes, shapes = [], []
-    for i, t in enumerate(values):
-        dtypes.append("" if t is None else DTYPE_NAMES[t.dtype])
-        shapes.append([] if t is None else list(t.shape))
-        if t is None:
-            continue
-        raw = _raw_bytes(t)
-        dst = torch.from_numpy(data[offsets[i]:offsets[i + 1]])
-        dst[:raw.numel()].copy_(raw)
-        dst[raw.numel():].zero_()
-    valid = [t is not None for t in values]
-    mask = None if all(valid) else pa.array(valid, type=pa.bool_()).buffers()[1]
+    data = torch.cat(pieces).numpy() if pieces else np.empty(0, dtype=np.uint8)  # one C-level copy
+    mask = None if all(t is not None for t in values) else pa.array([t is not None for t in values]).buffers()[1]
     return _struct(n, mask, dtypes, shapes, pa.py_buffer(offsets), pa.py_buffer(data))
 
 
@@ -155,8 +161,8 @@ class TensorReader:
             raise SchemaError(f"{self.source}: column '{field}' row {i}: unknown dtype {dtype!r}; "
                               f"expected one of {sorted(DTYPES)}")
         tdtype = DTYPES[dtype]
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        nbytes = count * torch.empty((), dtype=tdtype).element_size()
+        count = math.prod(shape)
+        nbytes = count * ITEMSIZE[dtype]
         if any(s < 0 for s in shape) or stop - start < nbytes or body is None and nbytes:
             raise SchemaError(f"{self.source}: column '{field}' row {i}: {stop - start} data bytes cannot hold "
                               f"a {dtype} tensor of shape {tuple(shape)} ({nbytes} bytes); the file is corrupt")

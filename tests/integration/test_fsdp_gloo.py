@@ -22,7 +22,7 @@ CFG = dict(lr=5e-2, micro_batch_size=2, num_updates_per_batch=2, warmup_steps=1,
 WORKER = textwrap.dedent("""
     import sys, torch
     from tests.unit.train.toy import ToyGRPO, ToyPolicy, rollout
-    from unirl_core.checkpoint import CheckpointStore, save_train_checkpoint
+    from unirl_core.checkpoint import CheckpointStore, restore_train_checkpoint, save_train_checkpoint
     from unirl_core.train import TrainBackend, TrainConfig, init_distributed
     from unirl_core.train.distributed import is_sharded
 
@@ -37,9 +37,16 @@ WORKER = textwrap.dedent("""
     m2 = be.step(batches[1])
     weights = be.model_state_dict()
     ema = be.state_dict()["ema"]
+    # a fresh sharded backend restored from the step-1 checkpoint continues exactly like the live one
+    fresh = ToyPolicy(seed=0)
+    be_r = TrainBackend(fresh, ToyGRPO(), TrainConfig(**cfg_kw), dist_info=info)
+    restore_train_checkpoint(be_r, ref)
+    m2_r = be_r.step(batches[1])
+    weights_r = be_r.model_state_dict()
     if info.rank == 0:
         torch.save({"metrics": [m1.as_dict(), m2.as_dict()], "weights": weights, "ema": ema,
-                    "sharded": is_sharded(policy.module), "world": info.world_size, "ref_step": ref.step}, out)
+                    "sharded": is_sharded(policy.module), "world": info.world_size, "ref_step": ref.step,
+                    "resumed_metrics": m2_r.as_dict(), "resumed_weights": weights_r}, out)
     torch.distributed.destroy_process_group()
 """)
 
@@ -55,6 +62,10 @@ def test_two_rank_fsdp_step_equals_world_size_one(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out, weights_only=True)
     assert got["sharded"] and got["world"] == 2
+    for key in ("loss", "grad_norm", "ratio_mean"):
+        assert got["resumed_metrics"][key] == got["metrics"][1][key], key
+    for name, t in got["weights"].items():
+        assert torch.equal(got["resumed_weights"][name], t), name
 
     policy = ToyPolicy(seed=0)
     be = TrainBackend(policy, ToyGRPO(), TrainConfig(**CFG))

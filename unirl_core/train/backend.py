@@ -66,6 +66,11 @@ class TrainMetrics:
         return out
 
 
+def names_in_order(module: torch.nn.Module) -> list[str]:
+    """State-dict keys in module order (tied weights appear under each of their names)."""
+    return list(module.state_dict().keys())
+
+
 class TrainBackend:
     """Owns optimizer, scheduler, precision, EMA, sharding and RNG of one policy.
 
@@ -101,8 +106,7 @@ class TrainBackend:
         self.step_count = 0
         self.optimizer_steps = 0
         log.info("train backend: %d trainable tensors (%.3fM params), world=%d, sharded=%s, precision=%s",
-                 len(self.params), sum(p.numel() for p in self.params) / 1e6 * (self.world_size if self.sharded
-                                                                                 else 1),
+                 len(self.params), sum(p.numel() for p in self.params) / 1e6,  # DTensor numel is global
                  self.world_size, self.sharded, cfg.mixed_precision)
 
     @staticmethod
@@ -251,7 +255,7 @@ class TrainBackend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         # state_dict keys, not named_parameters: tied weights (lm_head = embeddings) appear under both names
-        names = set(self.policy.module.state_dict().keys())
+        names = set(names_in_order(self.policy.module))
         unknown = sorted(set(weights) - names)
         if unknown:
             raise field_error(CheckpointError, "weights", unknown[:5], "parameter names of this module",
@@ -266,7 +270,10 @@ class TrainBackend:
         if missing:
             raise field_error(CheckpointError, "weights", missing[:5], "a tensor for every trainable parameter",
                               "the checkpoint was written with another trainable layout")
-        set_model_state_dict(self.policy.module, weights,
+        # Module order on every rank: safetensors returns keys in a per-process hash order, and under FSDP
+        # each tensor is a scatter collective that all ranks must issue in the same sequence.
+        ordered = {n: weights[n] for n in names_in_order(self.policy.module) if n in weights}
+        set_model_state_dict(self.policy.module, ordered,
                              options=StateDictOptions(full_state_dict=True, strict=False))
 
     def state_dict(self) -> dict[str, object]:

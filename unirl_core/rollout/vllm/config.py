@@ -70,6 +70,8 @@ class VLLMEngineConfig:
     None uses a temporary folder."""
     prompt: PromptFormat = field(default_factory=PromptFormat)
     """Chat-template rule used to encode prompts; keep it equal to the trainside engine's."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS until ``max_new_tokens`` (throughput benchmarks only)."""
     max_concurrency: int = 64
     """Requests in flight at once (the server batches them)."""
     startup_timeout_s: float = 600.0

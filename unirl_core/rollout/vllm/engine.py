@@ -81,10 +81,12 @@ def server_env(cfg: VLLMEngineConfig) -> dict[str, str]:
     return env
 
 
-def sampling_body(sp: ARSamplingParams, seed: int | None) -> dict:
+def sampling_body(sp: ARSamplingParams, seed: int | None, *, ignore_eos: bool = False) -> dict:
     """vLLM ``SamplingParams`` fields of one request; ``logprobs=0`` returns the sampled token's only."""
     body = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k, "max_tokens": sp.max_new_tokens,
             "logprobs": 0, "detokenize": bool(sp.stop)}
+    if ignore_eos:
+        body["ignore_eos"] = True
     if sp.stop:
         body["stop"] = list(sp.stop)
     if seed is not None:
@@ -172,7 +174,8 @@ class VLLMEngine:
                                   "shorten the prompt, lower max_new_tokens or raise vllm.max_model_len")
             bodies.append({"token_ids": ids.tolist(), "model": self._lora_name or self.config.served_model_name,
                            "output_mode": "tokens", "request_id": f"{p.sample_id}@v{self.policy_version}-{tag}",
-                           "sampling_params": sampling_body(sp, request_seed(sp, p.sample_id))})
+                           "sampling_params": sampling_body(sp, request_seed(sp, p.sample_id),
+                                                            ignore_eos=self.config.ignore_eos)})
         with self._lock:
             done = self._post_all(bodies)
         stale = [(i, c.policy_version) for i, c in enumerate(done) if c.policy_version != self.policy_version]

@@ -11,5 +11,5 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e .
 "${PIP[@]}" -e ".[flyte]"
-"${PIP[@]}" -e ".[reward,dev]"
+"${PIP[@]}" -e ".[reward,lm,dev]"
 echo "installed into .venv ($(.venv/bin/python -c 'import torch, flytekit; print("torch", torch.__version__, "flytekit", flytekit.__version__)'))"

@@ -39,8 +39,10 @@ def test_gaussian_kl_matches_torch():
     torch.testing.assert_close(gaussian_kl_same_std(m, r, std), want)
 
 
-def _rollout(dtype="float32", source="tiny-sd3", finetune="lora", n_prompts=2, per=4, guidance=4.5, steps=4):
-    bundle = DiffusionBundle.build(DiffusionModelConfig(source=source, dtype=dtype, finetune=finetune))
+def _rollout(dtype="float32", source="tiny-sd3", finetune="lora", n_prompts=2, per=4, guidance=4.5, steps=4,
+             ckpt=False):
+    bundle = DiffusionBundle.build(DiffusionModelConfig(source=source, dtype=dtype, finetune=finetune,
+                                                        gradient_checkpointing=ckpt))
     eng = TrainsideDiffusionEngine(bundle, DiffusionEngineConfig(forward_batch_size=FBS, decode_media=False))
     sp = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=steps), guidance_scale=guidance)
     prompts = [PromptRecord(prompt_id=f"p{i}", prompt=f"prompt {i}") for i in range(n_prompts)]
@@ -51,10 +53,13 @@ def _rollout(dtype="float32", source="tiny-sd3", finetune="lora", n_prompts=2, p
     return bundle, batch
 
 
-@pytest.mark.parametrize("dtype,source", [("float32", "tiny-sd3"), ("bfloat16", "tiny-sd3"), ("float32", "tiny-flux"),
-                                          ("bfloat16", "tiny-flux")])
-def test_first_update_ratio_exactly_one(dtype, source):
-    bundle, batch = _rollout(dtype, source)
+@pytest.mark.parametrize("dtype,source,finetune,ckpt", [
+    ("float32", "tiny-sd3", "lora", False), ("bfloat16", "tiny-sd3", "lora", False),
+    ("float32", "tiny-flux", "lora", False), ("bfloat16", "tiny-flux", "lora", False),
+    ("bfloat16", "tiny-sd3", "full", True),
+])
+def test_first_update_ratio_exactly_one(dtype, source, finetune, ckpt):
+    bundle, batch = _rollout(dtype, source, finetune=finetune, ckpt=ckpt)
     algo = FlowGRPO(FlowGRPOConfig(replay_batch_size=FBS, kl_beta=0.1))
     assert isinstance(algo, Algorithm) and isinstance(bundle, Policy)
     opt = torch.optim.AdamW([p for p in bundle.module.parameters() if p.requires_grad], lr=1e-2)

@@ -102,3 +102,18 @@ def test_family_lora_targets_exist_and_config_errors():
         DiffusionModelConfig(dtype="float64")
     with pytest.raises(ConfigError, match="height"):
         DiffusionBundle.build(DiffusionModelConfig()).latent_shape(72, 64)
+
+
+def test_transformer_only_bundle_matches_full_and_refuses_text():
+    full = DiffusionBundle.build(DiffusionModelConfig(finetune="full", reference_copy=False))
+    conds = _conds(full)
+    x = torch.randn(2, 4, 8, 8)
+    want = full.guided_velocity(x, SIGMA, conds, guidance_scale=1.0)
+    only = DiffusionBundle.from_transformer(tiny_sd3_pipeline(seed=0).transformer, family="sd3",
+                                            config=DiffusionModelConfig(source="tiny-sd3"))
+    assert only.latent_shape(64, 64) == (4, 8, 8)
+    assert torch.equal(only.guided_velocity(x, SIGMA, conds, guidance_scale=1.0), want)
+    with pytest.raises(ConfigError, match="text encoders"):
+        only.encode_text(["x"])
+    with pytest.raises(ConfigError, match="VAE"):
+        only.decode(x)

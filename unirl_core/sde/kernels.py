@@ -129,17 +129,19 @@ def transition(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: T
     # Decided on the mask's own device: callers keep masks on CPU so a GPU rollout does not sync here.
     any_sde = sde_type != "ode" and bool(sde_mask.any())
     all_sde = any_sde and bool(sde_mask.all())
-    mask = sde_mask.to(device=sample.device, dtype=torch.bool).view(-1, *([1] * (sample.ndim - 1)))
+    # [B, 1, ..., 1]; only the mixed path needs it on the device (a pageable H2D copy waits for the GPU).
+    mask_shape = (sde_mask.shape[0], *([1] * (sample.ndim - 1)))
     if not any_sde:
         mean = ode_mean(model_output, sample, sigma, sigma_next)
-        std = torch.zeros((mean.shape[0], 1, 1, 1), device=mean.device)
+        std = torch.zeros(mask_shape, device=mean.device)
     else:
         # Where a sample is masked out, torch.where picks the Euler values; the selected values are
         # bitwise the same as on the all-SDE path, so slicing never changes a sample's numbers.
         mean, sde_std = kernel_mean_std(sde_type, model_output, sample, sigma, sigma_next,
                                         noise_level=noise_level, sigma_cap=sigma_cap)
-        std = torch.as_tensor(sde_std, dtype=torch.float32, device=mean.device).expand(mask.shape)
+        std = torch.as_tensor(sde_std, dtype=torch.float32, device=mean.device).expand(mask_shape)
         if not all_sde:
+            mask = sde_mask.to(device=sample.device, dtype=torch.bool).view(mask_shape)
             mean = torch.where(mask, mean, ode_mean(model_output, sample, sigma, sigma_next))
             std = torch.where(mask, std, torch.zeros((), device=mean.device))
     if prev_sample is None:
@@ -152,5 +154,5 @@ def transition(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: T
         log_prob = torch.zeros(mean.shape[0], device=mean.device)
     else:
         safe_std = torch.where(std > 0, std, torch.ones_like(std))
-        log_prob = torch.where(mask.view(-1), gaussian_log_prob(prev, mean, safe_std), torch.zeros((), device=mean.device))
+        log_prob = torch.where(mask.reshape(-1), gaussian_log_prob(prev, mean, safe_std), torch.zeros((), device=mean.device))
     return StepOutput(prev_sample=prev, mean=mean, std=std, log_prob=log_prob)

@@ -112,3 +112,15 @@ def test_timestep_fraction_and_inputs_checked():
         FlowGRPOConfig(timestep_fraction=0.0)
     with pytest.raises(ConfigError):
         FlowGRPOConfig(old_logp_source="stored")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exact_replay_survives_the_arrow_boundary(tmp_path, dtype):
+    from unirl_core.io import read_batch, write_batch
+
+    bundle, batch = _rollout(dtype)
+    write_batch(batch, tmp_path / "rollout.arrow")
+    back = read_batch(tmp_path / "rollout.arrow")
+    assert back.samples[0].generated.segment.latents.dtype == getattr(torch, dtype)
+    m = FlowGRPO(FlowGRPOConfig(replay_batch_size=FBS)).loss(bundle, back.split(FBS)[1], old_log_probs=None).metrics
+    assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0 and m["logp_absdiff_max"] == 0.0

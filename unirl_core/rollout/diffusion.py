@@ -148,7 +148,7 @@ class TrainsideDiffusionEngine:
         return first
 
     def _conditions(self, batch: SampleBatch, sampling: DiffusionSamplingParams) -> list[dict[str, Tensor]]:
-        prompts = [s.generated.prompt for s in batch.samples]
+        prompts = [conditioning_prompt(s) for s in batch.samples]
         unique = list(dict.fromkeys(prompts))
         encoded = dict(zip(unique, self.bundle.encode_text(unique)))
         neg = None
@@ -178,6 +178,20 @@ class TrainsideDiffusionEngine:
             filled.append(_with_generated(batch.samples[i], seg=seg, conds=conds[j], media=media[j],
                                           version=self.policy_version))
         return filled
+
+
+def conditioning_prompt(sample: Sample) -> str:
+    """The text a diffusion Part is conditioned on: its parent Part's output text when it has one
+    (prompt enhancement: an AR Part rewrites the prompt), else its own prompt."""
+    part = sample.generated
+    if part.parent is not None:
+        parent = sample.parts[part.parent]
+        if parent.text:
+            return parent.text
+        if parent.kind == "ar":
+            raise field_error(EngineError, f"sample[{sample.sample_id}].parts[{part.parent}].text", parent.text,
+                              "the parent AR Part's completion", "run the AR stage before the diffusion stage")
+    return part.prompt
 
 
 def _with_generated(sample: Sample, *, seg: DiffusionSegment, conds: dict[str, Tensor], media: bytes | None,

@@ -117,3 +117,16 @@ def test_transformer_only_bundle_matches_full_and_refuses_text():
         only.encode_text(["x"])
     with pytest.raises(ConfigError, match="VAE"):
         only.decode(x)
+
+
+def test_from_pretrained_flux(tmp_path):
+    from unirl_core.models.diffusion_tiny import tiny_flux_pipeline
+
+    tiny_flux_pipeline(seed=0).save_pretrained(tmp_path / "flux")
+    loaded = DiffusionBundle.build(DiffusionModelConfig(source=str(tmp_path / "flux"), max_sequence_length=32))
+    preset = DiffusionBundle.build(DiffusionModelConfig(source="tiny-flux"))
+    assert loaded.family == "flux"
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded.guided_velocity(x, SIGMA, _conds(loaded, 1), guidance_scale=1.0),
+                           preset.guided_velocity(x, SIGMA, _conds(preset, 1), guidance_scale=1.0))

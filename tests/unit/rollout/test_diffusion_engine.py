@@ -101,3 +101,22 @@ def test_mixed_sampling_params_fail_loudly(bundle):
                                   sampling=None)
     with pytest.raises(EngineError, match="diffusion"):
         TrainsideDiffusionEngine(bundle).generate(ar)
+
+
+def test_prompt_enhancement_parent_text_conditions_the_image(bundle):
+    from unirl_core.types import Part, Sample
+
+    sp = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=STEPS), guidance_scale=1.0)
+
+    def chained(sid, parent_text):
+        ar = Part(kind="ar", sample_id=sid, group_id="g", prompt="cube", text=parent_text)
+        img = Part(kind="diffusion", sample_id=sid, group_id="g", parent=0, prompt="cube", sampling=sp)
+        return Sample(sample_id=sid, group_id="g", parts=[ar, img])
+
+    eng = TrainsideDiffusionEngine(bundle, DiffusionEngineConfig(decode_media=False))
+    out = eng.generate(SampleBatch(samples=[chained("a", "a shiny red cube on grass")]))
+    want = bundle.encode_text(["a shiny red cube on grass"])[0]["prompt_embeds"]
+    assert torch.equal(out.samples[0].generated.conditions["prompt_embeds"], want)
+    assert out.samples[0].parts[0].segment is None and out.samples[0].parts[1].segment is not None
+    with pytest.raises(EngineError, match="AR stage"):
+        eng.generate(SampleBatch(samples=[chained("b", None)]))

@@ -37,7 +37,10 @@ class FlowGRPOConfig:
     timestep_fraction: float = 1.0
     """Fraction of the micro-batch's SDE steps to train (a seeded subset, the same for pi_old and the loss)."""
     old_logp_source: OldLogpSource = "rollout"
-    """``rollout``: pi_old = the stored log-probs; ``replay``: the backend recomputes them with ``old_log_probs``."""
+    """``rollout``: pi_old = the stored log-probs; ``replay``: the backend recomputes them with ``old_log_probs``.
+
+    The train backend acts on its own ``train.old_logp_source``; this field declares what the loss
+    expects and the run config requires the two to agree."""
     replay_batch_size: int | None = None
     """Samples per replay forward; set it to the engine's ``forward_batch_size`` for exact replay. None: whole micro-batch."""
     logp_tolerance: float | None = 1e-3

@@ -9,7 +9,7 @@
 # Data lives in memory (memstore): stop loses it, which is what tests want.
 # Settings: UNIRL_S3_DIR (state dir, default <repo>/.services/s3), UNIRL_S3_PORT (7480),
 # UNIRL_S3_MON_PORT (6789), UNIRL_S3_MEM_MB (memstore size, 4096).
-set -euo pipefail
+set -Eeuo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="${UNIRL_S3_DIR:-$REPO/.services/s3}"
@@ -23,6 +23,7 @@ ENDPOINT="http://127.0.0.1:$PORT"
 CONF="$DIR/ceph.conf"
 
 say() { echo "s3_server: $*" >&2; }
+trap 'say "failed (rc=$?) at line $LINENO: $BASH_COMMAND (logs: $DIR/log)"' ERR
 
 install_if_missing() {
   if command -v radosgw >/dev/null && command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null; then
@@ -124,7 +125,15 @@ start() {
   local id
   id="$(ceph "${c[@]}" osd new "$osd_uuid")"
   ceph-osd "${c[@]}" -i "$id" --mkfs --osd-uuid "$osd_uuid" >/dev/null 2>&1
-  ceph-osd "${c[@]}" -i "$id" --pid-file "$DIR/run/osd.pid" 2>>"$DIR/log/osd-start.log"
+  # A monitor seconds old sometimes answers the OSD's first command with 'wrong fsid' (the OSD has not
+  # read the monmap yet) and the OSD exits during init; a second start succeeds.
+  local attempt
+  for attempt in 1 2 3 4; do
+    if ceph-osd "${c[@]}" -i "$id" --pid-file "$DIR/run/osd.pid" 2>>"$DIR/log/osd-start.log"; then break; fi
+    if [ "$attempt" = 4 ]; then say "ceph-osd would not start (logs: $DIR/log)"; exit 1; fi
+    say "ceph-osd start attempt $attempt failed; retrying"
+    sleep 1
+  done
   wait_for 60 "the OSD to come up" bash -c "ceph ${c[*]} osd stat | grep -q '1 up'"
   radosgw "${c[@]}" -n client.rgw.a --pid-file "$DIR/run/rgw.pid"
   wait_for 90 "radosgw on $ENDPOINT" answers

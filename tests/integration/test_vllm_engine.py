@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from unirl_core.algorithms.grpo import GRPO, GRPOConfig
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.errors import NumericsError
 from unirl_core.models.lm import TinyLMSpec, build_tiny_lm
@@ -97,6 +98,20 @@ def test_generate_fills_parts_and_matches_replay(engine, models):
     print(f"same rollouts, other weights: mean {wrong.mean_abs_diff:.3g} max {wrong.max_abs_diff:.3g}")
     with pytest.raises(NumericsError):
         check_logp_agreement(wrong, TIGHT, where="wrong_weights")
+
+
+def test_grpo_trains_on_vllm_rollouts_with_tis(engine, models):
+    # The GRPO side of the contract: pi_old replayed over vLLM rollouts passes GRPO's own fail-closed
+    # check, and the truncated-IS weight min(exp(logp_old - logp_vllm), C) stays at ~1.
+    out = engine.generate(_batch(2, 4))
+    for k, part in enumerate(out.generated):
+        part.advantage = float(k % 2) - 0.5
+    algo = GRPO(GRPOConfig(tis_cap=2.0, max_logp_absdiff=1e-4))
+    old = algo.old_log_probs(models["b0"], out)
+    res = algo.loss(models["b0"], out, old_log_probs=old)
+    assert torch.isfinite(res.loss)
+    assert res.metrics["tis_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert res.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
 def test_seeded_generation_reproduces(engine):

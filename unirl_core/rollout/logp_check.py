@@ -4,8 +4,9 @@ A dedicated engine (vLLM, SGLang) computes the sampled tokens' log-probs with it
 dtype and batching; the trainer replays them with a transformers forward. The two never agree
 bit for bit, but they must agree closely, or the GRPO ratio (and the TIS weight
 ``exp(logp_old - logp_rollout)``) measures engine drift instead of policy change. Typical sizes on
-the tiny test model, measured by tests/integration/test_vllm_engine.py: vLLM fp32 on CPU vs a fp32
-replay ~1e-6 max; a wrong or stale weight version ~1.
+the tiny test model (tests/integration/test_vllm_engine.py): vLLM fp32 on CPU vs a fp32 replay
+~1e-6 max; a bf16 server ~4e-3 max, ~1e-3 mean; rollouts replayed under other weights ~0.9 max,
+~0.24 mean.
 
 Shapes: ``[B, R]`` (B sequences, R = longest response), with a bool mask of real loss tokens.
 """

@@ -136,6 +136,12 @@ class ManagedServer:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def raise_if_dead(self) -> None:
+        """Turn a server that died under a request into an error that carries its log tail."""
+        if self._proc is not None and self._proc.poll() is not None:
+            raise field_error(EngineError, f"{self.name}.exit_code", self._proc.returncode, "a running server",
+                              f"it died while serving; log tail:\n{self.log_tail()}")
+
     def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
         try:
             text = self.log_path.read_text(encoding="utf-8", errors="replace")

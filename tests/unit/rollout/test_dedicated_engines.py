@@ -156,3 +156,17 @@ def test_managed_server_starts_stops_and_reports_early_exit(tmp_path):
                          log_dir=str(tmp_path))
     with pytest.raises(EngineError, match=r"(?s)dead\.exit_code=3.*boom"):
         dead.start(client, health_path="/", timeout_s=60)
+
+
+def test_managed_server_death_under_load_carries_the_log(tmp_path):
+    port = reserve_port()
+    client = HTTPJSONClient(f"http://127.0.0.1:{port}", timeout_s=5)
+    srv = ManagedServer([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], env={},
+                        name="web", log_dir=str(tmp_path))
+    srv.start(client, health_path="/", timeout_s=60)
+    srv.raise_if_dead()  # alive: nothing to report
+    srv._proc.kill()
+    srv._proc.wait()
+    with pytest.raises(EngineError, match="died while serving"):
+        srv.raise_if_dead()
+    srv.stop()

@@ -177,7 +177,12 @@ class VLLMEngine:
                            "sampling_params": sampling_body(sp, request_seed(sp, p.sample_id),
                                                             ignore_eos=self.config.ignore_eos)})
         with self._lock:
-            done = self._post_all(bodies)
+            try:
+                done = self._post_all(bodies)
+            except EngineError:
+                if self.server is not None:
+                    self.server.raise_if_dead()
+                raise
         stale = [(i, c.policy_version) for i, c in enumerate(done) if c.policy_version != self.policy_version]
         if stale:
             raise field_error(EngineError, "served policy_version", stale[:5], f"{self.policy_version} everywhere",

@@ -64,19 +64,19 @@ def test_partial_version_is_invisible_and_flipped_byte_is_named(s3_endpoint, s3_
 
 CHILD = textwrap.dedent("""
     import sys, time, torch
-    from unirl_core.checkpoint import store as S
+    from unirl_core.checkpoint import fsio, store as S
     root = sys.argv[1]
     st = S.CheckpointStore(root, "run")  # endpoint and keys from AWS_* env vars
     st.save(1, weights={"w": torch.ones(1 << 16)}, policy_version=1)
-    write = S._Folder.write
+    write = fsio.Folder.write_pieces
 
-    def hook(self, name, data, atomic=False):
+    def hook(self, name, pieces, atomic=False):
         if name == "train_state.pt":
             print("KILLME", flush=True)
             time.sleep(120)
-        return write(self, name, data, atomic=atomic)
+        return write(self, name, pieces, atomic=atomic)
 
-    S._Folder.write = hook
+    fsio.Folder.write_pieces = hook
     st.save(2, weights={"w": torch.zeros(1 << 16)}, policy_version=2, train_state={"x": torch.ones(2)})
 """)
 

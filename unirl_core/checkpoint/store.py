@@ -8,22 +8,19 @@ extra.json, manifest.json}`` plus ``<root>/<run>/LATEST``. A version exists only
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
-import os
 import posixpath
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, is_dataclass
 
 import fsspec
-import safetensors.torch
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from torch import Tensor
 
-from unirl_core.checkpoint.manifest import MANIFEST, Manifest, sha256_hex
+from unirl_core.checkpoint import tensorfile
+from unirl_core.checkpoint.fsio import Folder, Piece
+from unirl_core.checkpoint.manifest import MANIFEST, Manifest
 from unirl_core.checkpoint.ref import CheckpointRef, parse_step_dirname, step_dirname
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 
@@ -32,7 +29,6 @@ log = logging.getLogger(__name__)
 LATEST = "LATEST"
 WEIGHTS, EMA, TRAIN_STATE, CONFIG, EXTRA = "model.safetensors", "ema.safetensors", "train_state.pt", \
     "config.json", "extra.json"
-_CHUNK = 8 << 20
 
 
 @dataclass(kw_only=True, eq=False)
@@ -58,95 +54,6 @@ def _to_json(obj: object, what: str) -> bytes:
                           "strings) or a dataclass of them", f"convert the offending value ({e})") from e
 
 
-class _Folder:
-    """File IO on one fsspec directory, atomic where the backend allows it."""
-
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
-        self.fs, self.path = fs, path
-        self.local = isinstance(fs, LocalFileSystem)
-
-    def join(self, *names: str) -> str:
-        return posixpath.join(self.path, *names)
-
-    def uri(self, path: str | None = None) -> str:
-        path = self.path if path is None else path
-        return path if self.local else self.fs.unstrip_protocol(path)
-
-    def write(self, name: str, data: bytes, *, atomic: bool = False) -> str:
-        """Write ``data`` as ``name``; returns its sha256, hashed on a second thread while the bytes go out."""
-        path = self.join(name)
-        with ThreadPoolExecutor(1) as pool:
-            digest = pool.submit(sha256_hex, data)  # hashlib and file/socket IO both release the GIL
-            if not self.local:
-                self.fs.pipe_file(path, data)  # one PUT (or multipart upload): the object appears whole or not at all
-            else:
-                target = path + ".tmp" if atomic else path
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                _write_local(target, data)
-                if atomic:
-                    os.replace(target, path)
-            return digest.result()
-
-    def read_verified(self, name: str, manifest: Manifest) -> bytes:
-        """Read ``name`` and check its size and sha256 against the manifest (the error names the file)."""
-        if not self.local:
-            return self._read_streamed(name, manifest)
-        try:
-            data = self.fs.cat_file(self.join(name))
-        except FileNotFoundError:
-            raise field_error(CheckpointError, self.uri(self.join(name)), "missing", "an existing file",
-                              "the version is incomplete; resume from another one") from None
-        manifest.verify(name, data, self.uri())  # a local read is a memcpy: one pass, no thread to feed
-        return data
-
-    def _read_streamed(self, name: str, manifest: Manifest) -> bytes:
-        # Remote reads wait on the network: hash chunk k on a second thread while chunk k+1 downloads.
-        entry = manifest.files.get(name)
-        size = int(entry["bytes"]) if entry else 0
-        buf = bytearray(size + 1)  # one spare byte reveals a file longer than recorded
-        view = memoryview(buf)
-        h = hashlib.sha256()
-        got = 0
-        try:
-            with self.fs.open(self.join(name), "rb") as f, ThreadPoolExecutor(1) as pool:
-                pending = None
-                while got < len(buf):
-                    n = f.readinto(view[got:min(got + _CHUNK, len(buf))])
-                    if not n:
-                        break
-                    if pending is not None:
-                        pending.result()
-                    pending = pool.submit(h.update, view[got:got + n])
-                    got += n
-                if pending is not None:
-                    pending.result()
-                if got == len(buf):
-                    got += len(f.read())
-        except FileNotFoundError:
-            raise field_error(CheckpointError, self.uri(self.join(name)), "missing", "an existing file",
-                              "the version is incomplete; resume from another one") from None
-        manifest.verify_digest(name, got, h.hexdigest(), self.uri())
-        return view[:size].tobytes()
-
-    def listdir(self) -> list[str]:
-        self.fs.invalidate_cache(self.path)
-        try:
-            return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.path, detail=False)]
-        except FileNotFoundError:
-            return []
-
-
-def _write_local(path: str, data: bytes) -> None:
-    # Chunked so a kill mid-file leaves a short file (caught by size + sha256), fsync so a manifest never
-    # reaches disk before the bytes it describes.
-    view = memoryview(data)
-    with open(path, "wb") as f:
-        for i in range(0, len(view), _CHUNK):
-            f.write(view[i:i + _CHUNK])
-        f.flush()
-        os.fsync(f.fileno())
-
-
 class CheckpointStore:
     """Versions of one run under a root URL; one writer (rank 0) per run, any number of readers."""
 
@@ -164,14 +71,14 @@ class CheckpointStore:
         self.storage_options = dict(storage_options or {})
         fs, path = fsspec.core.url_to_fs(root, **self.storage_options)
         self.run, self.keep_last, self.keep_every = run, keep_last, keep_every
-        self._run = _Folder(fs, posixpath.join(path.rstrip("/"), run))
+        self._run = Folder(fs, posixpath.join(path.rstrip("/"), run))
 
     @property
     def uri(self) -> str:
         return self._run.uri()
 
-    def _version(self, step: int) -> _Folder:
-        return _Folder(self._run.fs, self._run.join(step_dirname(step)))
+    def _version(self, step: int) -> Folder:
+        return Folder(self._run.fs, self._run.join(step_dirname(step)))
 
     # ------------------------------------------------------------------------------------------ write
 
@@ -192,30 +99,36 @@ class CheckpointStore:
             folder.fs.rm(folder.path, recursive=True)
         payload = self._payload(weights, ema_weights, train_state, config, extra)
         files = {}
-        for name, data in payload.items():
-            files[name] = {"sha256": folder.write(name, data), "bytes": len(data)}
+        for name, pieces in payload.items():
+            digest, size = folder.write_pieces(name, pieces)
+            files[name] = {"sha256": digest, "bytes": size}
         manifest = Manifest(run=self.run, step=step, policy_version=policy_version, files=files,
                             meta=dict(meta or {}))
         folder.write(MANIFEST, manifest.to_json(), atomic=True)
         ref = CheckpointRef(uri=folder.uri(), run=self.run, step=step, policy_version=policy_version)
-        log.info("saved checkpoint %s (%.1f MB)", ref.uri, sum(len(d) for d in payload.values()) / 1e6)
+        log.info("saved checkpoint %s (%.1f MB)", ref.uri, sum(f["bytes"] for f in files.values()) / 1e6)
         if publish:
             self.publish(ref)
         return ref
 
     @staticmethod
-    def _payload(weights, ema_weights, train_state, config, extra) -> dict[str, bytes]:
-        out = {WEIGHTS: safetensors.torch.save(_contiguous(weights, "weights"))}
+    def _payload(weights, ema_weights, train_state, config, extra) -> dict[str, list[Piece]]:
+        """File name -> pieces; tensors are streamed from their own memory (no serialised copy)."""
+        def tensors(t: dict[str, Tensor], what: str) -> list[Piece]:
+            header, ordered = tensorfile.encode(_checked(t, what), {"format": "pt"})
+            return list(tensorfile.chunks(header, ordered))
+
+        out = {WEIGHTS: tensors(weights, "weights")}
         if ema_weights is not None:
-            out[EMA] = safetensors.torch.save(_contiguous(ema_weights, "ema_weights"))
+            out[EMA] = tensors(ema_weights, "ema_weights")
         if train_state is not None:
             buf = io.BytesIO()
             torch.save(train_state, buf)
-            out[TRAIN_STATE] = buf.getvalue()
+            out[TRAIN_STATE] = [buf.getvalue()]
         if config is not None:
-            out[CONFIG] = _to_json(config, "config")
+            out[CONFIG] = [_to_json(config, "config")]
         if extra:
-            out[EXTRA] = _to_json(extra, "extra")
+            out[EXTRA] = [_to_json(extra, "extra")]
         return out
 
     def publish(self, ref: CheckpointRef) -> None:
@@ -257,7 +170,7 @@ class CheckpointStore:
         steps = [parse_step_dirname(n) for n in self._run.listdir()]
         return sorted(s for s in steps if s is not None)
 
-    def _read_manifest(self, folder: _Folder) -> Manifest | None:
+    def _read_manifest(self, folder: Folder) -> Manifest | None:
         try:
             data = folder.fs.cat_file(folder.join(MANIFEST))
         except FileNotFoundError:
@@ -311,28 +224,19 @@ class CheckpointStore:
         return load_checkpoint(ref, storage_options=self.storage_options, train_state=train_state)
 
 
-def _contiguous(tensors: dict[str, Tensor], what: str) -> dict[str, Tensor]:
+def _checked(tensors: dict[str, Tensor], what: str) -> dict[str, Tensor]:
     bad = [k for k, v in tensors.items() if not isinstance(v, Tensor)]
     if bad or not tensors:
         raise field_error(ConfigError, what, bad or "{}", "a non-empty dict of tensors",
                           "pass the model's (trainable) state dict")
-    out: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for k, v in tensors.items():
-        t = v.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen and t.numel():
-            t = t.clone()  # safetensors refuses tensors that share storage (tied weights, views)
-        seen.add(t.untyped_storage().data_ptr())
-        out[k] = t
-    return out
+    return tensors
 
 
 def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | None = None,
                     train_state: bool = True) -> LoadedCheckpoint:
     """Read a version from its ref alone (what rollout/train tasks get); every file is checksum-verified."""
     fs, path = fsspec.core.url_to_fs(ref.uri, **(storage_options or {}))
-    folder = _Folder(fs, path.rstrip("/"))
+    folder = Folder(fs, path.rstrip("/"))
     try:
         raw = fs.cat_file(folder.join(MANIFEST))
     except FileNotFoundError:
@@ -340,7 +244,7 @@ def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | 
                           "the version is incomplete; resume from another one") from None
     manifest = Manifest.from_json(raw, folder.uri(folder.join(MANIFEST)))
 
-    def read(name: str) -> bytes | None:
+    def read(name: str) -> bytearray | None:
         return folder.read_verified(name, manifest) if name in manifest.files else None
 
     state = None
@@ -351,9 +255,11 @@ def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | 
         raise field_error(CheckpointError, folder.uri(), "no weights", WEIGHTS, "the version is foreign or damaged")
     ema_blob = read(EMA)
     config_blob, extra_blob = read(CONFIG), read(EXTRA)
+    where = folder.uri()
     return LoadedCheckpoint(
-        ref=ref, manifest=manifest, weights=safetensors.torch.load(weights_blob),
-        ema_weights=safetensors.torch.load(ema_blob) if ema_blob is not None else None, train_state=state,
+        ref=ref, manifest=manifest, weights=tensorfile.decode(weights_blob, f"{where}/{WEIGHTS}"),
+        ema_weights=tensorfile.decode(ema_blob, f"{where}/{EMA}") if ema_blob is not None else None,
+        train_state=state,
         config=json.loads(config_blob) if config_blob is not None else None,
         extra=json.loads(extra_blob) if extra_blob is not None else {})
 
@@ -362,11 +268,12 @@ def load_weights(ref: CheckpointRef, *, storage_options: dict[str, object] | Non
                  ema: bool = False) -> dict[str, Tensor]:
     """Only the (EMA) weights of a version, verified: what a rollout engine needs after publish."""
     fs, path = fsspec.core.url_to_fs(ref.uri, **(storage_options or {}))
-    folder = _Folder(fs, path.rstrip("/"))
+    folder = Folder(fs, path.rstrip("/"))
     try:
         raw = fs.cat_file(folder.join(MANIFEST))
     except FileNotFoundError:
         raise field_error(CheckpointError, folder.uri(folder.join(MANIFEST)), "missing", "a manifest",
                           "the version is incomplete; resume from another one") from None
     manifest = Manifest.from_json(raw, folder.uri(folder.join(MANIFEST)))
-    return safetensors.torch.load(folder.read_verified(EMA if ema else WEIGHTS, manifest))
+    name = EMA if ema else WEIGHTS
+    return tensorfile.decode(folder.read_verified(name, manifest), f"{folder.uri()}/{name}")

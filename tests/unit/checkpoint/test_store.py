@@ -174,3 +174,20 @@ def test_tied_weights_are_saved(tmp_path):
     save(store, 1, weights={"embed": w, "head": w})
     got = store.load().weights
     assert torch.equal(got["embed"], w) and torch.equal(got["head"], w)
+
+
+def test_failed_overwrite_keeps_the_old_version(tmp_path):
+    store = CheckpointStore(str(tmp_path), "r")
+    save(store, 1)
+    with pytest.raises(ConfigError):
+        save(store, 1, config={"bad": object()}, overwrite=True)
+    assert torch.equal(store.load().weights["a.lora_A.weight"], tensors(1)["a.lora_A.weight"])
+
+
+def test_ema_weights_alone_and_missing_ema_is_named(tmp_path):
+    store = CheckpointStore(str(tmp_path), "r")
+    ref = save(store, 1, ema_weights=tensors(7))
+    assert torch.equal(load_weights(ref, ema=True)["c.ids"], tensors(7)["c.ids"])
+    ref2 = save(store, 2)
+    with pytest.raises(CheckpointError, match="ema.safetensors"):
+        load_weights(ref2, ema=True)

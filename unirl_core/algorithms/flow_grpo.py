@@ -17,6 +17,7 @@ from unirl_core.algorithms.base import LossOutput, OldLogpSource, Policy
 from unirl_core.errors import ConfigError, InvariantError, NumericsError, field_error
 from unirl_core.models.diffusion import stack_conditions
 from unirl_core.sde.noise import stable_seed
+from unirl_core.sde.kernels import schedule_coefficients
 from unirl_core.sde.trajectory import denoise_step
 from unirl_core.sde.window import select_train_steps
 from unirl_core.types import DiffusionSamplingParams, DiffusionSegment, Part, SampleBatch
@@ -180,6 +181,7 @@ class FlowGRPO:
         device = policy.device
         size = self.config.replay_batch_size or len(parts)
         sig = segs[0].sigmas.to(device)
+        coefs = schedule_coefficients(sampling.sde_type, sig, noise_level=sampling.noise_level)
         lps, kls = [], []
         for lo in range(0, len(parts), size):
             chunk = range(lo, min(lo + size, len(parts)))
@@ -194,7 +196,7 @@ class FlowGRPO:
             lp_cols, kl_cols = [], []
             for k in steps:
                 kw = dict(sde_type=sampling.sde_type, noise_level=sampling.noise_level, sde_mask_k=smask[:, k],
-                          trajectory_dtype=lat.dtype, prev_sample=lat[:, k + 1])
+                          trajectory_dtype=lat.dtype, prev_sample=lat[:, k + 1], coefficients=coefs)
                 out = denoise_step(vel, lat[:, k].float(), k, sig, **kw)
                 lp_cols.append(out.log_prob)
                 if with_kl:

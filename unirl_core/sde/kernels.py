@@ -51,60 +51,95 @@ def ode_mean(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Te
     return sample.float() + (sigma_next - sigma) * model_output.float()
 
 
+def flow_coefficients(sigma: Tensor, sigma_next: Tensor, *, noise_level: float,
+                      sigma_cap: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Flow-GRPO SDE (Liu et al. 2025): ``x' = x + [v + s_t^2/(2s) (x + (1-s) v)] dt + s_t sqrt(-dt) eps``.
+
+    ``s_t = a sqrt(s / (1 - s))``. ``sigma_cap`` replaces ``sigma`` in ``1 - sigma`` where
+    ``sigma == 1`` (the first step of a shifted schedule), where the diffusion coefficient would be
+    infinite; Flow-GRPO uses the schedule's second sigma there. Returns ``(a, b, std)`` with
+    ``mean = a x + b v``; sigmas may be 0-d (one step) or ``[T]`` (a whole schedule).
+    """
+    dt = sigma_next - sigma  # negative
+    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma >= 1, sigma_cap, sigma)))
+    drift = std_t ** 2 / (2 * sigma) * dt
+    return 1 + drift, dt + drift * (1 - sigma), std_t * torch.sqrt(-dt)
+
+
+def dance_coefficients(sigma: Tensor, sigma_next: Tensor, *, noise_level: float) -> tuple[Tensor, Tensor, Tensor]:
+    """DanceGRPO SDE (Xue et al. 2025): ``x' = x + [v - eta^2/2 score] ds + eta sqrt(s - s') eps``.
+
+    With ``x0 = x - s v`` the score ``-(x - (1-s) x0) / s^2`` is ``-(x + (1-s) v) / s``, so the mean is
+    linear in ``x`` and ``v``: ``(a, b, std)`` with ``mean = a x + b v``.
+    """
+    ds = sigma_next - sigma
+    half = 0.5 * noise_level ** 2 * ds / sigma
+    return 1 + half, ds + half * (1 - sigma), noise_level * torch.sqrt(sigma - sigma_next)
+
+
+def cps_coefficients(sigma: Tensor, sigma_next: Tensor, *, noise_level: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Coefficients-preserving sampling (Wang & Yu 2025): ``x' = (1 - s') x0 + sqrt(s'^2 - std^2) eps_hat + std eps``.
+
+    ``x0 = x - s v``, ``eps_hat = x + (1 - s) v``, ``std = s' sin(noise_level pi / 2)``: the next state
+    keeps the form ``(1 - s') x0 + s' eps`` exactly. Deterministic at ``s' = 0``.
+    """
+    std = sigma_next * math.sin(noise_level * math.pi / 2)
+    c = torch.sqrt(sigma_next ** 2 - std ** 2)
+    return (1 - sigma_next) + c, -sigma * (1 - sigma_next) + c * (1 - sigma), std
+
+
+def kernel_coefficients(sde_type: SDEType, sigma: Tensor, sigma_next: Tensor, *, noise_level: float,
+                        sigma_cap: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(a, b, std)`` of the kernel named by ``sde_type``: ``x_next ~ N(a x + b v, std^2)`` (``ode``: std 0)."""
+    if sde_type == "flow":
+        return flow_coefficients(sigma, sigma_next, noise_level=noise_level, sigma_cap=sigma_cap)
+    if sde_type == "dance":
+        return dance_coefficients(sigma, sigma_next, noise_level=noise_level)
+    if sde_type == "cps":
+        return cps_coefficients(sigma, sigma_next, noise_level=noise_level)
+    if sde_type == "ode":
+        return torch.ones_like(sigma), sigma_next - sigma, torch.zeros_like(sigma)
+    raise field_error(ConfigError, "sde_type", sde_type, f"one of {SDE_TYPES}", "pick a supported kernel")
+
+
+def schedule_coefficients(sde_type: SDEType, sigmas: Tensor, *, noise_level: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Kernel coefficients of every step of a ``[T+1]`` schedule at once: three ``[T]`` fp32 tensors.
+
+    Rollout and replay both take step k's coefficients from here, so both use the same numbers.
+    """
+    return kernel_coefficients(sde_type, sigmas[:-1], sigmas[1:], noise_level=noise_level, sigma_cap=sigmas[1])
+
+
+def _linear_mean(a: Tensor, b: Tensor, model_output: Tensor, sample: Tensor) -> Tensor:
+    return a * sample.float() + b * model_output.float()
+
+
 def flow_mean_std(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
                   noise_level: float, sigma_cap: Tensor) -> tuple[Tensor, Tensor]:
-    """Flow-GRPO SDE (Liu et al. 2025, eq. 9): marginal-preserving SDE with ``sigma_t = a sqrt(s / (1 - s))``.
-
-    ``sigma_cap`` replaces ``sigma`` in ``1 - sigma`` when ``sigma == 1`` (the first step of a
-    shifted schedule), where the diffusion coefficient would be infinite; Flow-GRPO uses the
-    schedule's second sigma there.
-    """
-    v, x = model_output.float(), sample.float()
-    dt = sigma_next - sigma                                   # negative
-    denom = 1 - torch.where(sigma >= 1, sigma_cap, sigma)
-    std_t = noise_level * torch.sqrt(sigma / denom)
-    mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
-    return mean, std_t * torch.sqrt(-dt)
+    """Mean and std of the Flow-GRPO kernel (see ``flow_coefficients``)."""
+    a, b, std = flow_coefficients(sigma, sigma_next, noise_level=noise_level, sigma_cap=sigma_cap)
+    return _linear_mean(a, b, model_output, sample), std
 
 
 def dance_mean_std(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
                    noise_level: float) -> tuple[Tensor, Tensor]:
-    """DanceGRPO SDE (Xue et al. 2025): Euler drift plus a score correction, ``std = eta sqrt(sigma - sigma_next)``."""
-    v, x = model_output.float(), sample.float()
-    dsigma = sigma_next - sigma
-    x0 = x - sigma * v
-    score = -(x - x0 * (1 - sigma)) / sigma ** 2
-    mean = x + dsigma * v - 0.5 * noise_level ** 2 * score * dsigma
-    return mean, noise_level * torch.sqrt(sigma - sigma_next)
+    """Mean and std of the DanceGRPO kernel (see ``dance_coefficients``)."""
+    a, b, std = dance_coefficients(sigma, sigma_next, noise_level=noise_level)
+    return _linear_mean(a, b, model_output, sample), std
 
 
 def cps_mean_std(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
                  noise_level: float) -> tuple[Tensor, Tensor]:
-    """Coefficients-preserving sampling (Wang & Yu 2025): keeps ``x_next = (1 - s') x0 + s' eps`` exactly.
-
-    ``std = sigma_next * sin(noise_level * pi / 2)``; the remaining noise share is the model's own
-    noise estimate. At ``sigma_next = 0`` the step is deterministic (std 0).
-    """
-    v, x = model_output.float(), sample.float()
-    std = sigma_next * math.sin(noise_level * math.pi / 2)
-    x0 = x - sigma * v
-    eps = x + (1 - sigma) * v
-    mean = x0 * (1 - sigma_next) + eps * torch.sqrt(sigma_next ** 2 - std ** 2)
-    return mean, std
+    """Mean and std of the CPS kernel (see ``cps_coefficients``)."""
+    a, b, std = cps_coefficients(sigma, sigma_next, noise_level=noise_level)
+    return _linear_mean(a, b, model_output, sample), std
 
 
 def kernel_mean_std(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
                     noise_level: float, sigma_cap: Tensor) -> tuple[Tensor, Tensor]:
-    """Dispatch to the kernel named by ``sde_type`` (``ode`` returns std 0)."""
-    if sde_type == "flow":
-        return flow_mean_std(model_output, sample, sigma, sigma_next, noise_level=noise_level, sigma_cap=sigma_cap)
-    if sde_type == "dance":
-        return dance_mean_std(model_output, sample, sigma, sigma_next, noise_level=noise_level)
-    if sde_type == "cps":
-        return cps_mean_std(model_output, sample, sigma, sigma_next, noise_level=noise_level)
-    if sde_type == "ode":
-        return ode_mean(model_output, sample, sigma, sigma_next), torch.zeros_like(sigma)
-    raise field_error(ConfigError, "sde_type", sde_type, f"one of {SDE_TYPES}", "pick a supported kernel")
+    """Mean and std of the kernel named by ``sde_type`` (``ode`` returns std 0)."""
+    a, b, std = kernel_coefficients(sde_type, sigma, sigma_next, noise_level=noise_level, sigma_cap=sigma_cap)
+    return _linear_mean(a, b, model_output, sample), std
 
 
 def step_is_stochastic(sde_type: SDEType, noise_level: float, sigma_next: float) -> bool:
@@ -116,12 +151,14 @@ def step_is_stochastic(sde_type: SDEType, noise_level: float, sigma_next: float)
 
 def transition(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
                sde_mask: Tensor, noise_level: float, sigma_cap: Tensor, trajectory_dtype: torch.dtype,
-               noise: Tensor | None = None, prev_sample: Tensor | None = None) -> StepOutput:
+               noise: Tensor | None = None, prev_sample: Tensor | None = None,
+               coefficients: tuple[Tensor, Tensor, Tensor] | None = None) -> StepOutput:
     """One step for a batch: SDE where ``sde_mask[b]``, Euler ODE elsewhere.
 
     Rollout passes ``noise`` ([B, C, H, W], any float dtype) and gets a new ``prev_sample``; replay
     passes the stored ``prev_sample`` and gets its log-prob. Either way the log-prob is taken of the
     state as stored (rounded to ``trajectory_dtype``), so rollout and replay see the same numbers.
+    ``coefficients``: this step's ``(a, b, std)`` from ``schedule_coefficients`` (computed here when None).
     """
     if (noise is None) == (prev_sample is None):
         raise field_error(InvariantError, "transition(noise, prev_sample)", (noise is None, prev_sample is None),
@@ -137,8 +174,11 @@ def transition(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: T
     else:
         # Where a sample is masked out, torch.where picks the Euler values; the selected values are
         # bitwise the same as on the all-SDE path, so slicing never changes a sample's numbers.
-        mean, sde_std = kernel_mean_std(sde_type, model_output, sample, sigma, sigma_next,
-                                        noise_level=noise_level, sigma_cap=sigma_cap)
+        if coefficients is None:
+            coefficients = kernel_coefficients(sde_type, sigma, sigma_next, noise_level=noise_level,
+                                               sigma_cap=sigma_cap)
+        a, b, sde_std = coefficients
+        mean = _linear_mean(a, b, model_output, sample)
         std = torch.as_tensor(sde_std, dtype=torch.float32, device=mean.device).expand(mask_shape)
         if not all_sde:
             mask = sde_mask.to(device=sample.device, dtype=torch.bool).view(mask_shape)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from unirl_core.sde.kernels import StepOutput, transition
+from unirl_core.sde.kernels import StepOutput, schedule_coefficients, transition
 from unirl_core.types.sampling import SDEType
 
 VelocityFn = Callable[[Tensor, Tensor], Tensor]
@@ -24,15 +24,20 @@ VelocityFn = Callable[[Tensor, Tensor], Tensor]
 
 def denoise_step(velocity_fn: VelocityFn, x: Tensor, k: int, sigmas: Tensor, *, sde_type: SDEType,
                  noise_level: float, sde_mask_k: Tensor, trajectory_dtype: torch.dtype,
-                 noise: Tensor | None = None, prev_sample: Tensor | None = None) -> StepOutput:
+                 noise: Tensor | None = None, prev_sample: Tensor | None = None,
+                 coefficients: tuple[Tensor, Tensor, Tensor] | None = None) -> StepOutput:
     """Step ``k`` from ``x`` (fp32 holding trajectory-dtype values); ``sigmas`` is the ``[T+1]`` fp32 schedule.
 
-    The Flow-GRPO kernel's ``sigma == 1`` guard uses ``sigmas[1]``, as the reference implementation does.
+    ``coefficients``: ``schedule_coefficients(sde_type, sigmas, ...)`` (``[T]`` each), computed once
+    per trajectory by the caller; rollout and replay must both pass them or both not. The Flow-GRPO
+    kernel's ``sigma == 1`` guard uses ``sigmas[1]``, as the reference implementation does.
     """
     sigma, sigma_next = sigmas[k], sigmas[k + 1]
     v = velocity_fn(x, sigma)
+    step_coefs = None if coefficients is None else (coefficients[0][k], coefficients[1][k], coefficients[2][k])
     return transition(sde_type, v, x, sigma, sigma_next, sde_mask=sde_mask_k, noise_level=noise_level,
-                      sigma_cap=sigmas[1], trajectory_dtype=trajectory_dtype, noise=noise, prev_sample=prev_sample)
+                      sigma_cap=sigmas[1], trajectory_dtype=trajectory_dtype, noise=noise, prev_sample=prev_sample,
+                      coefficients=step_coefs)
 
 
 @dataclass
@@ -64,6 +69,7 @@ def sample_trajectory(velocity_fn: VelocityFn, x_T: Tensor, sigmas: Tensor, *, s
     latents[0] = x_T.to(trajectory_dtype)
     x = latents[0].float()
     zeros = None
+    coefs = schedule_coefficients(sde_type, sigmas, noise_level=noise_level)
     for k in range(steps):
         mask_k = sde_mask[:, k]
         if bool(mask_k.any()):
@@ -72,7 +78,7 @@ def sample_trajectory(velocity_fn: VelocityFn, x_T: Tensor, sigmas: Tensor, *, s
             zeros = torch.zeros_like(x) if zeros is None else zeros
             noise = zeros
         out = denoise_step(velocity_fn, x, k, sigmas, sde_type=sde_type, noise_level=noise_level, sde_mask_k=mask_k,
-                           trajectory_dtype=trajectory_dtype, noise=noise)
+                           trajectory_dtype=trajectory_dtype, noise=noise, coefficients=coefs)
         used[k] = sigmas[k]
         latents[k + 1] = out.prev_sample.to(trajectory_dtype)
         log_probs[k] = out.log_prob

@@ -116,3 +116,15 @@ def test_transition_needs_exactly_one_of_noise_or_prev():
     with pytest.raises(InvariantError):
         transition("flow", v, x, _t(SIGMA), _t(SIGMA_NEXT), sde_mask=torch.ones(3, dtype=torch.bool),
                    noise_level=A, sigma_cap=_t(0.9), trajectory_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["flow", "dance", "cps", "ode"])
+def test_schedule_coefficients_equal_per_step_bitwise(kind):
+    from unirl_core.sde import flow_sigmas, kernel_coefficients, schedule_coefficients, sigmas_tensor
+
+    sig = sigmas_tensor(flow_sigmas(num_steps=10))
+    table = schedule_coefficients(kind, sig, noise_level=A)
+    for k in range(10):
+        one = kernel_coefficients(kind, sig[k], sig[k + 1], noise_level=A, sigma_cap=sig[1])
+        for col, val in zip(table, one):
+            assert torch.equal(torch.as_tensor(col[k]), torch.as_tensor(val)), (kind, k)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 from flytekit import task
 
 from images import train_image
-from tasks.common import DECK, CACHE_VERSION, CPU_TASK, SMALL_TIMEOUT, deck, phase
+from tasks.common import CACHE_VERSION, CPU_TASK, DECK, SMALL_TIMEOUT, deck, phase
 from tasks.types import HashedSampleBatch
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config import RunConfig

@@ -12,7 +12,6 @@ from datetime import timedelta
 
 import flytekit
 from flytekit import Deck, Resources
-from flytekit.deck import DeckField
 from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.extras.accelerators import H100, H200
 
@@ -50,9 +49,10 @@ REWARD_TIMEOUT = timedelta(minutes=45)
 TRAIN_TIMEOUT = timedelta(hours=4)
 SMALL_TIMEOUT = timedelta(minutes=20)
 
-# Failures worth a retry: IO and timeouts (a reward server restarting, S3 hiccups, a node going away).
-# Library errors that mean "this input cannot work" (ConfigError, NumericsError, SchemaError) are not.
-TRANSIENT = (TimeoutError, ConnectionError, OSError)
+# Failures worth a retry: timeouts, dropped connections and generic IO errors (a reward server restarting,
+# S3 hiccups, a node going away). Missing files and library errors that mean "this input cannot work"
+# (ConfigError, NumericsError, SchemaError, CheckpointError) are not.
+TRANSIENT = (TimeoutError, ConnectionError)
 
 
 def progress_logger() -> logging.Logger:
@@ -71,11 +71,12 @@ def progress_logger() -> logging.Logger:
 
 def is_transient(e: BaseException) -> bool:
     """True for failures a retry can fix: IO errors and timeouts anywhere in the cause chain, and the reward
-    client's give-up after its own retries (RewardClient raises it without a cause; its message is pinned by
+    client's give-up after its own retries (RemoteRewardClient raises it without a cause; its message is pinned by
     tests/flyte/test_tasks.py::test_reward_server_timeout_is_recoverable)."""
     seen = e
     while seen is not None:
-        if isinstance(seen, TRANSIENT) or (isinstance(seen, RewardError) and "attempts (last:" in str(seen)):
+        if isinstance(seen, TRANSIENT) or type(seen) is OSError or (
+                isinstance(seen, RewardError) and "attempts (last:" in str(seen)):
             return True
         seen = seen.__cause__ or seen.__context__
     return False

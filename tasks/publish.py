@@ -8,7 +8,7 @@ from typing import NamedTuple
 from flytekit import task
 
 from images import train_image
-from tasks.common import DECK, CPU_TASK, SMALL_TIMEOUT, deck, phase
+from tasks.common import CPU_TASK, DECK, SMALL_TIMEOUT, deck, phase
 from tasks.run_types import HashedCheckpointRef, use_storage_options
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config import RunConfig

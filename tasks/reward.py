@@ -7,7 +7,7 @@ from typing import NamedTuple
 from flytekit import task
 
 from images import reward_image
-from tasks.common import DECK, CACHE_VERSION, DEFAULT_ACCELERATOR, GPU_TASK, REWARD_TIMEOUT, deck, phase
+from tasks.common import CACHE_VERSION, DECK, DEFAULT_ACCELERATOR, GPU_TASK, REWARD_TIMEOUT, deck, phase
 from tasks.types import HashedSampleBatch
 from unirl_core.config import RunConfig
 from unirl_core.report.phase_html import reward_html

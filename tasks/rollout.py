@@ -8,8 +8,17 @@ from typing import NamedTuple
 from flytekit import task
 
 from images import rollout_image, train_image
-from tasks.common import DECK, CACHE_VERSION, CPU_TASK, DEFAULT_ACCELERATOR, GPU_TASK, ROLLOUT_TIMEOUT, SMALL_TIMEOUT, \
-    deck, phase
+from tasks.common import (
+    CACHE_VERSION,
+    CPU_TASK,
+    DECK,
+    DEFAULT_ACCELERATOR,
+    GPU_TASK,
+    ROLLOUT_TIMEOUT,
+    SMALL_TIMEOUT,
+    deck,
+    phase,
+)
 from tasks.types import HashedSampleBatch
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config import RunConfig

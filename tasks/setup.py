@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import html
+import json
 import uuid
 from typing import NamedTuple
 
 from flytekit import task
 
 from images import train_image
-from tasks.common import DECK, CPU_TASK, SMALL_TIMEOUT, deck, phase, session_id
+from tasks.common import CPU_TASK, DECK, SMALL_TIMEOUT, deck, phase, session_id
+from tasks.report import run_report
 from tasks.run_types import ClusterConfig, HashedCheckpointRef, load_run_config, use_storage_options
 from unirl_core.config import RunConfig, to_dict
 from unirl_core.report.phase_html import metrics_table
-from unirl_core.report.run_report import RunReport
 
 if train_image.is_container():
     from unirl_core.loop import phases
@@ -28,7 +31,8 @@ class Setup(NamedTuple):
 def setup_task(recipe: str, overrides: list[str]) -> Setup:
     """Load and validate the recipe with its overrides (a bad override fails here, before any GPU starts)."""
     cfg, cluster = load_run_config(recipe, overrides)
-    deck("config", f"<pre>{to_dict(cfg)}</pre>" + metrics_table(cluster.__dict__, "cluster"))
+    deck("config", f"<pre>{html.escape(json.dumps(to_dict(cfg), indent=1, sort_keys=True))}</pre>"
+         + metrics_table(dataclasses.asdict(cluster), "cluster"))
     # local executions all share the execution name 'local': add a random suffix so step times of two
     # local sessions of one run are never mixed up in the progress line
     return Setup(cfg=cfg, cluster=cluster, session=f"{session_id()}-{uuid.uuid4().hex[:8]}")
@@ -41,7 +45,6 @@ def init_task(cfg: RunConfig, resume: str) -> HashedCheckpointRef:
     timings: dict[str, float] = {}
     with phase("init", timings):
         ckpt = phases.init_run(cfg, resume_from=resume)
-    report = RunReport(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}", storage_options=cfg.checkpoint.storage_options)
-    report.write_config(to_dict(cfg))
+    run_report(cfg).write_config(to_dict(cfg))
     use_storage_options(cfg)
     return ckpt

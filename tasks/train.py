@@ -17,15 +17,10 @@ from flytekitplugins.kfpytorch import Elastic
 from images import train_image
 from tasks.common import DECK, DEFAULT_ACCELERATOR, GPU_TASK, TRAIN_TIMEOUT, deck, phase
 from tasks.run_types import HashedCheckpointRef, use_storage_options
-from tasks.types import HashedSampleBatch  # noqa: F401  (registers the SampleBatch transformer)
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config import RunConfig
 from unirl_core.report.phase_html import train_html
 from unirl_core.types import SampleBatch
-
-if train_image.is_container():
-    from unirl_core.loop import phases
-    from unirl_core.train.distributed import init_distributed
 
 
 class Trained(NamedTuple):
@@ -34,6 +29,11 @@ class Trained(NamedTuple):
 
 
 def _train(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, step: int) -> Trained:
+    # imported here, not behind ImageSpec.is_container(): torch elastic's spawned workers run in task-execution
+    # mode without the image id in their environment, so the guard would skip the import there
+    from unirl_core.loop import phases
+    from unirl_core.train.distributed import init_distributed
+
     metrics: dict[str, float] = {}
     init_distributed()  # joins the group torch elastic describes in the env; no-op at world size 1
     with phase("train", metrics):

@@ -7,7 +7,7 @@ conditions with a trivial loss, and ``backward``. Result: throughput ratio ours 
 
 Presets (see bench_diffusion_rollout.py for the models):
   tiny   CPU, tiny SD3 preset, LoRA, 64 px, 10 steps all trained, micro-batch 8, fp32.
-  sd35m  SD3.5-Medium-shaped transformer, LoRA, bf16, 512 px, 10 steps of which 1 trained
+  sd35m  SD3.5-Medium-shaped transformer, full fine-tune (no peft needed), bf16, 512 px, 10 steps of which 1 trained
          (the graph of every trained step is kept until backward), micro-batches 4 and 8.
 
   OMP_NUM_THREADS=1 python benchmarks/bench_diffusion_replay.py --preset tiny
@@ -44,8 +44,9 @@ from unirl_core.types import (  # noqa: E402
 )
 
 PRESETS = {
-    "tiny": dict(height=64, steps=10, train_steps=10, sizes=(8,), dtype="float32", repeats=21),
-    "sd35m": dict(height=512, steps=10, train_steps=1, sizes=(4, 8), dtype="bfloat16", repeats=3),
+    "tiny": dict(height=64, steps=10, train_steps=10, sizes=(8,), dtype="float32", repeats=21, finetune="lora"),
+    # full fine-tune by default so the GPU run needs no peft (torch + transformers + diffusers only)
+    "sd35m": dict(height=512, steps=10, train_steps=1, sizes=(4, 8), dtype="bfloat16", repeats=3, finetune="full"),
 }
 
 
@@ -97,7 +98,7 @@ def main() -> None:
     ap.add_argument("--sizes", default=None, help="comma-separated micro-batch sizes (default: the preset's)")
     ap.add_argument("--train-steps", type=int, default=None, help="trained steps per micro-batch")
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--finetune", choices=("lora", "full"), default="lora")
+    ap.add_argument("--finetune", choices=("lora", "full"), default=None, help="default: the preset's")
     ap.add_argument("--guidance", type=float, default=4.5)
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (both sides: same module)")
     ap.add_argument("--layers", type=int, default=None, help="sd35m only: fewer layers (CPU smoke test)")
@@ -106,6 +107,7 @@ def main() -> None:
     p = dict(PRESETS[args.preset])
     if args.height:
         p["height"] = args.height
+    args.finetune = args.finetune or p["finetune"]
     train_steps, repeats = args.train_steps or p["train_steps"], args.repeats or p["repeats"]
     sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else p["sizes"]
     if args.device == "cpu":
@@ -125,9 +127,10 @@ def main() -> None:
         assert len(chosen) == train_steps, chosen
         t_plain, t_ours, ratio = timed_pair(lambda: plain_fwd_bwd(bundle, mb, chosen, args.guidance),
                                             lambda: ours_fwd_bwd(bundle, algo, mb), args.device, repeats)
-        rows.append([args.preset, args.finetune + ("+ckpt" if args.grad_ckpt else ""), b, train_steps, f"{t_plain * 1e3:.1f}", f"{t_ours * 1e3:.1f}",
-                     f"{ratio:.3f}"])
-        data.append({"preset": args.preset, "finetune": args.finetune, "grad_ckpt": args.grad_ckpt, "micro_batch": b, "trained_steps": train_steps,
+        rows.append([args.preset, args.finetune + ("+ckpt" if args.grad_ckpt else ""), b, train_steps,
+                     f"{t_plain * 1e3:.1f}", f"{t_ours * 1e3:.1f}", f"{ratio:.3f}"])
+        data.append({"preset": args.preset, "finetune": args.finetune, "grad_ckpt": args.grad_ckpt, "micro_batch": b,
+                     "trained_steps": train_steps,
                      "height": p["height"], "dtype": p["dtype"], "device": args.device, "plain_s": t_plain,
                      "ours_s": t_ours, "ratio": ratio})
         del mb

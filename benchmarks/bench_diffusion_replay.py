@@ -29,11 +29,12 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_diffusion_rollout import build, conditions, ours as rollout_slice, sync, timed_pair  # noqa: E402
+from bench_diffusion_rollout import build, conditions, sync, timed_pair  # noqa: E402
+from bench_diffusion_rollout import ours as rollout_slice
 from common import report  # noqa: E402
 
 from unirl_core.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig  # noqa: E402
-from unirl_core.sde import flow_sigmas, initial_noise, select_train_steps  # noqa: E402
+from unirl_core.sde import flow_sigmas, initial_noise  # noqa: E402
 from unirl_core.types import (  # noqa: E402
     DiffusionSamplingParams,
     DiffusionSegment,
@@ -125,15 +126,14 @@ def main() -> None:
         algo = FlowGRPO(FlowGRPOConfig(replay_batch_size=b, timestep_fraction=train_steps / steps))
         chosen = algo._train_steps(mb, [q.segment for q in mb.generated])
         assert len(chosen) == train_steps, chosen
-        t_plain, t_ours, ratio = timed_pair(lambda: plain_fwd_bwd(bundle, mb, chosen, args.guidance),
-                                            lambda: ours_fwd_bwd(bundle, algo, mb), args.device, repeats)
+        t_plain, t_ours, ratio = timed_pair(lambda mb=mb, chosen=chosen: plain_fwd_bwd(bundle, mb, chosen, args.guidance),
+                                            lambda mb=mb, algo=algo: ours_fwd_bwd(bundle, algo, mb), args.device, repeats)
         rows.append([args.preset, args.finetune + ("+ckpt" if args.grad_ckpt else ""), b, train_steps,
                      f"{t_plain * 1e3:.1f}", f"{t_ours * 1e3:.1f}", f"{ratio:.3f}"])
         data.append({"preset": args.preset, "finetune": args.finetune, "grad_ckpt": args.grad_ckpt, "micro_batch": b,
                      "trained_steps": train_steps,
                      "height": p["height"], "dtype": p["dtype"], "device": args.device, "plain_s": t_plain,
                      "ours_s": t_ours, "ratio": ratio})
-        del mb
     sync(args.device)
     name = f"bench_diffusion_replay_{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:

@@ -166,14 +166,14 @@ def main() -> None:
     for b in sizes:
         conds = conditions(bundle, args.preset, b)
         x_T = initial_noise(recipe, ["g"] * b, bundle.latent_shape(p["height"], p["height"]))
-        t_plain, t_ours, ratio = timed_pair(lambda: plain_loop(bundle, conds, x_T, steps, args.guidance),
-                                            lambda: ours(bundle, conds, x_T, sampling, recipe), args.device, repeats)
+        t_plain, t_ours, ratio = timed_pair(lambda c=conds, x=x_T: plain_loop(bundle, c, x, steps, args.guidance),
+                                            lambda c=conds, x=x_T: ours(bundle, c, x, sampling, recipe), args.device,
+                                            repeats)
         ips_plain, ips_ours = b * steps / t_plain, b * steps / t_ours
         rows.append([args.preset, b, steps, f"{ips_plain:.1f}", f"{ips_ours:.1f}", f"{ratio:.3f}"])
         data.append({"preset": args.preset, "batch": b, "steps": steps, "height": p["height"], "dtype": p["dtype"],
                      "device": args.device, "plain_image_steps_per_s": ips_plain, "ours_image_steps_per_s": ips_ours,
                      "ratio": ratio, "plain_s": t_plain, "ours_s": t_ours})
-        del conds
     name = f"bench_diffusion_rollout_{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
         name += "_smoke"

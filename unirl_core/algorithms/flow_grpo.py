@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from unirl_core.algorithms.base import LossOutput, OldLogpSource, Policy
 from unirl_core.errors import ConfigError, InvariantError, NumericsError, field_error
 from unirl_core.models.diffusion import stack_conditions
-from unirl_core.sde.noise import stable_seed
 from unirl_core.sde.kernels import schedule_coefficients
+from unirl_core.sde.noise import stable_seed
 from unirl_core.sde.trajectory import denoise_step
 from unirl_core.sde.window import select_train_steps
 from unirl_core.types import DiffusionSamplingParams, DiffusionSegment, Part, SampleBatch

@@ -332,9 +332,8 @@ def _load_pipeline(config: DiffusionModelConfig):
     if config.source in ("tiny-flux", "tiny-flux-guidance"):
         return diffusion_tiny.tiny_flux_pipeline(seed=config.seed,
                                                  guidance_embeds=config.source == "tiny-flux-guidance"), "flux"
-    from diffusers import DiffusionPipeline
-
     import diffusers
+    from diffusers import DiffusionPipeline
     from packaging.version import Version
 
     # diffusers renamed torch_dtype to dtype (0.42); older releases only know torch_dtype.

@@ -112,7 +112,7 @@ def test_transition_rollout_then_replay_is_bitwise_and_rounded(kind):
 
 
 def test_transition_needs_exactly_one_of_noise_or_prev():
-    v, x, eps = _inputs(5)
+    v, x, _ = _inputs(5)
     with pytest.raises(InvariantError):
         transition("flow", v, x, _t(SIGMA), _t(SIGMA_NEXT), sde_mask=torch.ones(3, dtype=torch.bool),
                    noise_level=A, sigma_cap=_t(0.9), trajectory_dtype=torch.float32)

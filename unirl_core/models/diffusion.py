@@ -36,9 +36,11 @@ LORA_TARGETS: dict[str, tuple[str, ...]] = {
     # Joint-attention projections of both streams (the Flow-GRPO SD3 choice).
     "sd3": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"),
-    # Double blocks have both streams; single blocks only to_q/k/v plus their fused MLP in/out.
+    # Double blocks: both attention streams and both MLPs; single blocks: to_q/k/v (same names) and
+    # their MLP input. Not "proj_out": that name also matches the model's final output layer.
     "flux": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "proj_mlp", "proj_out"),
+             "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+             "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"),
 }
 _PIPELINE_FAMILY = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 COND_KEYS = ("prompt_embeds", "pooled_prompt_embeds")

@@ -126,23 +126,32 @@ def main() -> None:
         algo = FlowGRPO(FlowGRPOConfig(replay_batch_size=b, timestep_fraction=train_steps / steps))
         chosen = algo._train_steps(mb, [q.segment for q in mb.generated])
         assert len(chosen) == train_steps, chosen
+        # No optimizer step ever runs here, so every loss call is a "first update": the exactness
+        # contract says ratio exactly 1 and |logp_rollout - logp_replay| exactly 0, on this device too.
+        exact = algo.loss(bundle, mb, old_log_probs=None).metrics
+        bundle.module.zero_grad(set_to_none=True)
         t_plain, t_ours, ratio = timed_pair(lambda mb=mb, chosen=chosen: plain_fwd_bwd(bundle, mb, chosen, args.guidance),
                                             lambda mb=mb, algo=algo: ours_fwd_bwd(bundle, algo, mb), args.device, repeats)
         rows.append([args.preset, args.finetune + ("+ckpt" if args.grad_ckpt else ""), b, train_steps,
-                     f"{t_plain * 1e3:.1f}", f"{t_ours * 1e3:.1f}", f"{ratio:.3f}"])
+                     f"{t_plain * 1e3:.1f}", f"{t_ours * 1e3:.1f}", f"{ratio:.3f}",
+                     f"{exact['ratio_min']:.9g}..{exact['ratio_max']:.9g}", f"{exact['logp_absdiff_max']:.3g}"])
         data.append({"preset": args.preset, "finetune": args.finetune, "grad_ckpt": args.grad_ckpt, "micro_batch": b,
                      "trained_steps": train_steps,
                      "height": p["height"], "dtype": p["dtype"], "device": args.device, "plain_s": t_plain,
-                     "ours_s": t_ours, "ratio": ratio})
+                     "ours_s": t_ours, "ratio": ratio, "first_update_ratio_min": exact["ratio_min"],
+                     "first_update_ratio_max": exact["ratio_max"], "logp_absdiff_max": exact["logp_absdiff_max"]})
     sync(args.device)
     name = f"bench_diffusion_replay_{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
         name += "_smoke"
     report(name, f"Flow-GRPO replay fwd+bwd vs plain fwd+bwd of the same transformer ({args.preset}, {args.device})",
-           ["preset", "finetune", "micro-batch", "trained steps", "plain ms", "ours ms", "ours / plain (throughput)"],
+           ["preset", "finetune", "micro-batch", "trained steps", "plain ms", "ours ms", "ours / plain (throughput)",
+            "first-update ratio", "max abs dlogp"],
            rows, data,
            notes=f"Median of {repeats} interleaved runs after a warmup; ratio = median of per-pair time ratios; CFG scale {args.guidance} (2B rows per "
-                 "forward). CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: >= 0.95.")
+                 "forward). The last two columns check the exactness contract on this device (rollout by the engine's "
+                 "inner loop in eval/no-grad, replay in train mode with grad): expected exactly 1 and 0. "
+                 "CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: >= 0.95.")
 
 
 if __name__ == "__main__":

@@ -102,7 +102,9 @@ def main() -> None:
              f"per-round ratios over {args.rounds} alternating rounds after a warm-up; compute = time inside the "
              "phase functions; overhead/task = (wall - compute) / task executions. "
              "Flyte overhead = Arrow IPC write/read + sha256 of every batch, decks, the run report (per-step "
-             "artifacts + index.html), flytekit's local task machinery. OMP_NUM_THREADS=1.")
+             "artifacts + index.html), flytekit's local task machinery (its async literal conversion is most of it). "
+             "When a step computes for only a few hundred ms (tiny-grpo), that fixed per-task cost dominates the "
+             "ratio; with real models a step computes for seconds to minutes. OMP_NUM_THREADS=1.")
     report("bench_orchestration", "Orchestration overhead of a local Flyte run", header, rows, data, notes)
 
 

@@ -115,3 +115,11 @@ def test_unchanged_step_hits_the_cache(tmp_path, run_name, monkeypatch):
     assert calls == {"rollout_phase": 0, "reward_phase": 0, "advantage_phase": 0, "train_phase": 1}
     grpo(recipe=recipe, overrides=[*ov, "loop.seed=1"], resume=step0)  # a changed config misses
     assert calls["rollout_phase"] == 1
+
+
+def test_max_steps_bounds_one_execution_and_the_next_resumes(tmp_path, run_name):
+    # what a scheduled LaunchPlan does: resume="latest" plus a per-execution budget
+    ov = tiny_overrides("tiny-grpo", str(tmp_path), run_name, steps=3, chunk=1)
+    assert grpo(recipe="tiny-grpo", overrides=ov, max_steps=2).step == 2
+    assert grpo(recipe="tiny-grpo", overrides=ov, max_steps=2).step == 3  # only one step left
+    assert grpo(recipe="tiny-grpo", overrides=ov, max_steps=2).step == 3  # the run is complete: nothing to do

@@ -1,0 +1,66 @@
+"""What a cluster pod of ``grpo_chunk`` returns: the @dynamic compiled into a DynamicJobSpec (no cluster needed).
+
+Local runs execute the dynamic's body eagerly; on a cluster the same body is compiled into a sub-DAG instead.
+These tests compile it the way a pod does (TASK_EXECUTION mode) and inspect the nodes."""
+
+from __future__ import annotations
+
+from flytekit.configuration import ImageConfig, SerializationSettings
+from flytekit.core.context_manager import ExecutionState, FlyteContextManager
+from flytekit.core.type_engine import TypeEngine
+
+from tasks.run_types import ClusterConfig, load_run_config
+from unirl_core.checkpoint import CheckpointRef
+from unirl_core.config import RunConfig
+from workflows.grpo import grpo_chunk
+
+HINTS = {"cfg": RunConfig, "cluster": ClusterConfig, "session": str, "ckpt": CheckpointRef, "max_steps": int}
+
+
+def _compile(overrides: list[str], *, from_step: int = 0, max_steps: int = 0):
+    cfg, cluster = load_run_config("tiny-grpo", overrides)
+    ref = CheckpointRef(uri=f"s3://b/runs/tiny-grpo/step-{from_step:08d}", run="tiny-grpo", step=from_step,
+                        policy_version=from_step)
+    settings = SerializationSettings(project="p", domain="d", version="v1",
+                                     image_config=ImageConfig.auto_default_image())
+    # a pod compiles its dynamic once per process; flytekit caches the compiled body on the task object
+    grpo_chunk._wf = None
+    ctx = FlyteContextManager.current_context()
+    with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)) as ctx:
+        es = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
+        with FlyteContextManager.with_context(ctx.with_execution_state(es)) as ctx:
+            inputs = TypeEngine.dict_to_literal_map(ctx, {"cfg": cfg, "cluster": cluster, "session": "s", "ckpt": ref,
+                                                          "max_steps": max_steps}, type_hints=HINTS)
+            return grpo_chunk.dispatch_execute(ctx, inputs)
+
+
+def _targets(spec) -> list[str]:
+    return [n.task_node.reference_id.name if n.task_node else n.workflow_node.sub_workflow_ref.name
+            for n in spec.nodes]
+
+
+def test_a_chunk_is_k_steps_then_the_next_chunk():
+    spec = _compile(["loop.total_steps=5", "loop.steps_per_chunk=2"])
+    names = [t.rsplit(".", 1)[1] for t in _targets(spec)]
+    step = ["rollout_step", "reward_task", "advantage_task", "train_task", "publish_task", "report_task"]
+    assert names == step * 2 + ["grpo_chunk"]
+    by_id = {n.id: n for n in spec.nodes}
+    reports = [n.id for n in spec.nodes if n.task_node and n.task_node.reference_id.name.endswith("report_task")]
+    assert reports[0] in by_id[reports[1]].upstream_node_ids  # reports are serialised
+    assert spec.subworkflows[0].id.name == "workflows.grpo.rollout_step"  # holds the map task
+
+
+def test_cluster_section_picks_the_elastic_train_task():
+    spec = _compile(["loop.total_steps=1", "cluster.train_nnodes=2", "cluster.train_nproc_per_node=8"])
+    assert "tasks.train.train_elastic_2x8" in _targets(spec)
+    task = next(t for t in spec.tasks if t.id.name == "tasks.train.train_elastic_2x8")
+    assert task.type == "pytorch" and task.custom["elasticConfig"]["nprocPerNode"] == 8
+
+
+def test_last_chunk_and_budget():
+    assert _targets(_compile(["loop.total_steps=5"], from_step=4))[-1].endswith("report_task")  # no next chunk
+    spec = _compile(["loop.total_steps=10", "loop.steps_per_chunk=2"], max_steps=3)
+    nxt = spec.nodes[-1]
+    assert nxt.task_node.reference_id.name == "workflows.grpo.grpo_chunk"
+    budget = next(b for b in nxt.inputs if b.var == "max_steps")
+    assert budget.binding.scalar.primitive.integer == 1  # 3 steps asked, 2 in this chunk

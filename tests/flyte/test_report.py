@@ -47,6 +47,20 @@ def test_steps_artifacts_and_index(tmp_path):
     assert [r.step for r in report.steps()] == [1, 2, 3]
 
 
+def test_summary_serves_the_index_and_is_rebuilt_when_lost(tmp_path):
+    report = RunReport(str(tmp_path))
+    for step in (2, 1, 3):
+        report.record_step(step, metrics={"reward/mean": float(step)})
+    summary = tmp_path / "report" / "steps.json"
+    assert [r["step"] for r in json.loads(summary.read_text())] == [1, 2, 3]
+    (tmp_path / "report" / "step-00000002" / "metrics.json").unlink()
+    assert [r.step for r in report.steps()] == [1, 2, 3]  # served from the summary, no per-step reads
+    summary.unlink()
+    assert [r.step for r in report.steps()] == [1, 3]  # rebuilt from the step folders
+    report.record_step(4, metrics={})
+    assert [r["step"] for r in json.loads(summary.read_text())] == [1, 3, 4]
+
+
 def test_rerecording_a_step_replaces_it(tmp_path):
     report = RunReport(str(tmp_path))
     report.record_step(1, metrics={"reward/mean": 0.0})

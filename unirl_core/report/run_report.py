@@ -7,6 +7,7 @@ Layout under ``<checkpoint root>/<run>/report/``::
     step-00000003/rewards.csv      one row per sample: ids, total reward, components, advantage, valid
     step-00000003/grid.html        a small sample strip (thumbnails or text) embedded in the index
     step-00000003/<phase>.html     the phase pages (the same HTML the Flyte decks show)
+    steps.json                     every step's record (what metrics.json holds), read to render the index
     index.html                     reward curve (inline SVG), metric curves, per-step rows, config
 
 Why our own report: local flytekit runs write decks to random temp folders, one file per task; the run
@@ -35,6 +36,7 @@ from unirl_core.types import SampleBatch
 log = logging.getLogger(__name__)
 
 REPORT_DIR = "report"
+SUMMARY = "steps.json"
 GRID_SAMPLES = 8
 INDEX_GRID_STEPS = 20  # newest steps whose sample strips are embedded in index.html (keeps it small)
 REWARD_KEYS = ("reward/mean", "reward_mean", "reward/total_mean", "rewards/mean")
@@ -123,12 +125,22 @@ class RunReport:
         rec = StepRecord(step=step, time=time.time(), session=session,
                          metrics={k: float(v) for k, v in metrics.items()}, pages=names)
         self._write(f"{folder}/metrics.json", json.dumps(rec.__dict__, indent=1, sort_keys=True))
+        # one summary file keeps steps() at one read per step instead of one per recorded step (on S3 a long
+        # run would otherwise pay thousands of GETs per step); a lost summary is rebuilt from the step folders
+        others = [r for r in self.steps() if r.step != step]
+        self._write(SUMMARY, json.dumps([r.__dict__ for r in sorted([*others, rec], key=lambda r: r.step)]))
         return rec
 
     # ------------------------------------------------------------------------------------------- read
 
     def steps(self) -> list[StepRecord]:
         """Every recorded step, in step order."""
+        raw = self._read(SUMMARY)
+        if raw is not None:
+            return [StepRecord(**r) for r in json.loads(raw)]
+        return self._scan_steps()
+
+    def _scan_steps(self) -> list[StepRecord]:
         self.fs.invalidate_cache(self.path)
         try:
             names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.path, detail=False)]

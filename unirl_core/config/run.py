@@ -17,6 +17,10 @@ from unirl_core.models.lm import LMConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.rollout.ar import AREngineConfig
 from unirl_core.rollout.diffusion import DiffusionEngineConfig
+from unirl_core.rollout.logp_check import LogpCheckConfig
+from unirl_core.rollout.modes import DeploymentConfig
+from unirl_core.rollout.sglang.config import SGLangEngineConfig
+from unirl_core.rollout.vllm.config import VLLMEngineConfig
 from unirl_core.sde.schedules import flow_sigmas
 from unirl_core.train.config import TrainConfig
 from unirl_core.types import ARSamplingParams, DiffusionSamplingParams, SDEType
@@ -72,12 +76,28 @@ class DiffusionSection:
 
 @dataclass(frozen=True, kw_only=True)
 class LMSection:
-    """Model, sampling, engine and loss of a GRPO run."""
+    """Model, sampling, engine, deployment and loss of a GRPO run."""
 
     model: LMConfig = field(default_factory=LMConfig)
     sampling: ARSamplingParams = field(default_factory=ARSamplingParams)
     engine: AREngineConfig = field(default_factory=AREngineConfig)
+    """The trainside engine (``deployment.engine='trainside'``); unused with a dedicated engine."""
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    """Which engine samples and where: trainside (direct) or a dedicated vLLM/SGLang server (separate,
+    colocate) that receives every published version."""
+    vllm: VLLMEngineConfig | None = None
+    """The vLLM server (``deployment.engine='vllm'``). Leave ``vllm.model`` unset to start it from the run's
+    step-0 policy, which ``init_run`` exports as a HF folder to ``<checkpoint.root>/<name>/hf-init``."""
+    sglang: SGLangEngineConfig | None = None
+    """The SGLang server to attach to (``deployment.engine='sglang'``, ``sglang.base_url`` required)."""
+    logp_check: LogpCheckConfig = field(default_factory=LogpCheckConfig)
+    """Fail-closed bounds on |engine log-prob - trainer replay| of every dedicated-engine rollout."""
+
+    @property
+    def dedicated(self) -> VLLMEngineConfig | SGLangEngineConfig | None:
+        """The dedicated engine's config, None for trainside sampling."""
+        return {"vllm": self.vllm, "sglang": self.sglang}.get(self.deployment.engine)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +203,8 @@ class RunConfig:
             raise field_error(ConfigError, other, "set", f"no '{other}' section for family={self.family!r}",
                               f"remove the '{other}' section")
         self._check_geometry()
+        if self.lm is not None:
+            check_lm_deployment(self.lm, self.train.old_logp_source)
 
     @property
     def section(self) -> DiffusionSection | LMSection:
@@ -224,3 +246,54 @@ class RunConfig:
                                   "excluding invalid samples re-slices the batch; use old_logp_source='replay'")
         if not math.isfinite(self.train.lr):
             raise field_error(ConfigError, "train.lr", self.train.lr, "a finite number", "e.g. 1e-4")
+
+
+def check_lm_deployment(lm: LMSection, old_logp_source: str) -> None:
+    """Raise ``ConfigError`` for a deployment the loop cannot run as configured (named field + fix)."""
+    kind = lm.deployment.engine
+    for name in ("vllm", "sglang"):
+        if name != kind and getattr(lm, name) is not None:
+            raise field_error(ConfigError, f"lm.{name}", "set", f"no '{name}' section with "
+                              f"lm.deployment.engine={kind!r}", f"remove lm.{name} or set lm.deployment.engine="
+                              f"{name!r} (with mode 'separate' or 'colocate' and a sync block)")
+    engine = lm.dedicated
+    if kind == "trainside":
+        return
+    if engine is None:
+        raise field_error(ConfigError, f"lm.{kind}", None, f"a '{kind}' section with lm.deployment.engine={kind!r}",
+                          f"add lm.{kind} (see the tiny-grpo-vllm recipe)")
+    if old_logp_source != "replay":
+        raise field_error(ConfigError, "train.old_logp_source", old_logp_source,
+                          f"'replay' with the dedicated engine {kind!r}",
+                          "its log-probs come from another kernel stack; pi_old must be the trainer's replay "
+                          "(set lm.algorithm.tis_cap to correct the residual mismatch)")
+    if kind == "sglang" and lm.sglang.base_url is None:
+        raise field_error(ConfigError, "lm.sglang.base_url", None, "the URL of a running SGLang server",
+                          "the loop attaches to SGLang but does not start it (SGLang has no CPU build and its "
+                          "start-up path is untested here); start one as in the rollout README and set base_url")
+    sync = lm.deployment.sync
+    assert sync is not None  # validate_deployment requires it for dedicated engines
+    if sync.every_n_steps != 1:
+        raise field_error(ConfigError, "lm.deployment.sync.every_n_steps", sync.every_n_steps,
+                          "1 (the loop publishes every version to the engine)",
+                          "off-policy lag between publishes is not implemented in the loop; use 1")
+    want = "lora" if lm.model.finetune == "lora" else "reload"
+    for field_name, got in (("lm.deployment.sync.method", sync.method), (f"lm.{kind}.weight_sync", engine.weight_sync)):
+        if got != want:
+            raise field_error(ConfigError, field_name, got, f"{want!r} with lm.model.finetune={lm.model.finetune!r}",
+                              "checkpoints hold adapters for LoRA runs and full weights otherwise; set both "
+                              f"lm.deployment.sync.method and lm.{kind}.weight_sync to {want!r}")
+    if want == "lora" and lm.deployment.mode == "colocate" and lm.deployment.sleep_level == 2:
+        raise field_error(ConfigError, "lm.deployment.sleep_level", 2, "1 with LoRA weight sync",
+                          "level 2 drops the base weights, and an adapter publish does not bring them back")
+    if engine.tokenizer is not None:
+        raise field_error(ConfigError, f"lm.{kind}.tokenizer", engine.tokenizer, "None in a training run",
+                          "the loop encodes prompts with the trainer's tokenizer (lm.model.tokenizer); set it there")
+    if want == "lora":
+        if engine.lora_alpha is not None and engine.lora_alpha != lm.model.lora_alpha:
+            raise field_error(ConfigError, f"lm.{kind}.lora_alpha", engine.lora_alpha,
+                              f"None or lm.model.lora_alpha ({lm.model.lora_alpha})",
+                              "leave it unset; the loop uses the trainer's alpha")
+        if engine.max_lora_rank < lm.model.lora_rank:
+            raise field_error(ConfigError, f"lm.{kind}.max_lora_rank", engine.max_lora_rank,
+                              f">= lm.model.lora_rank ({lm.model.lora_rank})", "raise max_lora_rank")

@@ -1,14 +1,27 @@
-"""Build (and cache per process) what the phases need from a RunConfig: bundles, data, scorers.
+"""Build (and cache per process) what the phases need from a RunConfig: bundles, data, scorers, and the
+dedicated rollout engine (a vLLM / SGLang server).
 
 Phases are stateless between calls (each Flyte task is its own process); within one process the
-built bundle is reused and only its weights are reloaded from the checkpoint a phase is given.
+built bundle is reused and only its weights are reloaded from the checkpoint a phase is given. The
+dedicated engine is started on first use, kept for the life of the process (a server start costs
+~1 min, a weight sync ~0.1 s on the tiny model) and stopped at interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import json
 import logging
+import os
+import posixpath
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from torch import Tensor
 
 from unirl_core.algorithms.flow_grpo import FlowGRPO
@@ -18,10 +31,14 @@ from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.data.prompts import PromptDataset, load_prompts
 from unirl_core.data.toy import toy_arithmetic_prompts
-from unirl_core.errors import CheckpointError, field_error
+from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionBundle
 from unirl_core.models.lm import load_lm
+from unirl_core.models.lora import lora_state_dict
 from unirl_core.reward.service import RewardService
+from unirl_core.rollout.sglang import SGLangEngine
+from unirl_core.rollout.vllm import VLLMEngine
+from unirl_core.rollout.weights import write_peft_adapter
 from unirl_core.types import PromptRecord
 
 log = logging.getLogger(__name__)
@@ -29,6 +46,7 @@ log = logging.getLogger(__name__)
 _BUNDLES: dict[str, object] = {}
 _REWARDS: dict[str, RewardService] = {}
 _DATASETS: dict[str, PromptDataset] = {}
+_INITIAL_DIRS: dict[str, str] = {}
 
 
 def _key(obj: object) -> str:
@@ -97,3 +115,161 @@ def load_policy_weights(policy, ref: CheckpointRef, cfg: RunConfig) -> None:
     if missing:
         raise field_error(CheckpointError, f"{ref.uri}: weights", missing[:5], "a tensor for every trainable "
                           "parameter", "the checkpoint was written with another trainable layout")
+
+
+# ----------------------------------------------------------------------------- the step-0 policy as a HF folder
+
+INITIAL_POLICY_DIR = "hf-init"
+"""Folder (next to the ``step-*`` versions, which the store ignores) holding the run's step-0 policy in the
+``save_pretrained`` layout: what a dedicated engine starts from when ``lm.vllm.model`` is unset."""
+_EXPORT_MARKER = "export.json"
+
+
+def initial_policy_uri(cfg: RunConfig) -> str:
+    return posixpath.join(store(cfg).uri, INITIAL_POLICY_DIR)
+
+
+def needs_initial_policy(cfg: RunConfig) -> bool:
+    """True when the run's dedicated engine starts from the exported step-0 policy (``lm.vllm.model`` unset)."""
+    return cfg.family == "lm" and cfg.lm.deployment.engine == "vllm" and cfg.lm.vllm.model is None
+
+
+def initial_policy_exported(cfg: RunConfig) -> bool:
+    fs, path = fsspec.core.url_to_fs(initial_policy_uri(cfg), **cfg.checkpoint.storage_options)
+    return fs.exists(posixpath.join(path, _EXPORT_MARKER))
+
+
+def export_initial_policy(cfg: RunConfig, policy) -> str:
+    """Write ``policy`` (an ``LMBundle``; LoRA merged) to ``initial_policy_uri`` unless a complete export is
+    there. The marker file goes last, so an interrupted export is redone, never used."""
+    uri = initial_policy_uri(cfg)
+    if initial_policy_exported(cfg):
+        return uri
+    fs, path = fsspec.core.url_to_fs(uri, **cfg.checkpoint.storage_options)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+    with tempfile.TemporaryDirectory(prefix="unirl-hf-init-") as tmp:
+        policy.save_pretrained(tmp)
+        files = {}
+        for name in sorted(os.listdir(tmp)):
+            local = os.path.join(tmp, name)
+            if not os.path.isfile(local):
+                raise field_error(CheckpointError, f"{uri}/{name}", "a folder", "a flat save_pretrained folder",
+                                  "export models whose save_pretrained writes files only")
+            fs.makedirs(path, exist_ok=True)
+            fs.put_file(local, posixpath.join(path, name))
+            files[name] = os.path.getsize(local)
+    fs.pipe_file(posixpath.join(path, _EXPORT_MARKER), json.dumps({"files": files}, sort_keys=True).encode())
+    log.info("exported the step-0 policy to %s (%.1f MB)", uri, sum(files.values()) / 1e6)
+    return uri
+
+
+def initial_policy_dir(cfg: RunConfig) -> str:
+    """A local folder with the exported step-0 policy (downloaded once per process from a remote root)."""
+    uri = initial_policy_uri(cfg)
+    fs, path = fsspec.core.url_to_fs(uri, **cfg.checkpoint.storage_options)
+    try:
+        marker = json.loads(fs.cat_file(posixpath.join(path, _EXPORT_MARKER)))
+    except FileNotFoundError:
+        raise field_error(CheckpointError, uri, "no complete export", f"the step-0 policy exported by init_run "
+                          f"({_EXPORT_MARKER} present)", "run init_run for this run first, or set lm.vllm.model") from None
+    if isinstance(fs, LocalFileSystem):
+        return path
+    if uri not in _INITIAL_DIRS:
+        local = tempfile.mkdtemp(prefix="unirl-hf-init-")
+        for name in marker["files"]:
+            fs.get_file(posixpath.join(path, name), os.path.join(local, name))
+        _INITIAL_DIRS[uri] = local
+    return _INITIAL_DIRS[uri]
+
+
+# ----------------------------------------------------------------------------- the dedicated engine
+
+UNSYNCED_VERSION = -1
+"""Label of a freshly started engine: no checkpoint has it, so the first rollout always syncs (a started
+server serves its start folder, whose version the loop cannot prove)."""
+
+
+@dataclass
+class EngineSlot:
+    """The process's dedicated engine and what it serves."""
+
+    key: str
+    engine: VLLMEngine | SGLangEngine
+    served_uri: str | None = None
+    """URI of the checkpoint version last synced to the engine (None: its start folder)."""
+    asleep_level: int = 0
+    """Sleep level the engine was put in after its last rollout (colocate), 0 when awake."""
+    staging: Path | None = None
+    """Folder of the adapter the loop publishes (LoRA runs); must be visible to the server."""
+
+    def publish_source(self, cfg: RunConfig, policy, ckpt: CheckpointRef) -> CheckpointRef | Path:
+        """What ``update_weights`` gets: the ref itself for full weights; for LoRA a peft folder written from
+        ``policy``, which holds ``ckpt``'s (checksum-verified) weights.
+
+        Why not the ref for LoRA: with a tied LM head the trainer's trainable-only checkpoints also carry the
+        frozen ``lm_head.weight`` (torch's ``ignore_frozen_params`` keeps a tied weight's second name), and
+        ``stage_weights`` rightly refuses adapter checkpoints with base tensors in them.
+        """
+        if self.engine.config.weight_sync != "lora":
+            return ckpt
+        assert self.staging is not None  # set by dedicated_engine for LoRA engines
+        out = self.staging / f"policy-v{ckpt.policy_version:08d}"
+        if out.exists():
+            shutil.rmtree(out)
+        for old in self.staging.glob("policy-v*"):  # adapters are in server memory once loaded
+            shutil.rmtree(old)
+        return write_peft_adapter(lora_state_dict(policy.module), out, alpha=cfg.lm.model.lora_alpha,
+                                  base_model=str(self.engine.config.model))
+
+    def needs_sync(self, ckpt: CheckpointRef) -> bool:
+        # Level 2 sleep drops the weights, so even the same version must be reloaded.
+        return (self.engine.policy_version != ckpt.policy_version or self.served_uri != ckpt.uri
+                or self.asleep_level == 2)
+
+
+_ENGINE: EngineSlot | None = None
+
+
+def dedicated_engine(cfg: RunConfig, policy) -> EngineSlot:
+    """The process's engine for ``cfg.lm.deployment`` (started on first use; another config stops the old one).
+
+    Prompts are encoded with ``policy.tokenizer`` (the trainer's), so ``prompt_ids`` are what the trainer replays.
+    """
+    global _ENGINE
+    lm = cfg.lm
+    kind = lm.deployment.engine
+    engine_cfg = lm.dedicated
+    if engine_cfg is None:
+        raise field_error(ConfigError, f"lm.{kind}", None, "a dedicated engine section", "see RunConfig validation")
+    source = initial_policy_uri(cfg) if needs_initial_policy(cfg) else engine_cfg.model
+    key = f"{kind}:{source}:{_key(engine_cfg)}"
+    if _ENGINE is not None and _ENGINE.key == key:
+        return _ENGINE
+    close_engines()
+    changes = {}
+    if needs_initial_policy(cfg):
+        changes["model"] = initial_policy_dir(cfg)
+    if engine_cfg.weight_sync == "lora" and engine_cfg.lora_alpha is None:
+        changes["lora_alpha"] = lm.model.lora_alpha
+    engine_cfg = dataclasses.replace(engine_cfg, **changes)
+    cls = VLLMEngine if kind == "vllm" else SGLangEngine
+    log.info("starting the %s engine from %s", kind, engine_cfg.model)
+    staging = None
+    if engine_cfg.weight_sync == "lora":
+        staging = Path(engine_cfg.staging_dir or tempfile.mkdtemp(prefix="unirl-loop-adapter-")) / "loop-adapters"
+        staging.mkdir(parents=True, exist_ok=True)
+    _ENGINE = EngineSlot(key=key, engine=cls(engine_cfg, policy_version=UNSYNCED_VERSION,
+                                             tokenizer=policy.tokenizer), staging=staging)
+    return _ENGINE
+
+
+def close_engines() -> None:
+    """Stop the process's dedicated engine (its server, when the engine started one). Idempotent."""
+    global _ENGINE
+    slot, _ENGINE = _ENGINE, None
+    if slot is not None:
+        slot.engine.close()
+
+
+atexit.register(close_engines)

@@ -20,6 +20,8 @@ from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.loop import build
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
+from unirl_core.rollout.logp_check import check_logp_agreement, replay_agreement
+from unirl_core.rollout.modes import needs_sleep
 from unirl_core.sde.noise import stable_seed
 from unirl_core.train.backend import TrainBackend
 from unirl_core.types import NoiseRecipe, PromptRecord, SampleBatch
@@ -34,8 +36,26 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest") -> CheckpointRef:
 
     ``resume_from``: ``latest`` resumes the run's published version (or writes a fresh step-0
     version when the run has none), ``never`` requires an empty run, any other value is the URI of
-    a version folder of this run.
+    a version folder of this run. A vLLM run without ``lm.vllm.model`` also gets its step-0 policy
+    exported as a HF folder (``build.export_initial_policy``) for the engine to start from.
     """
+    ref = _resume_point(cfg, resume_from)
+    if ref is not None:
+        if build.needs_initial_policy(cfg) and not build.initial_policy_exported(cfg):
+            # The run began without it (e.g. trainside); the engine syncs ref's weights before its first
+            # rollout anyway, so the step-0 weights of a fresh build serve as its start folder.
+            build.export_initial_policy(cfg, build.fresh_bundle(cfg))
+        return ref
+    # a fresh build: the cached bundle may carry another run's trained weights
+    fresh = build.fresh_bundle(cfg)
+    if build.needs_initial_policy(cfg):
+        build.export_initial_policy(cfg, fresh)  # as built, before the backend makes fp32 master weights
+    backend = TrainBackend(fresh, build.algorithm(cfg), cfg.train)
+    return save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra={}, publish=True)
+
+
+def _resume_point(cfg: RunConfig, resume_from: str) -> CheckpointRef | None:
+    """The version ``resume_from`` names, or None when the run is empty and may start fresh."""
     store = build.store(cfg)
     if resume_from not in ("latest", "never"):
         found = [r for r in store.versions() if r.uri.rstrip("/") == resume_from.rstrip("/")]
@@ -50,10 +70,7 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest") -> CheckpointRef:
             raise field_error(ConfigError, "resume_from", "never", f"an empty run, but {store.uri} has step "
                               f"{latest.step}", "pass resume_from='latest' or choose another run name")
         log.info("resuming run %s from step %d (%s)", cfg.name, latest.step, latest.uri)
-        return latest
-    # a fresh build: the cached bundle may carry another run's trained weights
-    backend = TrainBackend(build.fresh_bundle(cfg), build.algorithm(cfg), cfg.train)
-    return save_train_checkpoint(store, backend, config=to_dict(cfg), extra={}, publish=True)
+    return latest
 
 
 def step_prompts(cfg: RunConfig, step: int, shard: int = 0, num_shards: int = 1) -> list[PromptRecord]:
@@ -70,32 +87,72 @@ def step_prompts(cfg: RunConfig, step: int, shard: int = 0, num_shards: int = 1)
 
 def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int = 0,
                   num_shards: int = 1) -> tuple[SampleBatch, dict[str, float]]:
-    """Sample one shard of step ``step`` with the weights of ``ckpt`` (trainside engine)."""
+    """Sample one shard of step ``step`` with the weights of ``ckpt``: the trainside engine, or the process's
+    dedicated engine after syncing ``ckpt`` to it (then checked against the trainer's replay, fail-closed)."""
     t0 = time.perf_counter()
     policy = build.bundle(cfg)
     build.load_policy_weights(policy, ckpt, cfg)
-    seed = stable_seed(cfg.loop.seed, "rollout", step, shard)
+    seed = stable_seed(cfg.loop.seed, "rollout", step, shard) % (2**63)
     section = cfg.section
     sampling = section.sampling.params() if cfg.family == "diffusion" else section.sampling
+    dedicated = cfg.family == "lm" and cfg.lm.dedicated is not None
+    if dedicated and sampling.seed is None:
+        # A server draws unseeded requests from its own stream; seed them from the step instead.
+        sampling = dataclasses.replace(sampling, seed=seed)
     request = SampleBatch.from_prompts(step_prompts(cfg, step, shard, num_shards),
                                        samples_per_prompt=cfg.data.samples_per_prompt, kind=cfg.family
                                        if cfg.family == "diffusion" else "ar", sampling=sampling,
                                        policy_version=ckpt.policy_version,
                                        metadata={"run": cfg.name, "step": str(step), "shard": str(shard)})
-    engine_cfg = dataclasses.replace(section.engine, seed=seed % (2**63))
-    if cfg.family == "diffusion":
+    metrics: dict[str, float] = {}
+    if dedicated:
+        batch, metrics = _dedicated_rollout(cfg, policy, ckpt, request, where=f"rollout step {step} shard {shard}")
+    elif cfg.family == "diffusion":
+        engine_cfg = dataclasses.replace(section.engine, seed=seed)
         engine = TrainsideDiffusionEngine(policy, engine_cfg, policy_version=ckpt.policy_version)
-        noise = NoiseRecipe(base_seed=seed % (2**63), same_noise_per_group=section.sampling.same_noise_per_group)
+        noise = NoiseRecipe(base_seed=seed, same_noise_per_group=section.sampling.same_noise_per_group)
         batch = engine.generate(request, noise=noise)
     else:
-        engine = TrainsideAREngine(policy, engine_cfg, policy_version=ckpt.policy_version)
+        engine = TrainsideAREngine(policy, dataclasses.replace(section.engine, seed=seed),
+                                   policy_version=ckpt.policy_version)
         batch = engine.generate(request)
     seconds = time.perf_counter() - t0
-    metrics = {"rollout/samples": float(len(batch)), "rollout/seconds": seconds}
+    metrics.update({"rollout/samples": float(len(batch)), "rollout/seconds": seconds})
     if cfg.family == "lm":
         lens = [p.segment.num_response_tokens for p in batch.generated]
         metrics["rollout/response_tokens_mean"] = sum(lens) / max(len(lens), 1)
         metrics["rollout/tokens_per_s"] = sum(lens) / max(seconds, 1e-9)
+    return batch, metrics
+
+
+def _dedicated_rollout(cfg: RunConfig, policy, ckpt: CheckpointRef, request: SampleBatch, *,
+                       where: str) -> tuple[SampleBatch, dict[str, float]]:
+    """Publish -> engine sync when the served version differs, generate, then engine-vs-replay agreement.
+
+    ``policy`` holds ``ckpt``'s weights: the agreement is measured against exactly what the trainer will replay.
+    """
+    deployment = cfg.lm.deployment
+    slot = build.dedicated_engine(cfg, policy)
+    engine = slot.engine
+    if slot.asleep_level:
+        engine.wake_up()
+    synced, sync_s = slot.needs_sync(ckpt), 0.0
+    if synced:
+        sync_s = engine.update_weights(slot.publish_source(cfg, policy, ckpt), ckpt.policy_version)
+        slot.served_uri = ckpt.uri
+    slot.asleep_level = 0
+    t0 = time.perf_counter()
+    batch = engine.generate(request)
+    generate_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    agreement = replay_agreement(policy, batch, micro_batch_size=cfg.train.micro_batch_size)
+    metrics = {"rollout/weight_sync_s": sync_s, "rollout/weight_synced": float(synced),
+               "rollout/generate_s": generate_s, "rollout/logp_check_s": time.perf_counter() - t0,
+               **{f"rollout/{k}": v for k, v in agreement.metrics().items()}}
+    if needs_sleep(deployment):
+        engine.sleep(deployment.sleep_level)
+        slot.asleep_level = deployment.sleep_level
+    check_logp_agreement(agreement, cfg.lm.logp_check, where=where)
     return batch, metrics
 
 

@@ -31,8 +31,10 @@ def default_python() -> str:
 class VLLMEngineConfig:
     """Where the vLLM server runs, how it is started, and how weights reach it after a publish."""
 
-    model: str
-    """Model directory (``save_pretrained`` layout) or hub id the server loads at start."""
+    model: str | None = None
+    """Model directory (``save_pretrained`` layout) or hub id the server loads at start. None is only valid
+    inside the training loop, which starts the server from the run's exported step-0 policy
+    (``unirl_core.loop.build.initial_policy_uri``); a standalone engine needs a directory or hub id."""
     tokenizer: str | None = None
     """Tokenizer used HERE to encode prompts (token-in); None uses ``model``'s. Must be the trainer's."""
     base_url: str | None = None
@@ -86,9 +88,9 @@ class VLLMEngineConfig:
     """Folder of the server log; None uses a temporary folder (its path is logged)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise field_error(ConfigError, "vllm.model", self.model, "a model directory or hub id",
-                              "save the policy with save_pretrained(dir) and pass dir")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise field_error(ConfigError, "vllm.model", self.model, "a model directory, a hub id or None",
+                              "save the policy with save_pretrained(dir) and pass dir (None: the loop's export)")
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise field_error(ConfigError, "vllm.base_url", self.base_url, "an http(s):// URL or None",
                               "e.g. http://127.0.0.1:8000, or None to start a server")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from unirl_core.errors import EngineError, field_error
+from unirl_core.errors import ConfigError, EngineError, field_error
 from unirl_core.rollout.dedicated import (
     Completion,
     ar_parts,
@@ -126,6 +126,9 @@ class VLLMEngine:
     def __init__(self, config: VLLMEngineConfig, *, policy_version: int = 0, tokenizer=None) -> None:
         from unirl_core.models.tokenizer import load_tokenizer
 
+        if config.model is None:
+            raise field_error(ConfigError, "vllm.model", None, "a model directory or hub id to start from",
+                              "pass save_pretrained(dir)'s dir; only the training loop fills it in itself")
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer or config.model)
         self.eos_ids = eos_token_ids(self.tokenizer, config.model if os.path.isdir(config.model) else None)

@@ -67,6 +67,8 @@ def test_three_steps_sync_every_published_version(full_run):
           "sync s:", [f"{h['rollout/weight_sync_s']:.3f}" for h in hist])
     _check_steps(cfg, hist, versions, 3)
     assert os.path.isfile(os.path.join(build.initial_policy_dir(cfg), "model.safetensors"))
+    slot = build.dedicated_engine(cfg, build.bundle(cfg))
+    assert [p.name for p in slot.staging.iterdir()] == ["policy-v00000002"]  # older staged copies pruned
 
 
 def test_resume_reuses_the_server_and_stale_weights_fail_closed(full_run):
@@ -104,8 +106,9 @@ def test_lora_run_publishes_adapters(tmp_path):
         print(f"LoRA v2 served: |vllm - replay| mean {m['rollout/logp_absdiff_mean']:.2g}; "
               f"vs adapters off: mean {base.mean_abs_diff:.2g}")
         assert base.mean_abs_diff > 100 * max(m["rollout/logp_absdiff_mean"], 1e-7)
-        pid = slot.engine.server.pid
+        pid, staging = slot.engine.server.pid, slot.staging
     finally:
         build.close_engines()
     with pytest.raises(ProcessLookupError):  # the server is gone, not orphaned
         os.kill(pid, 0)
+    assert not staging.exists()

@@ -196,12 +196,19 @@ class EngineSlot:
 
     key: str
     engine: VLLMEngine | SGLangEngine
+    staging: Path
+    """The engine's ``staging_dir``: where published weights are unpacked for the server (``policy-v<N>``)."""
+    owns_staging: bool = False
+    """The loop made ``staging`` (a temporary folder) and removes it on close."""
     served_uri: str | None = None
     """URI of the checkpoint version last synced to the engine (None: its start folder)."""
     asleep_level: int = 0
     """Sleep level the engine was put in after its last rollout (colocate), 0 when awake."""
-    staging: Path | None = None
-    """Folder of the adapter the loop publishes (LoRA runs); must be visible to the server."""
+
+    def needs_sync(self, ckpt: CheckpointRef) -> bool:
+        # Level 2 sleep drops the weights, so even the same version must be reloaded.
+        return (self.engine.policy_version != ckpt.policy_version or self.served_uri != ckpt.uri
+                or self.asleep_level == 2)
 
     def publish_source(self, cfg: RunConfig, policy, ckpt: CheckpointRef) -> CheckpointRef | Path:
         """What ``update_weights`` gets: the ref itself for full weights; for LoRA a peft folder written from
@@ -213,19 +220,19 @@ class EngineSlot:
         """
         if self.engine.config.weight_sync != "lora":
             return ckpt
-        assert self.staging is not None  # set by dedicated_engine for LoRA engines
         out = self.staging / f"policy-v{ckpt.policy_version:08d}"
         if out.exists():
             shutil.rmtree(out)
-        for old in self.staging.glob("policy-v*"):  # adapters are in server memory once loaded
-            shutil.rmtree(old)
         return write_peft_adapter(lora_state_dict(policy.module), out, alpha=cfg.lm.model.lora_alpha,
                                   base_model=str(self.engine.config.model))
 
-    def needs_sync(self, ckpt: CheckpointRef) -> bool:
-        # Level 2 sleep drops the weights, so even the same version must be reloaded.
-        return (self.engine.policy_version != ckpt.policy_version or self.served_uri != ckpt.uri
-                or self.asleep_level == 2)
+    def prune_staging(self) -> None:
+        """Delete staged versions other than the served one: once loaded they live in server memory, and a
+        full-weight copy per step would fill the disk on a long run."""
+        keep = f"policy-v{self.engine.policy_version:08d}"
+        for old in self.staging.glob("policy-v*"):
+            if old.name != keep and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
 
 
 _ENGINE: EngineSlot | None = None
@@ -247,7 +254,8 @@ def dedicated_engine(cfg: RunConfig, policy) -> EngineSlot:
     if _ENGINE is not None and _ENGINE.key == key:
         return _ENGINE
     close_engines()
-    changes = {}
+    owns = engine_cfg.staging_dir is None
+    changes = {"staging_dir": tempfile.mkdtemp(prefix="unirl-engine-weights-") if owns else engine_cfg.staging_dir}
     if needs_initial_policy(cfg):
         changes["model"] = initial_policy_dir(cfg)
     if engine_cfg.weight_sync == "lora" and engine_cfg.lora_alpha is None:
@@ -255,12 +263,13 @@ def dedicated_engine(cfg: RunConfig, policy) -> EngineSlot:
     engine_cfg = dataclasses.replace(engine_cfg, **changes)
     cls = VLLMEngine if kind == "vllm" else SGLangEngine
     log.info("starting the %s engine from %s", kind, engine_cfg.model)
-    staging = None
-    if engine_cfg.weight_sync == "lora":
-        staging = Path(engine_cfg.staging_dir or tempfile.mkdtemp(prefix="unirl-loop-adapter-")) / "loop-adapters"
-        staging.mkdir(parents=True, exist_ok=True)
-    _ENGINE = EngineSlot(key=key, engine=cls(engine_cfg, policy_version=UNSYNCED_VERSION,
-                                             tokenizer=policy.tokenizer), staging=staging)
+    try:
+        engine = cls(engine_cfg, policy_version=UNSYNCED_VERSION, tokenizer=policy.tokenizer)
+    except BaseException:
+        if owns:
+            shutil.rmtree(engine_cfg.staging_dir, ignore_errors=True)
+        raise
+    _ENGINE = EngineSlot(key=key, engine=engine, staging=Path(engine_cfg.staging_dir), owns_staging=owns)
     return _ENGINE
 
 
@@ -268,8 +277,13 @@ def close_engines() -> None:
     """Stop the process's dedicated engine (its server, when the engine started one). Idempotent."""
     global _ENGINE
     slot, _ENGINE = _ENGINE, None
-    if slot is not None:
+    if slot is None:
+        return
+    try:
         slot.engine.close()
+    finally:
+        if slot.owns_staging:
+            shutil.rmtree(slot.staging, ignore_errors=True)
 
 
 atexit.register(close_engines)

@@ -140,6 +140,7 @@ def _dedicated_rollout(cfg: RunConfig, policy, ckpt: CheckpointRef, request: Sam
     if synced:
         sync_s = engine.update_weights(slot.publish_source(cfg, policy, ckpt), ckpt.policy_version)
         slot.served_uri = ckpt.uri
+        slot.prune_staging()
     slot.asleep_level = 0
     t0 = time.perf_counter()
     batch = engine.generate(request)

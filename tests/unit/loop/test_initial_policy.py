@@ -69,9 +69,9 @@ def test_remote_root_is_downloaded_once_per_process(tmp_path):
         fsspec.filesystem("memory").rm("/unirl-test-root", recursive=True)
 
 
-def test_engine_sync_rule():
+def test_engine_sync_rule(tmp_path):
     ref = CheckpointRef(uri="/r/run/step-00000002", run="run", step=2, policy_version=2)
-    slot = build.EngineSlot(key="k", engine=SimpleNamespace(policy_version=build.UNSYNCED_VERSION))
+    slot = build.EngineSlot(key="k", engine=SimpleNamespace(policy_version=build.UNSYNCED_VERSION), staging=tmp_path)
     assert slot.needs_sync(ref)  # a started server serves its start folder: always sync first
     slot.engine.policy_version, slot.served_uri = 2, ref.uri
     assert not slot.needs_sync(ref)
@@ -81,3 +81,12 @@ def test_engine_sync_rule():
     assert slot.needs_sync(ref)
     slot.asleep_level = 1
     assert not slot.needs_sync(ref)
+
+
+def test_staging_keeps_only_the_served_version(tmp_path):
+    for v in (1, 2, 3):
+        (tmp_path / f"policy-v{v:08d}").mkdir()
+    (tmp_path / "server.log").write_text("not ours to delete")
+    slot = build.EngineSlot(key="k", engine=SimpleNamespace(policy_version=2), staging=tmp_path)
+    slot.prune_staging()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy-v00000002", "server.log"]

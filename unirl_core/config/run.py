@@ -271,6 +271,14 @@ def check_lm_deployment(lm: LMSection, old_logp_source: str) -> None:
         raise field_error(ConfigError, "lm.sglang.base_url", None, "the URL of a running SGLang server",
                           "the loop attaches to SGLang but does not start it (SGLang has no CPU build and its "
                           "start-up path is untested here); start one as in the rollout README and set base_url")
+    if engine.tokenizer is not None:
+        raise field_error(ConfigError, f"lm.{kind}.tokenizer", engine.tokenizer, "None in a training run",
+                          "the loop encodes prompts with the trainer's tokenizer (lm.model.tokenizer); set it there")
+    _check_weight_sync(lm, kind, engine)
+
+
+def _check_weight_sync(lm: LMSection, kind: str, engine: VLLMEngineConfig | SGLangEngineConfig) -> None:
+    """Every published version reaches the engine, in the form the trainer checkpoints (adapter or full)."""
     sync = lm.deployment.sync
     assert sync is not None  # validate_deployment requires it for dedicated engines
     if sync.every_n_steps != 1:
@@ -286,9 +294,6 @@ def check_lm_deployment(lm: LMSection, old_logp_source: str) -> None:
     if want == "lora" and lm.deployment.mode == "colocate" and lm.deployment.sleep_level == 2:
         raise field_error(ConfigError, "lm.deployment.sleep_level", 2, "1 with LoRA weight sync",
                           "level 2 drops the base weights, and an adapter publish does not bring them back")
-    if engine.tokenizer is not None:
-        raise field_error(ConfigError, f"lm.{kind}.tokenizer", engine.tokenizer, "None in a training run",
-                          "the loop encodes prompts with the trainer's tokenizer (lm.model.tokenizer); set it there")
     if want == "lora":
         if engine.lora_alpha is not None and engine.lora_alpha != lm.model.lora_alpha:
             raise field_error(ConfigError, f"lm.{kind}.lora_alpha", engine.lora_alpha,

@@ -13,7 +13,12 @@ import time
 
 from unirl_core.advantage.batch import assign_advantages
 from unirl_core.advantage.tracker import PerPromptStatTracker
-from unirl_core.checkpoint import CheckpointRef, load_checkpoint, restore_train_checkpoint, save_train_checkpoint
+from unirl_core.checkpoint import (
+    CheckpointRef,
+    load_checkpoint,
+    restore_train_checkpoint,
+    save_train_checkpoint,
+)
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, field_error

@@ -246,9 +246,15 @@ class TrainBackend:
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                ignore_frozen_params=self.cfg.weights_scope == "trainable")
-        return {k: v.detach().contiguous() for k, v in get_model_state_dict(self.policy.module, options=opts).items()}
+        trainable_only = self.cfg.weights_scope == "trainable"
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(self.policy.module, options=opts)
+        if trainable_only:
+            # ignore_frozen_params drops only the first name of a tied weight: a frozen tied lm_head would
+            # otherwise ride along in every LoRA checkpoint
+            frozen = {n for n, p in self.policy.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return {k: v.detach().contiguous() for k, v in state.items()}
 
     def load_model_state_dict(self, weights: dict[str, Tensor]) -> None:
         """Load weights written by :meth:`model_state_dict` (any world size); every saved name must exist."""

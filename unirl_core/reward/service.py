@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -100,7 +101,7 @@ class RewardService:
                 errors[k].extend(res.errors)
         failed = self._check(batch, results, errors)
         stats = self._write(batch, results, failed)
-        stats = RewardStats(**{**stats.__dict__, "seconds": time.perf_counter() - start})
+        stats = dataclasses.replace(stats, seconds=time.perf_counter() - start)
         logger.info("scored %d samples in %.2f s (%d invalid)", len(parts), stats.seconds, stats.num_invalid)
         return batch, stats
 

@@ -5,10 +5,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-if [ -f scripts/install_vllm.sh ]; then bash scripts/install_vllm.sh; fi
+bash scripts/install_vllm.sh
+# headless Chromium for the run-report browser test (Debian package; needs root once)
+if ! command -v chromium >/dev/null 2>&1; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+fi
 cleanup() { if [ -n "${STARTED_S3:-}" ]; then bash scripts/s3_server.sh stop || true; fi; }
 trap cleanup EXIT
-if [ -f scripts/s3_server.sh ] && [ -z "${UNIRL_S3_ENDPOINT:-}" ]; then
+if [ -z "${UNIRL_S3_ENDPOINT:-}" ]; then
   bash scripts/s3_server.sh start
   eval "$(bash scripts/s3_server.sh env)"
   STARTED_S3=1

@@ -100,18 +100,29 @@ def bench(name: str, batch: SampleBatch, d: Path, repeats: int) -> dict:
     def torch_tensors(pl):
         return [t for p in pl for t in p.values() if isinstance(t, torch.Tensor)]
 
+    counter = iter(range(10**6))
+
+    def fresh(path: Path) -> Path:
+        # A new file per write, as tasks do (random upload paths); replacing one file would also time the
+        # kernel freeing the old file's pages, for every format alike.
+        return path.with_name(f"{next(counter)}-{path.name}")
+
     def pickle_write():
-        with open(f_pickle, "wb") as f:
+        with open(fresh(f_pickle), "wb") as f:
             pickle.dump(payload, f, protocol=5)
 
     def pickle_read():
         with open(f_pickle, "rb") as f:
             return pickle.load(f)
 
+    write_batch(batch, f_arrow)  # the files the read timings use
+    torch.save(payload, f_torch)
+    with open(f_pickle, "wb") as f:
+        pickle.dump(payload, f, protocol=5)
     t = {
-        "arrow_write": median_time(lambda: write_batch(batch, f_arrow), repeats),
+        "arrow_write": median_time(lambda: write_batch(batch, fresh(f_arrow)), repeats),
         "arrow_read": median_time(lambda: read_batch(f_arrow), repeats),
-        "torch_write": median_time(lambda: torch.save(payload, f_torch), repeats),
+        "torch_write": median_time(lambda: torch.save(payload, fresh(f_torch)), repeats),
         "torch_read": median_time(lambda: torch.load(f_torch, weights_only=False), repeats),
         "pickle_write": median_time(pickle_write, repeats),
         "pickle_read": median_time(pickle_read, repeats),
@@ -155,7 +166,8 @@ def main() -> None:
     header = ["batch", "tensors", "arrow w/r ms", "torch.save/load ms", "pickle w/r ms", "round trip vs torch",
               "vs pickle", "read GB/s vs memcpy GB/s", "zero-copy (addr in mmap)", "read+scan ms arrow/torch"]
     notes = ("Round trip = write + read. Arrow reads map the file and wrap its bytes (no copy), so read 'GB/s' "
-             "is far above memcpy speed; 'read+scan' also sums every tensor (page faults included).")
+             "is far above memcpy speed; 'read+scan' also sums every tensor (page faults included). Every write goes to "
+             "a new file (as tasks write to fresh upload paths), in the page cache of a temp dir.")
     report("arrow_io", "Arrow IPC SampleBatch vs torch.save / pickle", header, rows, res, notes)
 
 

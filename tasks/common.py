@@ -17,7 +17,7 @@ from flytekit.extras.accelerators import H100, H200
 
 import tasks.run_types  # noqa: F401  (registers RunConfig's transformer before any task signature is typed)
 import tasks.types  # noqa: F401  (registers SampleBatch's transformer)
-from unirl_core.errors import ConfigError, RewardError, field_error
+from unirl_core.errors import ConfigError, TransientError, field_error
 
 # Bump when a task's behaviour changes for the same inputs (new phase code that must not reuse old outputs).
 CACHE_VERSION = "unirl-1"
@@ -70,13 +70,11 @@ def progress_logger() -> logging.Logger:
 
 
 def is_transient(e: BaseException) -> bool:
-    """True for failures a retry can fix: IO errors and timeouts anywhere in the cause chain, and the reward
-    client's give-up after its own retries (RemoteRewardClient raises it without a cause; its message is pinned by
-    tests/flyte/test_tasks.py::test_reward_server_timeout_is_recoverable)."""
+    """True for failures a retry can fix: IO errors and timeouts anywhere in the cause chain, and the library's
+    ``TransientError`` (e.g. the reward client giving up after its own retries)."""
     seen = e
     while seen is not None:
-        if isinstance(seen, TRANSIENT) or type(seen) is OSError or (
-                isinstance(seen, RewardError) and "attempts (last:" in str(seen)):
+        if isinstance(seen, (*TRANSIENT, TransientError)) or type(seen) is OSError:
             return True
         seen = seen.__cause__ or seen.__context__
     return False

@@ -32,6 +32,16 @@ class RewardError(UniRLError):
     """A reward scorer failed or returned a non-finite value under the fail-closed policy."""
 
 
+class TransientError(UniRLError):
+    """A failure a retry may fix (a service that timed out or was unreachable after the client's own retries).
+
+    Orchestrators map it to their retry mechanism (Flyte: ``FlyteRecoverableException``)."""
+
+
+class RemoteRewardUnavailable(RewardError, TransientError):
+    """The reward server did not answer in time, or at all, after the client's retries."""
+
+
 class EngineError(UniRLError):
     """A rollout engine could not start, serve, or fill a Sample."""
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from unirl_core.errors import RewardError
+from unirl_core.errors import RemoteRewardUnavailable, RewardError
 from unirl_core.reward.config import RewardComponent
 from unirl_core.reward.scorers.base import ComponentScores, ScoreItem
 from unirl_core.reward.wire import CONTENT_TYPE, decode_response, encode_request
@@ -93,7 +93,7 @@ class RemoteRewardClient:
             if resp.status_code not in _RETRY_STATUS:
                 raise RewardError(f"reward server {self.url} refused the request ({last}); "
                                   + _hint(resp.status_code))
-        raise RewardError(f"reward server {self.url} failed after {self.retries + 1} attempts (last: {last}); "
+        raise RemoteRewardUnavailable(f"reward server {self.url} failed after {self.retries + 1} attempts (last: {last}); "
                           "check that it is running and raise remote_timeout_s for slow scorers")
 
 

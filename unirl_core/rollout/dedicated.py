@@ -9,7 +9,9 @@ trainer replays; no server-side template or tokenizer can shift a token.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -123,3 +125,32 @@ def eos_token_ids(tokenizer, model_dir: str | None) -> tuple[int, ...]:
         if extra is not None:
             ids.update([int(extra)] if isinstance(extra, int) else [int(e) for e in extra])
     return tuple(sorted(ids))
+
+
+def post_all(post_one: Callable[[int, dict], Completion], bodies: Sequence[dict], *, max_concurrency: int,
+             name: str) -> list[Completion]:
+    """Send every request body concurrently (the server batches them); results in request order."""
+    workers = max(1, min(max_concurrency, len(bodies)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"{name}-req") as pool:
+        return list(pool.map(lambda i: post_one(i, bodies[i]), range(len(bodies))))
+
+
+def run_requests(lock: threading.Lock, server, send: Callable[[], list[Completion]]) -> list[Completion]:
+    """Run ``send`` under the engine lock; a server that died meanwhile raises with its log tail."""
+    with lock:
+        try:
+            return send()
+        except EngineError:
+            if server is not None:
+                server.raise_if_dead()
+            raise
+
+
+def collect(batch: SampleBatch, prompts: Sequence[Tensor], done: Sequence[Completion], *, policy_version: int,
+            tokenizer, eos_ids: Sequence[int]) -> SampleBatch:
+    """Check every completion came from ``policy_version``, then fill the batch."""
+    stale = [(i, c.policy_version) for i, c in enumerate(done) if c.policy_version != policy_version]
+    if stale:
+        raise field_error(EngineError, "served policy_version", stale[:5], f"{policy_version} everywhere",
+                          "another client updated this server; give each engine its own server or publisher")
+    return fill_batch(batch, prompts, done, tokenizer, eos_ids)

@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from torch import Tensor
@@ -39,8 +38,10 @@ from unirl_core.rollout.dedicated import (
     ar_parts,
     encode_prompt,
     eos_token_ids,
-    fill_batch,
+    collect,
+    post_all,
     request_seed,
+    run_requests,
     to_finish_reason,
 )
 from unirl_core.rollout.server import HTTPJSONClient, ManagedServer, reserve_port
@@ -165,26 +166,15 @@ class SGLangEngine:
             if self._lora_name is not None:
                 body["lora_path"] = self._lora_name
             bodies.append(body)
-        with self._lock:
-            try:
-                done = self._post_all(bodies)
-            except EngineError:
-                if self.server is not None:
-                    self.server.raise_if_dead()
-                raise
-        stale = [(i, c.policy_version) for i, c in enumerate(done) if c.policy_version != self.policy_version]
-        if stale:
-            raise field_error(EngineError, "served policy_version", stale[:5], f"{self.policy_version} everywhere",
-                              "another client updated this server; give each engine its own server or publisher")
-        return fill_batch(batch, prompts, done, self.tokenizer, self.eos_ids)
+        done = run_requests(self._lock, self.server, lambda: self._post_all(bodies))
+        return collect(batch, prompts, done, policy_version=self.policy_version, tokenizer=self.tokenizer,
+                       eos_ids=self.eos_ids)
 
     def _post_all(self, bodies: Sequence[dict]) -> list[Completion]:
-        def one(i: int) -> Completion:
-            return parse_generate(self.client.post("/generate", bodies[i]), f"sglang.generate[{i}]")
+        def one(i: int, body: dict) -> Completion:
+            return parse_generate(self.client.post("/generate", body), f"sglang.generate[{i}]")
 
-        workers = max(1, min(self.config.max_concurrency, len(bodies)))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sglang-req") as pool:
-            return list(pool.map(one, range(len(bodies))))
+        return post_all(one, bodies, max_concurrency=self.config.max_concurrency, name="sglang")
 
     def update_weights(self, path_or_ref: object, policy_version: int) -> float:
         """Serve the published weights as ``policy_version``; returns the wall seconds it took."""

@@ -1,0 +1,485 @@
+"""Trainer -> engine weight broadcast over a dedicated process group (NCCL on CUDA, gloo on CPU).
+
+Rank 0 of the train job (the *sender*) and one or more engine processes (*receivers*) rendezvous on
+their own TCP store (``master_addr:master_port``, the sender hosts it) and build a process group that
+is **not** the default one: the train ranks keep their torchrun/FSDP group, the engines never join it.
+
+One sync, on the wire (all broadcasts from rank 0 of the sync group):
+1. header length (int64 ``[1]``), then the header: JSON as a uint8 tensor ``[n]`` - protocol, kind
+   (``weights`` / ``close``), policy version, scope, bucket size and ``[name, shape, dtype]`` per tensor;
+2. an all-reduce of one int32 per rank: receivers vote 1 when the header does not fit their module
+   (name / shape / dtype), so every side stops cleanly before any bucket travels;
+3. the tensors, packed into flat per-dtype buffers of at most ``bucket_mb`` (``plan_buckets``: a tensor
+   larger than a bucket travels alone), one broadcast per bucket; receivers copy views of each bucket
+   into their parameters in place, by name.
+
+Both sides derive the bucket layout from the header with the same pure function, so buckets carry no
+metadata of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from unirl_core.errors import ConfigError, EngineError, field_error
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = 1
+SyncBackend = Literal["auto", "nccl", "gloo"]
+SyncScope = Literal["full", "lora"]
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
+    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+_LORA_TAG = ".default."  # peft's adapter name inside state-dict keys (unirl_core.models.lora.ADAPTER_NAME)
+
+
+class WeightSyncError(EngineError):
+    """The sender's tensors do not fit the receiver's module (name, shape or dtype), or the peer misbehaved."""
+
+
+class WeightSyncTimeout(WeightSyncError, TimeoutError):
+    """A rendezvous or collective of the sync group did not finish within ``timeout_s``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightSyncConfig:
+    """Where the sync group meets and how tensors are batched on the wire."""
+
+    master_addr: str = "127.0.0.1"
+    """Host of the sender (rank 0 of the sync group), which serves the TCP rendezvous store."""
+    master_port: int = 29650
+    """Port of the rendezvous store; must differ from the train job's MASTER_PORT."""
+    num_engines: int = 1
+    """Receiver processes (engine ranks 1..num_engines); the group has ``num_engines + 1`` ranks."""
+    backend: SyncBackend = "auto"
+    """``auto``: ``nccl`` when the sync device is CUDA, else ``gloo``; or force one of them."""
+    bucket_mb: float = 256.0
+    """Upper size of one flat per-dtype buffer (MiB); fewer, larger broadcasts cut launch overhead."""
+    timeout_s: float = 300.0
+    """Rendezvous and per-collective timeout; a peer that vanishes surfaces as ``WeightSyncTimeout``."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
+            raise field_error(ConfigError, "weight_sync.master_port", self.master_port, "a TCP port in 1..65535",
+                              "pick a free port other than the train job's MASTER_PORT")
+        if not (isinstance(self.num_engines, int) and self.num_engines >= 1):
+            raise field_error(ConfigError, "weight_sync.num_engines", self.num_engines, "an integer >= 1",
+                              "count the engine processes that receive weights")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise field_error(ConfigError, "weight_sync.backend", self.backend, "'auto', 'nccl' or 'gloo'",
+                              "use 'auto' (nccl on CUDA, gloo on CPU)")
+        for name in ("bucket_mb", "timeout_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise field_error(ConfigError, f"weight_sync.{name}", v, "a number > 0",
+                                  "use e.g. bucket_mb=256, timeout_s=300")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_engines + 1
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
+
+
+# ------------------------------------------------------------------------------ pure helpers
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one tensor on the wire."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat buffer of a single dtype: ``entries`` are (tensor index, element offset, numel)."""
+
+    dtype: str
+    numel: int
+    entries: tuple[tuple[int, int, int], ...]
+
+
+def spec_of(name: str, t: Tensor) -> TensorSpec:
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise field_error(WeightSyncError, f"weights[{name!r}].dtype", dtype, f"one of {sorted(_DTYPES)}",
+                          "cast the tensor before syncing")
+    return TensorSpec(name, tuple(int(s) for s in t.shape), dtype)
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+    """Group tensors per dtype (first-seen order) into buffers of at most ``bucket_bytes``.
+
+    A tensor larger than ``bucket_bytes`` gets a bucket of its own (exactly its size); zero-size tensors
+    ride along without taking space. Deterministic: sender and receivers compute the same plan.
+    """
+    order: list[str] = []
+    by_dtype: dict[str, list[int]] = {}
+    for i, s in enumerate(specs):
+        if s.dtype not in by_dtype:
+            order.append(s.dtype)
+            by_dtype[s.dtype] = []
+        by_dtype[s.dtype].append(i)
+    buckets: list[Bucket] = []
+    for dtype in order:
+        item = torch.empty((), dtype=_DTYPES[dtype]).element_size()
+        cap = max(1, bucket_bytes // item)
+        entries: list[tuple[int, int, int]] = []
+        used = 0
+        for i in by_dtype[dtype]:
+            n = specs[i].numel
+            if entries and used + n > cap:
+                buckets.append(Bucket(dtype, used, tuple(entries)))
+                entries, used = [], 0
+            entries.append((i, used, n))
+            used += n
+        if entries:
+            buckets.append(Bucket(dtype, used, tuple(entries)))
+    return buckets
+
+
+def encode_header(header: dict) -> Tensor:
+    """JSON header -> uint8 tensor ``[n]``."""
+    return torch.frombuffer(bytearray(json.dumps(header, separators=(",", ":")).encode()), dtype=torch.uint8)
+
+
+def decode_header(payload: Tensor) -> dict:
+    """uint8 tensor ``[n]`` -> header dict; raises ``WeightSyncError`` on a foreign payload or protocol."""
+    try:
+        header = json.loads(bytes(payload.cpu().numpy().tobytes()).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise field_error(WeightSyncError, "weight_sync.header", type(e).__name__, "a JSON header",
+                          "both ends must run this module's protocol") from e
+    if header.get("protocol") != PROTOCOL:
+        raise field_error(WeightSyncError, "weight_sync.header.protocol", header.get("protocol"), PROTOCOL,
+                          "run the same library version on the trainer and the engines")
+    return header
+
+
+def weights_header(specs: list[TensorSpec], *, version: int, scope: SyncScope, bucket_bytes: int) -> dict:
+    return {"protocol": PROTOCOL, "kind": "weights", "version": int(version), "scope": scope,
+            "bucket_bytes": int(bucket_bytes), "tensors": [[s.name, list(s.shape), s.dtype] for s in specs]}
+
+
+def specs_of_header(header: dict) -> list[TensorSpec]:
+    return [TensorSpec(n, tuple(shape), dt) for n, shape, dt in header["tensors"]]
+
+
+def sync_names(module: nn.Module, scope: SyncScope) -> dict[str, Tensor]:
+    """The receiver's in-place targets by wire name: every state-dict entry, or the LoRA adapter only
+    (keys without peft's adapter name, as ``unirl_core.models.lora.lora_state_dict`` writes them)."""
+    state = module.state_dict(keep_vars=True)
+    if scope == "full":
+        return dict(state)
+    out = {k.replace(_LORA_TAG, "."): v for k, v in state.items() if "lora_" in k}
+    if not out:
+        raise field_error(WeightSyncError, "weight_sync.scope", scope, f"LoRA layers in {type(module).__name__}",
+                          "apply_lora with the trainer's rank and targets before receiving an adapter")
+    return out
+
+
+def check_specs(specs: list[TensorSpec], targets: Mapping[str, Tensor]) -> None:
+    """Raise ``WeightSyncError`` naming the first tensor whose name, shape or dtype does not fit ``targets``."""
+    sent = {s.name for s in specs}
+    unknown = [s.name for s in specs if s.name not in targets]
+    if unknown:
+        raise field_error(WeightSyncError, "weight_sync.tensors", unknown[:5], "names of the engine's module",
+                          "trainer and engine must load the same architecture (and LoRA targets)")
+    missing = [n for n in targets if n not in sent]
+    if missing:
+        raise field_error(WeightSyncError, "weight_sync.tensors", missing[:5], "a tensor for every target",
+                          "sync the same scope (full / lora) the engine expects")
+    for s in specs:
+        t = targets[s.name]
+        if tuple(t.shape) != s.shape:
+            raise field_error(WeightSyncError, f"weight_sync.tensors[{s.name!r}].shape", s.shape,
+                              f"{tuple(t.shape)} (engine)", "trainer and engine model configs differ")
+        if str(t.dtype).removeprefix("torch.") != s.dtype:
+            raise field_error(WeightSyncError, f"weight_sync.tensors[{s.name!r}].dtype", s.dtype,
+                              f"{str(t.dtype).removeprefix('torch.')} (engine)",
+                              "cast on the sender (send(..., cast=...)) or load the engine in the trainer's dtype")
+
+
+def gather_for_sync(module: nn.Module, scope: SyncScope = "full") -> dict[str, Tensor]:
+    """The trainer's tensors to send, by wire name (LoRA keys without peft's adapter name).
+
+    Under FSDP2 this is a collective (every train rank must call it): full tensors are gathered to CPU
+    on rank 0 (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``), other ranks get ``{}``.
+    A plain module returns detached views of its own tensors (no copy).
+    """
+    from unirl_core.train.distributed import is_sharded
+
+    if is_sharded(module):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = module.state_dict()
+    state = {k: v.detach() for k, v in state.items()}
+    if scope == "lora":
+        state = {k.replace(_LORA_TAG, "."): v for k, v in state.items() if "lora_" in k}
+    return state
+
+
+# ------------------------------------------------------------------------------ the sync group
+
+
+@dataclass(kw_only=True)
+class SyncStats:
+    """What one sync moved."""
+
+    version: int
+    num_tensors: int
+    num_buckets: int
+    bytes: int
+    seconds: float
+
+
+def resolve_backend(backend: SyncBackend, device: torch.device) -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise field_error(ConfigError, "weight_sync.backend", backend, "a CUDA sync device for nccl",
+                          "use backend='gloo' (or 'auto') on CPU")
+    return backend
+
+
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return isinstance(e, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+class _SyncGroup:
+    """A process group of its own (not the default one), on a TCP store hosted by rank 0."""
+
+    def __init__(self, cfg: WeightSyncConfig, rank: int, device: torch.device) -> None:
+        self.cfg, self.rank, self.device = cfg, rank, device
+        self.backend = resolve_backend(cfg.backend, device)
+        timeout = timedelta(seconds=cfg.timeout_s)
+        where = f"{cfg.master_addr}:{cfg.master_port}"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        try:
+            store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=rank == 0,
+                                  timeout=timeout, wait_for_workers=True)
+            store = dist.PrefixStore("unirl_weight_sync", store)
+            self.pg = self._make_pg(store, timeout)
+        except Exception as e:  # torch raises DistNetworkError / DistStoreError / RuntimeError here
+            cls = WeightSyncTimeout if _is_timeout(e) else WeightSyncError
+            raise field_error(cls, "weight_sync.rendezvous", where,
+                              f"{cfg.world_size} ranks within {cfg.timeout_s} s (rank {rank}: {e})",
+                              "start the trainer and every engine with the same master_addr/port/num_engines") from e
+        log.info("weight-sync group: backend=%s rank=%d/%d at %s", self.backend, rank, cfg.world_size, where)
+
+    def _make_pg(self, store, timeout: timedelta):
+        size = self.cfg.world_size
+        if self.backend == "gloo":
+            return dist.ProcessGroupGloo(store, self.rank, size, timeout)
+        nccl = getattr(dist, "ProcessGroupNCCL", None)
+        if nccl is None:
+            raise field_error(ConfigError, "weight_sync.backend", "nccl", "a torch build with NCCL",
+                              "use backend='gloo' on this build")
+        opts = nccl.Options()
+        opts._timeout = timeout
+        return nccl(store, self.rank, size, opts)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except Exception as e:
+            cls = WeightSyncTimeout if _is_timeout(e) else WeightSyncError
+            raise field_error(cls, f"weight_sync.{what}", type(e).__name__,
+                              f"all {self.cfg.world_size} ranks within {self.cfg.timeout_s} s ({e})",
+                              "a peer died or stopped syncing; restart both sides") from e
+
+    def broadcast(self, t: Tensor, what: str) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        self._wait(self.pg.broadcast([t], opts), what)
+
+    def vote(self, reject: bool) -> int:
+        """Sum over ranks of ``reject`` (how many ranks refuse the header)."""
+        t = torch.tensor([int(reject)], dtype=torch.int32, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self._wait(self.pg.allreduce([t], opts), "vote")
+        return int(t.item())
+
+    def send_header(self, header: dict) -> None:
+        payload = encode_header(header).to(self.device)
+        self.broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device), "header_len")
+        self.broadcast(payload, "header")
+
+    def recv_header(self) -> dict:
+        n = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.broadcast(n, "header_len")
+        payload = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        self.broadcast(payload, "header")
+        return decode_header(payload)
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception as e:  # closing after a failed peer must not hide the original error
+                log.warning("weight-sync group shutdown: %s", e)
+        self.pg = None
+
+
+def _sync_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class WeightSender:
+    """Trainer side (rank 0 of the train job): hosts the rendezvous, broadcasts weights after a step."""
+
+    def __init__(self, cfg: WeightSyncConfig, *, device: str | torch.device = "cpu") -> None:
+        self.cfg = cfg
+        self.group = _SyncGroup(cfg, 0, _sync_device(device))
+
+    def send(self, state: Mapping[str, Tensor], version: int, *, scope: SyncScope = "full",
+             cast: torch.dtype | None = None) -> SyncStats:
+        """Broadcast ``state`` (wire name -> tensor, any device) as policy ``version``.
+
+        ``cast`` converts floating-point tensors to the engine's dtype while packing (no extra copy).
+        Raises ``WeightSyncError`` when an engine rejects the header; no bucket has travelled then.
+        """
+        t0 = time.perf_counter()
+        names = list(state)
+        tensors = [state[n] for n in names]
+        specs = [spec_of(n, t if cast is None or not t.is_floating_point() else t.to(dtype=cast, device="meta"))
+                 for n, t in zip(names, tensors)]
+        self.group.send_header(weights_header(specs, version=version, scope=scope,
+                                              bucket_bytes=self.cfg.bucket_bytes))
+        rejects = self.group.vote(False)
+        if rejects:
+            raise field_error(WeightSyncError, "weight_sync.version", version,
+                              "every engine to accept the header", f"{rejects} engine(s) refused it; "
+                              "their logs name the tensor (model config, LoRA targets or dtype differ)")
+        buckets = plan_buckets(specs, self.cfg.bucket_bytes)
+        total = 0
+        with torch.no_grad():
+            for b in buckets:
+                buf = torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=self.group.device)
+                for i, off, n in b.entries:
+                    buf[off:off + n].copy_(tensors[i].reshape(-1), non_blocking=True)
+                self.group.broadcast(buf, f"bucket[{b.dtype}]")
+                total += buf.numel() * buf.element_size()
+        if self.group.device.type == "cuda":
+            torch.cuda.synchronize(self.group.device)
+        stats = SyncStats(version=version, num_tensors=len(specs), num_buckets=len(buckets), bytes=total,
+                          seconds=time.perf_counter() - t0)
+        log.info("weight sync v%d: %d tensors, %d buckets, %.1f MB in %.3f s", version, stats.num_tensors,
+                 stats.num_buckets, total / 1e6, stats.seconds)
+        return stats
+
+    def close(self) -> None:
+        """Tell every engine the stream ended (their ``receive`` returns None), then leave the group."""
+        if self.group.pg is None:
+            return
+        try:
+            self.group.send_header({"protocol": PROTOCOL, "kind": "close"})
+        finally:
+            self.group.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class WeightReceiver:
+    """Engine side: joins the sync group as ``rank`` (1..num_engines) and loads weights into ``module``."""
+
+    def __init__(self, cfg: WeightSyncConfig, module: nn.Module, *, rank: int = 1, scope: SyncScope = "full",
+                 device: str | torch.device = "cpu") -> None:
+        if not (isinstance(rank, int) and 1 <= rank <= cfg.num_engines):
+            raise field_error(ConfigError, "weight_sync.rank", rank, f"an engine rank in 1..{cfg.num_engines}",
+                              "rank 0 is the trainer's sender")
+        self.cfg, self.module, self.scope = cfg, module, scope
+        self.targets = sync_names(module, scope)
+        self.version: int | None = None
+        """Policy version of the weights the module now holds (None before the first sync)."""
+        self.group = _SyncGroup(cfg, rank, _sync_device(device))
+
+    def receive(self) -> SyncStats | None:
+        """Block for the next sync; copy it into the module in place. None when the sender closed."""
+        try:
+            header = self.group.recv_header()
+        except WeightSyncTimeout:
+            raise
+        except WeightSyncError:
+            self.group.vote(True)  # a foreign header: refuse it so the sender fails instead of hanging
+            raise
+        t0 = time.perf_counter()
+        if header.get("kind") == "close":
+            return None
+        specs = specs_of_header(header)
+        try:
+            if header.get("scope") != self.scope:
+                raise field_error(WeightSyncError, "weight_sync.scope", header.get("scope"), repr(self.scope),
+                                  "sender and receiver must agree on full weights vs a LoRA adapter")
+            check_specs(specs, self.targets)
+        except WeightSyncError:
+            self.group.vote(True)
+            raise
+        if self.group.vote(False):
+            raise field_error(WeightSyncError, "weight_sync.version", header["version"],
+                              "every engine to accept the header", "another engine refused it (see its log)")
+        buckets = plan_buckets(specs, int(header["bucket_bytes"]))
+        total = 0
+        with torch.no_grad():
+            for b in buckets:
+                buf = torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=self.group.device)
+                self.group.broadcast(buf, f"bucket[{b.dtype}]")
+                for i, off, n in b.entries:
+                    s = specs[i]
+                    self.targets[s.name].copy_(buf[off:off + n].view(s.shape))
+                total += buf.numel() * buf.element_size()
+        if self.group.device.type == "cuda":
+            torch.cuda.synchronize(self.group.device)
+        self.version = int(header["version"])
+        return SyncStats(version=self.version, num_tensors=len(specs), num_buckets=len(buckets), bytes=total,
+                         seconds=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if self.group.pg is not None:
+            self.group.close()
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -14,8 +14,14 @@ import torch
 
 from unirl_core.models.lm import build_tiny_lm
 from unirl_core.models.lora import apply_lora, lora_state_dict
-from unirl_core.train.weight_sync import (WeightReceiver, WeightSender, WeightSyncConfig, WeightSyncError,
-                                          WeightSyncTimeout, gather_for_sync)
+from unirl_core.train.weight_sync import (
+    WeightReceiver,
+    WeightSender,
+    WeightSyncConfig,
+    WeightSyncError,
+    WeightSyncTimeout,
+    gather_for_sync,
+)
 
 pytestmark = pytest.mark.integration
 

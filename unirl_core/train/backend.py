@@ -75,7 +75,7 @@ class TrainBackend:
     """Owns optimizer, scheduler, precision, EMA, sharding and RNG of one policy.
 
     ``policy.module`` is prepared in place: trainable parameters become fp32 master weights and, at world
-    size > 1 (``cfg.shard='auto'``), the module is sharded with FSDP2. Call :func:`init_distributed` first
+    size > 1 (``cfg.shard='auto'``, or always with ``'always'``), the module is sharded with FSDP2. Call :func:`init_distributed` first
     (or pass ``dist_info``) when launched by torchrun.
     """
 
@@ -87,13 +87,15 @@ class TrainBackend:
                                   "see unirl_core.algorithms.base for the contract")
         self.policy, self.algorithm, self.cfg = policy, algorithm, cfg
         self.dist = dist_info or D.init_distributed()
+        if cfg.shard == "always":
+            D.ensure_process_group(self.dist.device)
         self.rank, self.world_size = D.current_world()
         seed_everything(cfg.seed + self.rank)
         module = policy.module
         named = trainable_parameters(module)
         self._upcast_master_weights(named)
         self._compute_dtype = _DTYPES[cfg.mixed_precision]
-        if cfg.shard == "auto" and self.world_size > 1:
+        if cfg.shard == "always" or (cfg.shard == "auto" and self.world_size > 1):
             D.apply_fsdp(module, cfg.fsdp_wrap_classes, self._compute_dtype)
             named = trainable_parameters(module)  # fully_shard swapped the parameters for DTensor shards
         self.sharded = D.is_sharded(module)

@@ -11,7 +11,7 @@ from unirl_core.errors import ConfigError, field_error
 
 LRSchedule = Literal["constant", "cosine", "linear"]
 MixedPrecision = Literal["fp32", "bf16", "fp16"]
-ShardMode = Literal["auto", "never"]
+ShardMode = Literal["auto", "never", "always"]
 WeightsScope = Literal["trainable", "full"]
 
 _SCHEDULES = ("constant", "cosine", "linear")
@@ -59,7 +59,9 @@ class TrainConfig:
     """Keep an exponential moving average of the trainable parameters with this decay; None disables it.
     Enable it only when the algorithm samples or evaluates with EMA weights (GRPO must not)."""
     shard: ShardMode = "auto"
-    """``auto`` applies FSDP2 ``fully_shard`` when the world size is above 1; ``never`` keeps a plain module."""
+    """``auto`` applies FSDP2 ``fully_shard`` when the world size is above 1; ``never`` keeps a plain module;
+    ``always`` shards even at world size 1 (a single-rank group is created if none exists) - to exercise
+    the FSDP2 code path on one GPU."""
     fsdp_wrap_classes: tuple[str, ...] = ()
     """Class names of sub-modules (e.g. transformer blocks) that get their own FSDP2 unit before the root."""
     weights_scope: WeightsScope = "trainable"
@@ -85,8 +87,8 @@ class TrainConfig:
         if self.ema_decay is not None and not (0 < self.ema_decay < 1):
             raise field_error(ConfigError, "train.ema_decay", self.ema_decay, "a value in (0, 1) or None",
                               "use e.g. 0.95, or None to disable EMA")
-        if self.shard not in ("auto", "never"):
-            raise field_error(ConfigError, "train.shard", self.shard, "'auto' or 'never'", "use 'auto'")
+        if self.shard not in ("auto", "never", "always"):
+            raise field_error(ConfigError, "train.shard", self.shard, "'auto', 'never' or 'always'", "use 'auto'")
         if self.weights_scope not in ("trainable", "full"):
             raise field_error(ConfigError, "train.weights_scope", self.weights_scope, "'trainable' or 'full'",
                               "use 'trainable' for LoRA, 'full' for full fine-tuning")

@@ -69,6 +69,17 @@ def init_distributed(device: str | torch.device | None = None) -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
 
 
+def ensure_process_group(device: torch.device) -> None:
+    """Create a single-rank group (in-memory store, no port) when none exists, so FSDP2 can build its
+    device mesh at world size 1; a group made by torchrun / init_distributed is left as it is."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+    log.info("created a single-rank %s process group for shard='always'", backend)
+
+
 def current_world() -> tuple[int, int]:
     """(rank, world size) of the initialised process group, or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, Self
 
 import torch
 import torch.distributed as dist
@@ -237,7 +237,10 @@ def gather_for_sync(module: nn.Module, scope: SyncScope = "full") -> dict[str, T
     from unirl_core.train.distributed import is_sharded
 
     if is_sharded(module):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
@@ -313,7 +316,7 @@ class _SyncGroup:
     def _wait(self, work, what: str) -> None:
         try:
             work.wait()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - c10d raises several unrelated types for one dead peer
             cls = WeightSyncTimeout if _is_timeout(e) else WeightSyncError
             raise field_error(cls, f"weight_sync.{what}", type(e).__name__,
                               f"all {self.cfg.world_size} ranks within {self.cfg.timeout_s} s ({e})",
@@ -413,7 +416,7 @@ class WeightSender:
         finally:
             self.group.close()
 
-    def __enter__(self) -> WeightSender:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -478,7 +481,7 @@ class WeightReceiver:
         if self.group.pg is not None:
             self.group.close()
 
-    def __enter__(self) -> WeightReceiver:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -316,7 +316,7 @@ class _SyncGroup:
     def _wait(self, work, what: str) -> None:
         try:
             work.wait()
-        except Exception as e:  # noqa: BLE001 - c10d raises several unrelated types for one dead peer
+        except Exception as e:  # c10d raises several unrelated types for one dead peer
             cls = WeightSyncTimeout if _is_timeout(e) else WeightSyncError
             raise field_error(cls, f"weight_sync.{what}", type(e).__name__,
                               f"all {self.cfg.world_size} ranks within {self.cfg.timeout_s} s ({e})",
@@ -352,7 +352,7 @@ class _SyncGroup:
         if shutdown is not None:
             try:
                 shutdown()
-            except Exception as e:  # closing after a failed peer must not hide the original error
+            except Exception as e:  # noqa: BLE001 - closing after a failed peer must not hide the original error
                 log.warning("weight-sync group shutdown: %s", e)
         self.pg = None
 

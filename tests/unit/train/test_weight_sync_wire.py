@@ -1,6 +1,7 @@
 """Pure pieces of the weight-sync protocol: bucket plan, header round trip, spec checks, config."""
 
 import itertools
+
 import pytest
 import torch
 from torch import nn

@@ -11,7 +11,8 @@ One sync, on the wire (all broadcasts from rank 0 of the sync group):
    (name / shape / dtype), so every side stops cleanly before any bucket travels;
 3. the tensors, packed into flat per-dtype buffers of at most ``bucket_mb`` (``plan_buckets``: a tensor
    larger than a bucket travels alone), one broadcast per bucket; receivers copy views of each bucket
-   into their parameters in place, by name.
+   into their parameters in place, by name;
+4. a final all-reduce: ``send`` returns only once every engine holds the new version.
 
 Both sides derive the bucket layout from the header with the same pure function, so buckets carry no
 metadata of their own.
@@ -66,6 +67,9 @@ class WeightSyncConfig:
     """``auto``: ``nccl`` when the sync device is CUDA, else ``gloo``; or force one of them."""
     bucket_mb: float = 256.0
     """Upper size of one flat per-dtype buffer (MiB); fewer, larger broadcasts cut launch overhead."""
+    direct_mb: float = 8.0
+    """Tensors of at least this size (MiB) skip packing: each is one broadcast straight from the trainer's
+    tensor into the engine's parameter (when both are contiguous on the sync device), saving two copies."""
     timeout_s: float = 300.0
     """Rendezvous and per-collective timeout; a peer that vanishes surfaces as ``WeightSyncTimeout``."""
 
@@ -79,7 +83,7 @@ class WeightSyncConfig:
         if self.backend not in ("auto", "nccl", "gloo"):
             raise field_error(ConfigError, "weight_sync.backend", self.backend, "'auto', 'nccl' or 'gloo'",
                               "use 'auto' (nccl on CUDA, gloo on CPU)")
-        for name in ("bucket_mb", "timeout_s"):
+        for name in ("bucket_mb", "direct_mb", "timeout_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0):
                 raise field_error(ConfigError, f"weight_sync.{name}", v, "a number > 0",
@@ -92,6 +96,10 @@ class WeightSyncConfig:
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 2**20))
+
+    @property
+    def direct_bytes(self) -> int:
+        return max(1, int(self.direct_mb * 2**20))
 
 
 # ------------------------------------------------------------------------------ pure helpers
@@ -134,11 +142,12 @@ def spec_of(name: str, t: Tensor) -> TensorSpec:
     return TensorSpec(name, tuple(int(s) for s in t.shape), dtype)
 
 
-def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int, direct_bytes: int | None = None) -> list[Bucket]:
     """Group tensors per dtype (first-seen order) into buffers of at most ``bucket_bytes``.
 
-    A tensor larger than ``bucket_bytes`` gets a bucket of its own (exactly its size); zero-size tensors
-    ride along without taking space. Deterministic: sender and receivers compute the same plan.
+    A tensor larger than ``bucket_bytes``, or of at least ``direct_bytes``, gets a bucket of its own (exactly
+    its size); zero-size tensors ride along without taking space. Deterministic: sender and receivers
+    compute the same plan from the header.
     """
     order: list[str] = []
     by_dtype: dict[str, list[int]] = {}
@@ -155,6 +164,9 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
         used = 0
         for i in by_dtype[dtype]:
             n = specs[i].numel
+            if direct_bytes is not None and n * item >= direct_bytes:
+                buckets.append(Bucket(dtype, n, ((i, 0, n),)))
+                continue
             if entries and used + n > cap:
                 buckets.append(Bucket(dtype, used, tuple(entries)))
                 entries, used = [], 0
@@ -183,9 +195,10 @@ def decode_header(payload: Tensor) -> dict:
     return header
 
 
-def weights_header(specs: list[TensorSpec], *, version: int, scope: SyncScope, bucket_bytes: int) -> dict:
+def weights_header(specs: list[TensorSpec], *, version: int, scope: SyncScope, bucket_bytes: int,
+                   direct_bytes: int | None = None) -> dict:
     return {"protocol": PROTOCOL, "kind": "weights", "version": int(version), "scope": scope,
-            "bucket_bytes": int(bucket_bytes), "tensors": [[s.name, list(s.shape), s.dtype] for s in specs]}
+            "bucket_bytes": int(bucket_bytes), "direct_bytes": direct_bytes, "tensors": [[s.name, list(s.shape), s.dtype] for s in specs]}
 
 
 def specs_of_header(header: dict) -> list[TensorSpec]:
@@ -357,6 +370,16 @@ class _SyncGroup:
         self.pg = None
 
 
+def _direct_view(t: Tensor, bucket: Bucket, device: torch.device) -> Tensor | None:
+    """A flat view of ``t`` when it alone fills ``bucket`` and already has the wire layout (contiguous, same
+    dtype, on the sync device): it is then broadcast from / into in place, without a packing copy."""
+    if len(bucket.entries) != 1 or bucket.numel == 0:
+        return None
+    if t.dtype != _DTYPES[bucket.dtype] or t.device != device or not t.is_contiguous():
+        return None
+    return t.detach().view(-1)
+
+
 def _sync_device(device: str | torch.device) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -372,10 +395,11 @@ class WeightSender:
         self.group = _SyncGroup(cfg, 0, _sync_device(device))
 
     def send(self, state: Mapping[str, Tensor], version: int, *, scope: SyncScope = "full",
-             cast: torch.dtype | None = None) -> SyncStats:
+             cast: torch.dtype | None = None, bucket_mb: float | None = None) -> SyncStats:
         """Broadcast ``state`` (wire name -> tensor, any device) as policy ``version``.
 
-        ``cast`` converts floating-point tensors to the engine's dtype while packing (no extra copy).
+        ``cast`` converts floating-point tensors to the engine's dtype while packing (no extra copy);
+        ``bucket_mb`` overrides the config's bucket size for this sync (the header carries it).
         Raises ``WeightSyncError`` when an engine rejects the header; no bucket has travelled then.
         """
         t0 = time.perf_counter()
@@ -383,24 +407,27 @@ class WeightSender:
         tensors = [state[n] for n in names]
         specs = [spec_of(n, t if cast is None or not t.is_floating_point() else t.to(dtype=cast, device="meta"))
                  for n, t in zip(names, tensors)]
-        self.group.send_header(weights_header(specs, version=version, scope=scope,
-                                              bucket_bytes=self.cfg.bucket_bytes))
+        bucket_bytes = self.cfg.bucket_bytes if bucket_mb is None else max(1, int(bucket_mb * 2**20))
+        direct = self.cfg.direct_bytes
+        self.group.send_header(weights_header(specs, version=version, scope=scope, bucket_bytes=bucket_bytes,
+                                              direct_bytes=direct))
         rejects = self.group.vote(False)
         if rejects:
             raise field_error(WeightSyncError, "weight_sync.version", version,
                               "every engine to accept the header", f"{rejects} engine(s) refused it; "
                               "their logs name the tensor (model config, LoRA targets or dtype differ)")
-        buckets = plan_buckets(specs, self.cfg.bucket_bytes)
+        buckets = plan_buckets(specs, bucket_bytes, direct)
         total = 0
         with torch.no_grad():
             for b in buckets:
-                buf = torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=self.group.device)
-                for i, off, n in b.entries:
-                    buf[off:off + n].copy_(tensors[i].reshape(-1), non_blocking=True)
+                buf = _direct_view(tensors[b.entries[0][0]], b, self.group.device)
+                if buf is None:
+                    buf = torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=self.group.device)
+                    for i, off, n in b.entries:
+                        buf[off:off + n].copy_(tensors[i].reshape(-1), non_blocking=True)
                 self.group.broadcast(buf, f"bucket[{b.dtype}]")
                 total += buf.numel() * buf.element_size()
-        if self.group.device.type == "cuda":
-            torch.cuda.synchronize(self.group.device)
+        self.group.vote(False)  # every engine has copied the buckets into its module
         stats = SyncStats(version=version, num_tensors=len(specs), num_buckets=len(buckets), bytes=total,
                           seconds=time.perf_counter() - t0)
         log.info("weight sync v%d: %d tensors, %d buckets, %.1f MB in %.3f s", version, stats.num_tensors,
@@ -461,18 +488,22 @@ class WeightReceiver:
         if self.group.vote(False):
             raise field_error(WeightSyncError, "weight_sync.version", header["version"],
                               "every engine to accept the header", "another engine refused it (see its log)")
-        buckets = plan_buckets(specs, int(header["bucket_bytes"]))
+        buckets = plan_buckets(specs, int(header["bucket_bytes"]), header.get("direct_bytes"))
         total = 0
         with torch.no_grad():
             for b in buckets:
-                buf = torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=self.group.device)
+                direct = _direct_view(self.targets[specs[b.entries[0][0]].name], b, self.group.device)
+                buf = direct if direct is not None else torch.empty(b.numel, dtype=_DTYPES[b.dtype],
+                                                                    device=self.group.device)
                 self.group.broadcast(buf, f"bucket[{b.dtype}]")
-                for i, off, n in b.entries:
-                    s = specs[i]
-                    self.targets[s.name].copy_(buf[off:off + n].view(s.shape))
+                if direct is None:
+                    for i, off, n in b.entries:
+                        s = specs[i]
+                        self.targets[s.name].copy_(buf[off:off + n].view(s.shape))
                 total += buf.numel() * buf.element_size()
         if self.group.device.type == "cuda":
             torch.cuda.synchronize(self.group.device)
+        self.group.vote(False)
         self.version = int(header["version"])
         return SyncStats(version=self.version, num_tensors=len(specs), num_buckets=len(buckets), bytes=total,
                          seconds=time.perf_counter() - t0)

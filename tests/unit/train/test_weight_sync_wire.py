@@ -51,6 +51,14 @@ def test_tensor_larger_than_a_bucket_travels_alone_at_its_own_size():
     assert [(b.numel, b.entries) for b in plan] == [(2, ((0, 0, 2),)), (30, ((1, 0, 30),)), (1, ((2, 0, 1),))]
 
 
+def test_tensors_of_at_least_direct_bytes_travel_alone_and_small_ones_still_pack():
+    specs = [S("a", (2,)), S("big", (4,)), S("b", (1,)), S("huge", (3, 3))]
+    plan = plan_buckets(specs, 1024, direct_bytes=16)  # 16 bytes = 4 fp32 elements
+    assert [b.entries for b in plan] == [((1, 0, 4),), ((3, 0, 9),), ((0, 0, 2), (2, 2, 1))]
+    plan = plan_buckets(specs, 1024, direct_bytes=17)
+    assert [b.entries for b in plan] == [((3, 0, 9),), ((0, 0, 2), (1, 2, 4), (2, 6, 1))]
+
+
 def test_zero_size_tensors_and_empty_plan():
     assert plan_buckets([], 8) == []
     plan = plan_buckets([S("e", (0, 4)), S("a", (2,))], 8)
@@ -118,7 +126,7 @@ def test_sync_names_full_and_lora_keys_match_gather():
     assert set(gather_for_sync(module, "lora")) == set(lora)
 
 
-@pytest.mark.parametrize("kw", [{"master_port": 0}, {"num_engines": 0}, {"backend": "mpi"}, {"bucket_mb": 0},
+@pytest.mark.parametrize("kw", [{"master_port": 0}, {"num_engines": 0}, {"backend": "mpi"}, {"bucket_mb": 0}, {"direct_mb": 0},
                                 {"timeout_s": -1}])
 def test_config_rejects_bad_values(kw):
     with pytest.raises(ConfigError):

@@ -37,12 +37,13 @@ ENGINE = textwrap.dedent("""
 
     out, port, scope, rank_lora, bucket_mb = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), \\
         float(sys.argv[5])
+    rank, num_engines = int(sys.argv[6]), int(sys.argv[7])
     torch.set_num_threads(1)
     module = build_tiny_lm(seed=7, keep_reference=False).module  # different init than the trainer
     if scope == "lora":
         apply_lora(module, rank=rank_lora, alpha=8.0, target_modules=("q_proj", "v_proj"))
-    cfg = WeightSyncConfig(master_port=port, bucket_mb=bucket_mb, timeout_s=60)
-    with WeightReceiver(cfg, module, scope=scope) as rx:
+    cfg = WeightSyncConfig(master_port=port, bucket_mb=bucket_mb, timeout_s=60, num_engines=num_engines)
+    with WeightReceiver(cfg, module, scope=scope, rank=rank) as rx:
         while True:
             try:
                 stats = rx.receive()
@@ -64,12 +65,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_engine(tmp_path, port: int, scope: str, lora_rank: int, bucket_mb: float) -> subprocess.Popen:
-    script = tmp_path / "engine.py"
+def _start_engine(out, port: int, scope: str, lora_rank: int, bucket_mb: float, rank: int = 1,
+                  num_engines: int = 1) -> subprocess.Popen:
+    script = out / "engine.py"
     script.write_text(ENGINE)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(script), str(tmp_path), str(port), scope, str(lora_rank),
-                             str(bucket_mb)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(script), str(out), str(port), scope, str(lora_rank),
+                             str(bucket_mb), str(rank), str(num_engines)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc: subprocess.Popen) -> None:
@@ -118,6 +121,7 @@ def test_full_weights_multiple_syncs_and_mismatches(tmp_path):
             # the stream stays usable after refused headers
             _perturb(module, 4)
             tx.send(gather_for_sync(module, "full"), 4)
+            tx.send(bad_dtype, 5, cast=torch.float32)  # cast while packing: accepted by the fp32 engine
     finally:
         _finish(proc)
     assert (tmp_path / "closed").exists() and not (tmp_path / "v99.pt").exists()
@@ -127,6 +131,7 @@ def test_full_weights_multiple_syncs_and_mismatches(tmp_path):
     assert "model.norm.weight" in errors[1] and "shape" in errors[1]
     assert "model.norm.weight" in errors[2] and "bfloat16" in errors[2] and "float32" in errors[2]
     sent[4] = (module.state_dict(), None)
+    sent[5] = ({k: v.float() for k, v in bad_dtype.items()}, None)
     for version, (state, buckets) in sent.items():
         got = torch.load(tmp_path / f"v{version}.pt", weights_only=True)
         assert got["version"] == version and buckets in (None, got["buckets"])
@@ -169,6 +174,30 @@ def test_lora_adapter_sync_and_rank_mismatch(tmp_path):
     # the engine's base weights are its own (seed 7), untouched by an adapter sync
     base = build_tiny_lm(seed=7, keep_reference=False).module.state_dict()
     assert torch.equal(got["state"]["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+
+
+def test_two_engines_receive_the_same_weights(tmp_path):
+    port = _free_port()
+    dirs = [tmp_path / f"engine{r}" for r in (1, 2)]
+    procs = []
+    for r, d in zip((1, 2), dirs, strict=True):
+        d.mkdir()
+        procs.append(_start_engine(d, port, "full", 0, 256.0, rank=r, num_engines=2))
+    module = build_tiny_lm(seed=0, keep_reference=False).module
+    try:
+        with WeightSender(WeightSyncConfig(master_port=port, num_engines=2, timeout_s=60)) as tx:
+            _perturb(module, 1)
+            tx.send(gather_for_sync(module, "full"), 1)
+            with pytest.raises(WeightSyncError, match="2 engine"):
+                tx.send({"nope": torch.zeros(1)}, 2)
+    finally:
+        for proc in procs:
+            _finish(proc)
+    for d in dirs:
+        got = torch.load(d / "v1.pt", weights_only=True)
+        for name, t in module.state_dict().items():
+            assert torch.equal(got["state"][name], t), (d.name, name)
+        assert len(_errors(d)) == 1 and "nope" in _errors(d)[0]
 
 
 def test_receiver_without_sender_times_out():

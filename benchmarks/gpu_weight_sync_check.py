@@ -37,6 +37,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _nccl_version() -> str:
+    import torch
+
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def _tiny_lm(seed: int, device: str):
     from unirl_core.models.lm import build_tiny_lm
 
@@ -203,7 +210,7 @@ def main() -> None:
     gpu = not args.cpu_smoke
     dev = "cuda:0" if gpu else "cpu"
     res: dict = {"gpu": torch.cuda.get_device_name(0) if gpu else "none (cpu smoke)", "torch": torch.__version__,
-                 "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else "-", "env": GPU_ENV}
+                 "nccl": _nccl_version() if gpu else "-", "env": GPU_ENV}
     checks = [("nccl_same_gpu", lambda: sync_check("nccl", "cuda:0", tmp / "nccl", dev))] if gpu else []
     checks += [("gloo_cuda", lambda: sync_check("gloo", dev, tmp / "gloo_cuda", dev)),
                ("fsdp_world1", lambda: fsdp_check(tmp / "fsdp.json"))]

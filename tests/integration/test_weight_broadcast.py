@@ -209,6 +209,32 @@ def test_receiver_without_sender_times_out():
     assert time.perf_counter() - t0 < 30
 
 
+STALLED = textwrap.dedent("""
+    import sys, time, torch
+    from unirl_core.train.weight_sync import WeightReceiver, WeightSyncConfig
+    rx = WeightReceiver(WeightSyncConfig(master_port=int(sys.argv[1]), timeout_s=60), torch.nn.Linear(2, 2))
+    time.sleep(60)  # joined the group, never receives
+""")
+
+
+def test_engine_that_stops_receiving_times_out_the_send(tmp_path):
+    port = _free_port()
+    script = tmp_path / "stalled.py"
+    script.write_text(STALLED)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(script), str(port)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        tx = WeightSender(WeightSyncConfig(master_port=port, timeout_s=3.0))
+        t0 = time.perf_counter()
+        with pytest.raises(WeightSyncTimeout, match="3.0 s"):
+            tx.send({"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}, 1)
+        assert time.perf_counter() - t0 < 30
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_sender_without_engine_times_out():
     cfg = WeightSyncConfig(master_port=_free_port(), timeout_s=1.0)
     with pytest.raises(WeightSyncTimeout, match="rendezvous"):

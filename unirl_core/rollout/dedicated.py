@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from unirl_core.errors import ConfigError, EngineError, field_error
+from unirl_core.rollout.server import HTTPJSONClient, ManagedServer, reserve_port
 from unirl_core.types import ARSamplingParams, FinishReason, Part, Sample, SampleBatch, TokenSegment
 
 
@@ -154,3 +155,21 @@ def collect(batch: SampleBatch, prompts: Sequence[Tensor], done: Sequence[Comple
         raise field_error(EngineError, "served policy_version", stale[:5], f"{policy_version} everywhere",
                           "another client updated this server; give each engine its own server or publisher")
     return fill_batch(batch, prompts, done, tokenizer, eos_ids)
+
+
+def connect_server(config, *, name: str, health_path: str, argv: Callable[[str, int], list[str]],
+                   env: dict[str, str], default_python: Callable[[], str]):
+    """``(client, server)`` for a dedicated engine: attach to ``config.base_url`` (checked healthy; ``server``
+    is None and is never stopped by us) or start our own server on a free port and wait for it."""
+    if config.base_url is not None:
+        client = HTTPJSONClient(config.base_url, timeout_s=config.request_timeout_s)
+        if not client.is_healthy(health_path):
+            raise field_error(EngineError, f"{name}.base_url", config.base_url, f"a healthy {name} server",
+                              "start it first (see the rollout README) or leave base_url None")
+        return client, None
+    port = config.port or reserve_port(config.host)
+    client = HTTPJSONClient(f"http://{config.host}:{port}", timeout_s=config.request_timeout_s)
+    server = ManagedServer(argv(config.python or default_python(), port), env=env, name=name,
+                           log_dir=config.log_dir)
+    server.start(client, health_path=health_path, timeout_s=config.startup_timeout_s)
+    return client, server

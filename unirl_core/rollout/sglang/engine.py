@@ -39,12 +39,13 @@ from unirl_core.rollout.dedicated import (
     encode_prompt,
     eos_token_ids,
     collect,
+    connect_server,
     post_all,
     request_seed,
     run_requests,
     to_finish_reason,
 )
-from unirl_core.rollout.server import HTTPJSONClient, ManagedServer, reserve_port
+from unirl_core.rollout.server import ManagedServer
 from unirl_core.rollout.sglang.config import SGLangEngineConfig, default_python
 from unirl_core.rollout.weights import stage_weights
 from unirl_core.types import ARSamplingParams, NoiseRecipe, SampleBatch
@@ -129,17 +130,10 @@ class SGLangEngine:
         self._staging = Path(config.staging_dir or tempfile.mkdtemp(prefix="unirl-sglang-weights-"))
         self.server: ManagedServer | None = None
         self.last_sync_s: float | None = None
-        if config.base_url is not None:
-            self.client = HTTPJSONClient(config.base_url, timeout_s=config.request_timeout_s)
-            if not self.client.is_healthy("/health_generate"):
-                raise field_error(EngineError, "sglang.base_url", config.base_url, "a healthy SGLang server",
-                                  "start it first or leave base_url None")
-        else:
-            port = config.port or reserve_port(config.host)
-            self.client = HTTPJSONClient(f"http://{config.host}:{port}", timeout_s=config.request_timeout_s)
-            self.server = ManagedServer(server_argv(config, config.python or default_python(), port),
-                                        env=server_env(config), name="sglang", log_dir=config.log_dir)
-            self.server.start(self.client, health_path="/health_generate", timeout_s=config.startup_timeout_s)
+        self.client, self.server = connect_server(
+            config, name="sglang", health_path="/health_generate",
+            argv=lambda py, port: server_argv(config, py, port), env=server_env(config),
+            default_python=default_python)
         self.policy_version = int(policy_version)
         try:
             self._label(self.policy_version)

@@ -39,12 +39,13 @@ from unirl_core.rollout.dedicated import (
     encode_prompt,
     eos_token_ids,
     collect,
+    connect_server,
     post_all,
     request_seed,
     run_requests,
     to_finish_reason,
 )
-from unirl_core.rollout.server import HTTPJSONClient, ManagedServer, reserve_port
+from unirl_core.rollout.server import ManagedServer
 from unirl_core.rollout.vllm.config import VLLMEngineConfig, default_python
 from unirl_core.rollout.weights import stage_weights
 from unirl_core.types import ARSamplingParams, NoiseRecipe, SampleBatch
@@ -139,18 +140,9 @@ class VLLMEngine:
         self.server: ManagedServer | None = None
         self.last_sync_s: float | None = None
         """Wall seconds of the last ``update_weights`` (publish -> served)."""
-        if config.base_url is not None:
-            self.client = HTTPJSONClient(config.base_url, timeout_s=config.request_timeout_s)
-            if not self.client.is_healthy("/health"):
-                raise field_error(EngineError, "vllm.base_url", config.base_url, "a healthy vLLM server",
-                                  "start it first (see the rollout README) or leave base_url None")
-        else:
-            port = config.port or reserve_port(config.host)
-            self.client = HTTPJSONClient(f"http://{config.host}:{port}", timeout_s=config.request_timeout_s)
-            python = config.python or default_python()
-            self.server = ManagedServer(server_argv(config, python, port), env=server_env(config), name="vllm",
-                                        log_dir=config.log_dir)
-            self.server.start(self.client, health_path="/health", timeout_s=config.startup_timeout_s)
+        self.client, self.server = connect_server(
+            config, name="vllm", health_path="/health", argv=lambda py, port: server_argv(config, py, port),
+            env=server_env(config), default_python=default_python)
         self.policy_version = int(policy_version)
         try:
             self._label(self.policy_version)

@@ -86,24 +86,24 @@ def test_missing_and_mistyped_column(tmp_path):
         read_batch(path)
 
 
+def _with_shape(table: pa.Table, column: str, shape: list[int]) -> pa.Table:
+    """``table`` with every row of tensor ``column`` claiming ``shape`` (the bytes unchanged)."""
+    col = table.column(column).combine_chunks()
+    shapes = pa.array([shape] * len(col), pa.list_(pa.int64()))
+    bad = pa.StructArray.from_arrays([col.field("dtype"), shapes, col.field("data")], fields=list(col.type))
+    return table.set_column(table.schema.get_field_index(column), table.schema.field(column), bad)
+
+
 def test_tensor_bytes_too_short_for_shape(tmp_path):
     t = batch_to_table(diffusion_batch())
-    col = t.column("diffusion.log_probs").combine_chunks()
-    shapes = pa.array([[999]] * len(col), pa.list_(pa.int64()))
-    bad = pa.StructArray.from_arrays([col.field("dtype"), shapes, col.field("data")], fields=list(col.type))
-    t2 = t.set_column(t.schema.get_field_index("diffusion.log_probs"), t.schema.field("diffusion.log_probs"), bad)
-    path = _rewrite(tmp_path, t2, "s.arrow")
+    path = _rewrite(tmp_path, _with_shape(t, "diffusion.log_probs", [999]), "s.arrow")
     with pytest.raises(SchemaError, match=r"column 'diffusion.log_probs' row 0: .*corrupt"):
         read_batch(path)
 
 
 def test_invariant_violation_in_file_names_row(tmp_path):
     t = batch_to_table(diffusion_batch())
-    col = t.column("diffusion.sigmas").combine_chunks()
-    shapes = pa.array([[2]] * len(col), pa.list_(pa.int64()))
-    bad = pa.StructArray.from_arrays([col.field("dtype"), shapes, col.field("data")], fields=list(col.type))
-    t2 = t.set_column(t.schema.get_field_index("diffusion.sigmas"), t.schema.field("diffusion.sigmas"), bad)
-    path = _rewrite(tmp_path, t2, "inv.arrow")
+    path = _rewrite(tmp_path, _with_shape(t, "diffusion.sigmas", [2]), "inv.arrow")
     with pytest.raises(SchemaError, match=r"inv.arrow: row 0 .*segment.sigmas"):
         read_batch(path)
 

@@ -13,7 +13,9 @@ from unirl_core.sde.kernels import (
     kernel_mean_std,
     ode_mean,
     schedule_coefficients,
+    squared_distance_log_prob,
     step_is_stochastic,
+    step_log_prob,
     transition,
 )
 from unirl_core.sde.noise import group_seed, initial_noise, sde_noise_generators, sibling_indices, stable_seed
@@ -25,5 +27,5 @@ __all__ = [
     "kernel_coefficients", "schedule_coefficients", "dynamic_shift_mu", "flow_mean_std", "flow_sigmas",
     "flux_sigmas", "gaussian_log_prob", "group_seed", "initial_noise", "kernel_mean_std", "ode_mean",
     "sde_noise_generators", "sde_step_mask", "select_train_steps", "shift_sigmas", "sibling_indices",
-    "sigmas_tensor", "stable_seed", "step_is_stochastic", "transition",
+    "sigmas_tensor", "squared_distance_log_prob", "stable_seed", "step_is_stochastic", "step_log_prob", "transition",
 ]

@@ -1,10 +1,23 @@
-"""Per-step transition kernels of a flow-matching sampler, with Gaussian log-probs.
+"""Per-step transition kernels of a flow-matching sampler, with their step log-probs.
 
 Convention (diffusers / rectified flow): ``x_sigma = (1 - sigma) * x_0 + sigma * eps``, the model
 predicts the velocity ``v = eps - x_0``, and a step goes from ``sigma`` to ``sigma_next < sigma``.
-Every kernel returns the Gaussian ``N(mean, std^2)`` of ``x_next`` given ``x``; the log-prob of a
-step is that density averaged over the latent elements (the Flow-GRPO / DanceGRPO convention, so
-its scale does not depend on resolution).
+Every kernel returns the Gaussian ``N(mean, std^2)`` of ``x_next`` given ``x``. The log-prob of a
+step (``step_log_prob``) is averaged over the latent elements, so its scale does not depend on
+resolution, and follows the public Flow-GRPO code (``sde_step_with_logprob`` in the flow_grpo
+repository) kernel by kernel:
+
+- ``flow``, ``dance``, ``cps_gaussian``: the full Gaussian log-density
+  ``-(x' - mean)^2 / (2 std^2) - log std - log sqrt(2 pi)`` (``gaussian_log_prob``); for ``flow``
+  this is what the reference computes for its ``sde`` branch.
+- ``cps``: ``-(x' - mean)^2`` (``squared_distance_log_prob``), the reference's ``cps`` branch. It
+  is **not** the Gaussian log-density shifted by a constant: the ``1 / (2 std^2)`` factor stays in a
+  ratio ``exp(logp_new - logp_old)``, so a clip range means something else under each. ``cps``
+  matches the reference so that published CPS clip ranges carry over; ``cps_gaussian`` samples the
+  very same transition with the density-correct log-prob.
+
+The choice is part of ``DiffusionSamplingParams.sde_type``, pinned on each Part, so rollout and
+replay always use the same one.
 
 Shapes: ``model_output``, ``sample``: ``[B, C, H, W]``; ``sigma``, ``sigma_next``: float32 tensors
 broadcastable to ``[B, 1, 1, 1]`` (0-d or per sample); log-probs: ``[B]``. All math runs in fp32.
@@ -35,7 +48,7 @@ class StepOutput:
     std: Tensor
     """fp32 std broadcastable to ``mean`` (0 for the ODE kernel)."""
     log_prob: Tensor
-    """[B] fp32 mean per-element log-density of ``prev_sample``; 0 where the step is deterministic."""
+    """[B] fp32 step log-prob of ``prev_sample`` (``step_log_prob``); 0 where the step is deterministic."""
 
 
 def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
@@ -44,6 +57,31 @@ def gaussian_log_prob(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     z = (x - mean) / std
     lp = -0.5 * z * z - torch.log(std) - _HALF_LOG_2PI
     return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def squared_distance_log_prob(x: Tensor, mean: Tensor) -> Tensor:
+    """Mean over non-batch dims of ``-(x - mean)^2`` in fp32: ``[B, ...] -> [B]``.
+
+    The public Flow-GRPO code's CPS log-prob: the Gaussian log-density with ``log std``, ``log sqrt(2 pi)``
+    **and** the ``1 / (2 std^2)`` scale dropped (only the first two are constant in a ratio).
+    """
+    d = x.float() - mean.float()
+    lp = -(d * d)
+    return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def step_log_prob(sde_type: SDEType, x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Log-prob of a stochastic step ``x ~ N(mean, std^2)`` under ``sde_type``'s convention: ``[B, ...] -> [B]``.
+
+    ``cps``: ``squared_distance_log_prob`` (as the Flow-GRPO reference); every other stochastic kernel,
+    ``cps_gaussian`` included: ``gaussian_log_prob``. ``std`` must be > 0 (callers mask deterministic steps).
+    """
+    if sde_type == "cps":
+        return squared_distance_log_prob(x, mean)
+    if sde_type in ("flow", "dance", "cps_gaussian"):
+        return gaussian_log_prob(x, mean, std)
+    raise field_error(ConfigError, "sde_type", sde_type, "a stochastic kernel: flow, dance, cps or cps_gaussian",
+                      "deterministic steps carry no log-prob")
 
 
 def ode_mean(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
@@ -95,7 +133,7 @@ def kernel_coefficients(sde_type: SDEType, sigma: Tensor, sigma_next: Tensor, *,
         return flow_coefficients(sigma, sigma_next, noise_level=noise_level, sigma_cap=sigma_cap)
     if sde_type == "dance":
         return dance_coefficients(sigma, sigma_next, noise_level=noise_level)
-    if sde_type == "cps":
+    if sde_type in ("cps", "cps_gaussian"):
         return cps_coefficients(sigma, sigma_next, noise_level=noise_level)
     if sde_type == "ode":
         return torch.ones_like(sigma), sigma_next - sigma, torch.zeros_like(sigma)
@@ -130,7 +168,7 @@ def dance_mean_std(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_ne
 
 def cps_mean_std(model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
                  noise_level: float) -> tuple[Tensor, Tensor]:
-    """Mean and std of the CPS kernel (see ``cps_coefficients``)."""
+    """Mean and std of the CPS kernel (see ``cps_coefficients``); ``cps`` and ``cps_gaussian`` share it."""
     a, b, std = cps_coefficients(sigma, sigma_next, noise_level=noise_level)
     return _linear_mean(a, b, model_output, sample), std
 
@@ -146,7 +184,7 @@ def step_is_stochastic(sde_type: SDEType, noise_level: float, sigma_next: float)
     """Whether a kernel has std > 0 at a step ending at ``sigma_next`` (only those carry log-probs)."""
     if sde_type == "ode" or noise_level == 0:
         return False
-    return not (sde_type == "cps" and sigma_next == 0)
+    return not (sde_type in ("cps", "cps_gaussian") and sigma_next == 0)
 
 
 def transition(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: Tensor, sigma_next: Tensor, *,
@@ -157,7 +195,8 @@ def transition(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: T
 
     Rollout passes ``noise`` ([B, C, H, W], any float dtype) and gets a new ``prev_sample``; replay
     passes the stored ``prev_sample`` and gets its log-prob. Either way the log-prob is taken of the
-    state as stored (rounded to ``trajectory_dtype``), so rollout and replay see the same numbers.
+    state as stored (rounded to ``trajectory_dtype``), so rollout and replay see the same numbers;
+    its convention is ``step_log_prob``'s for ``sde_type``.
     ``coefficients``: this step's ``(a, b, std)`` from ``schedule_coefficients`` (computed here when None).
     """
     if (noise is None) == (prev_sample is None):
@@ -189,10 +228,11 @@ def transition(sde_type: SDEType, model_output: Tensor, sample: Tensor, sigma: T
     else:
         prev = prev_sample.float()
     if all_sde:
-        log_prob = gaussian_log_prob(prev, mean, std)
+        log_prob = step_log_prob(sde_type, prev, mean, std)
     elif not any_sde:
         log_prob = torch.zeros(mean.shape[0], device=mean.device)
     else:
         safe_std = torch.where(std > 0, std, torch.ones_like(std))
-        log_prob = torch.where(mask.reshape(-1), gaussian_log_prob(prev, mean, safe_std), torch.zeros((), device=mean.device))
+        log_prob = torch.where(mask.reshape(-1), step_log_prob(sde_type, prev, mean, safe_std),
+                               torch.zeros((), device=mean.device))
     return StepOutput(prev_sample=prev, mean=mean, std=std, log_prob=log_prob)

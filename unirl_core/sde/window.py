@@ -2,8 +2,8 @@
 
 Rollout: every step (Flow-GRPO), or a window of ``w`` consecutive SDE steps whose start is drawn in
 a range, ODE elsewhere (Flow-GRPO-Fast). Steps whose kernel is deterministic (any step of the
-``ode`` kernel or at ``noise_level = 0``, the final step of ``cps``) are never SDE steps: they have
-no log-prob. Training may further keep a fraction of the SDE steps (``timestep_fraction``).
+``ode`` kernel or at ``noise_level = 0``, the final step of ``cps`` / ``cps_gaussian``) are never SDE
+steps: they have no log-prob. Training may further keep a fraction of the SDE steps (``timestep_fraction``).
 """
 
 from __future__ import annotations

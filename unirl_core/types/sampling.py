@@ -14,8 +14,11 @@ import numpy as np
 
 from unirl_core.errors import ConfigError, field_error
 
-SDEType = Literal["flow", "dance", "cps", "ode"]
-SDE_TYPES: tuple[str, ...] = ("flow", "dance", "cps", "ode")
+SDEType = Literal["flow", "dance", "cps", "cps_gaussian", "ode"]
+SDE_TYPES: tuple[str, ...] = ("flow", "dance", "cps", "cps_gaussian", "ode")
+"""Kernel names. ``cps`` and ``cps_gaussian`` sample the same CPS transition and differ only in the step
+log-prob: ``cps`` uses the public Flow-GRPO code's convention (``-(x' - mean)^2`` averaged, constants and the
+``1 / (2 std^2)`` scale dropped), ``cps_gaussian`` the full Gaussian log-density (see ``unirl_core.sde``)."""
 
 
 def as_float32_tuple(values) -> tuple[float, ...]:
@@ -30,7 +33,8 @@ class DiffusionSamplingParams:
     sigmas: tuple[float, ...]
     """Pinned sigma schedule, ``num_steps + 1`` float32 values, strictly decreasing, ending at 0."""
     sde_type: SDEType = "flow"
-    """Per-step kernel: ``flow`` (Flow-GRPO), ``dance`` (DanceGRPO), ``cps`` (coefficients-preserving), ``ode``."""
+    """Per-step kernel: ``flow`` (Flow-GRPO), ``dance`` (DanceGRPO), ``cps`` (coefficients-preserving, log-prob as
+    in the Flow-GRPO code), ``cps_gaussian`` (the same transition, full Gaussian log-prob), ``ode``."""
     noise_level: float = 0.7
     """Flow-GRPO ``a`` / DanceGRPO ``eta`` / CPS noise level; 0 makes every step deterministic."""
     sde_window_size: int | None = None

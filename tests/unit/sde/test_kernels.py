@@ -96,7 +96,7 @@ def test_ode_is_euler():
     torch.testing.assert_close(ode_mean(v, x, _t(SIGMA), _t(SIGMA_NEXT)), x + (SIGMA_NEXT - SIGMA) * v)
 
 
-@pytest.mark.parametrize("kind", ["flow", "dance", "cps"])
+@pytest.mark.parametrize("kind", ["flow", "dance", "cps", "cps_gaussian"])
 def test_transition_rollout_then_replay_is_bitwise_and_rounded(kind):
     v, x, eps = _inputs(4)
     x = x.to(torch.bfloat16).float()
@@ -118,7 +118,7 @@ def test_transition_needs_exactly_one_of_noise_or_prev():
                    noise_level=A, sigma_cap=_t(0.9), trajectory_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["flow", "dance", "cps", "ode"])
+@pytest.mark.parametrize("kind", ["flow", "dance", "cps", "cps_gaussian", "ode"])
 def test_schedule_coefficients_equal_per_step_bitwise(kind):
     from unirl_core.sde import flow_sigmas, kernel_coefficients, schedule_coefficients, sigmas_tensor
 

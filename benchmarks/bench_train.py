@@ -76,7 +76,7 @@ class TokenGRPO:
         ids, _, _ = self._collate(mb)
         return self.token_log_probs(policy.module, ids)
 
-    def loss(self, policy, mb, *, old_log_probs):
+    def loss(self, policy, mb, *, old_log_probs, first_update=False):
         import torch
 
         from unirl_core.algorithms.base import LossOutput
@@ -129,7 +129,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--precision", choices=["fp32", "bf16"], default=None,
-                    help="autocast dtype of both loops (default: bf16 on cuda, fp32 on cpu)")
+                    help="compute dtype: ours runs the model natively in it over fp32 masters, the plain loop "
+                         "uses autocast (default: bf16 on cuda, fp32 on cpu)")
     args = ap.parse_args()
     pin_threads(1)
     import torch
@@ -140,7 +141,7 @@ def main() -> None:
     p = PRESETS[args.preset]
     precision = args.precision or ("bf16" if dev.type == "cuda" else "fp32")
     cfg = TrainConfig(lr=1e-5, micro_batch_size=p["micro"], warmup_steps=10, schedule="cosine", total_steps=10_000,
-                      max_grad_norm=1.0, mixed_precision=precision)
+                      max_grad_norm=1.0)
     model = build_model(p, dev)
     algo = TokenGRPO(p["prompt"], dev)
     batch = make_batch(p, model, algo)
@@ -152,7 +153,9 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     dtype = {"bf16": torch.bfloat16, "fp32": None}[precision]
     autocast = (lambda: torch.autocast(dev.type, dtype=dtype)) if dtype else nullcontext
-    backend = TrainBackend(ModelPolicy(copy.deepcopy(model)), algo, cfg)  # both get a copy: same memory layout
+    # both get a copy (same memory layout); ours holds the model in the compute dtype, the backend keeps fp32
+    # masters of the trainable weights and runs the forward natively in that dtype (what a rollout runs)
+    backend = TrainBackend(ModelPolicy(copy.deepcopy(model).to(dtype or torch.float32)), algo, cfg)
     del model  # the 1b preset keeps two fp32 copies + AdamW state; drop the third
     if dev.type == "cuda":
         torch.cuda.empty_cache()

@@ -22,6 +22,7 @@ from tasks.common import (
 from tasks.types import HashedSampleBatch
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config import RunConfig
+from unirl_core.loop.metrics import merge_shard_metrics
 from unirl_core.report.phase_html import rollout_html
 from unirl_core.types import SampleBatch
 
@@ -48,20 +49,6 @@ def rollout_task(cfg: RunConfig, ckpt: CheckpointRef, step: int, num_shards: int
 class Joined(NamedTuple):
     batch: HashedSampleBatch
     metrics: dict[str, float]
-
-
-def merge_shard_metrics(per_shard: list[dict[str, float]]) -> dict[str, float]:
-    """Counts add up, times take the slowest shard (shards run in parallel), anything else is averaged."""
-    out: dict[str, float] = {}
-    for key in sorted({k for m in per_shard for k in m}):
-        vals = [m[key] for m in per_shard if key in m]
-        if key.startswith("time/") or key.endswith("seconds"):
-            out[key] = max(vals)
-        elif key.endswith("samples"):
-            out[key] = sum(vals)
-        else:
-            out[key] = sum(vals) / len(vals)
-    return out
 
 
 @task(container_image=train_image, **CPU_TASK, timeout=SMALL_TIMEOUT)

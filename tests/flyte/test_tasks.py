@@ -8,7 +8,7 @@ import pytest
 from flytekit.exceptions.user import FlyteRecoverableException
 
 from tasks.common import _accelerator_from_env, is_transient, phase
-from tasks.rollout import merge_shard_metrics
+from unirl_core.loop.metrics import merge_shard_metrics
 from unirl_core.errors import ConfigError, RewardError
 from unirl_core.reward.client import RemoteRewardClient
 
@@ -88,3 +88,11 @@ def test_every_task_types_config_and_batches_with_our_transformers():
             if "batch" in ins:
                 assert ins["batch"].type.blob.format == ARROW_IPC_FORMAT, obj.name
     assert seen >= 10
+
+
+def test_shard_metrics_take_the_max_of_maxima():
+    got = merge_shard_metrics([{"rollout/logp_absdiff_max": 1e-3, "rollout/logp_absdiff_mean": 1e-4,
+                                "train/ratio_min": 0.99},
+                               {"rollout/logp_absdiff_max": 4e-3, "rollout/logp_absdiff_mean": 3e-4,
+                                "train/ratio_min": 0.98}])
+    assert got == {"rollout/logp_absdiff_max": 4e-3, "rollout/logp_absdiff_mean": 2e-4, "train/ratio_min": 0.98}

@@ -28,7 +28,7 @@ WORKER = textwrap.dedent("""
 
     out, root, cfg_kw = sys.argv[1], sys.argv[2], eval(sys.argv[3])
     torch.set_num_threads(1)
-    info = init_distributed()
+    info = init_distributed("cpu")  # the toy model is a CPU model, also on a host with CUDA
     policy = ToyPolicy(seed=0)
     be = TrainBackend(policy, ToyGRPO(), TrainConfig(**cfg_kw), dist_info=info)
     batches = [rollout(ToyPolicy(seed=100 + k), 8, seed=k) for k in range(2)]

@@ -52,6 +52,12 @@ class Algorithm(Protocol):
         """Replay pi_old over exactly this micro-batch (called under no_grad, before the first update)."""
         ...
 
-    def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None) -> LossOutput:
-        """Loss of the micro-batch; ``old_log_probs`` None means use the log-probs stored at rollout."""
+    def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None,
+             first_update: bool = False) -> LossOutput:
+        """Loss of the micro-batch; ``old_log_probs`` None means use the log-probs stored at rollout.
+
+        ``first_update``: the policy still holds the weights that sampled the batch, so the current
+        log-probs ARE the replayed pi_old; the algorithm checks their gap to the stored log-probs against
+        its tolerance (fail closed), also when ``old_log_probs`` is None.
+        """
         ...

@@ -121,7 +121,8 @@ class FlowGRPO:
         self._check_logp(stored[:, steps], full[:, steps], _mask(segs, steps), where="old_log_probs")
         return full
 
-    def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None) -> LossOutput:
+    def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None,
+             first_update: bool = False) -> LossOutput:
         cfg = self.config
         parts, segs, sampling = _diffusion_parts(micro_batch)
         steps = self._train_steps(micro_batch, segs)
@@ -144,6 +145,8 @@ class FlowGRPO:
         absdiff = (stored - pi_old_replay).abs()
         if old_log_probs is not None:
             self._check_logp(stored, old, mask, where="loss(old_log_probs)")
+        elif first_update:
+            self._check_logp(stored, pi_old_replay, mask, where="first update")
         with torch.no_grad():
             sel = mask.bool()
             r = ratio.detach()[sel]

@@ -175,7 +175,8 @@ class GRPO:
         self._check_absdiff(layout, logp)
         return logp
 
-    def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None) -> LossOutput:
+    def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None,
+             first_update: bool = False) -> LossOutput:
         cfg = self.config
         layout = self.layout(policy, micro_batch)
         adv = _advantages(micro_batch).to(layout.input_ids.device)
@@ -189,6 +190,8 @@ class GRPO:
             self._check_absdiff(layout, old)
         else:
             old = layout.stored_log_probs
+            if first_update:  # the current forward is pi_old as replayed
+                self._check_absdiff(layout, logp.detach())
         ref = None
         if cfg.beta > 0:
             with torch.no_grad(), policy.reference():

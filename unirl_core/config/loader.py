@@ -91,8 +91,9 @@ def _dataclass(cls: type, value: Any, path: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(value) - set(fields))
     if unknown:
-        raise field_error(ConfigError, f"{path}.{unknown[0]}", value[unknown[0]], f"a field of {cls.__name__}",
-                          f"valid fields: {sorted(fields)}")
+        removed = getattr(cls, "REMOVED_FIELDS", {})
+        fix = removed.get(unknown[0], f"valid fields: {sorted(fields)}")
+        raise field_error(ConfigError, f"{path}.{unknown[0]}", value[unknown[0]], f"a field of {cls.__name__}", fix)
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, f in fields.items():

@@ -21,11 +21,12 @@ from unirl_core.rollout.logp_check import LogpCheckConfig
 from unirl_core.rollout.modes import DeploymentConfig
 from unirl_core.rollout.sglang.config import SGLangEngineConfig
 from unirl_core.rollout.vllm.config import VLLMEngineConfig
-from unirl_core.sde.schedules import flow_sigmas
+from unirl_core.sde.schedules import flow_sigmas, flux_sigmas
 from unirl_core.train.config import TrainConfig
 from unirl_core.types import ARSamplingParams, DiffusionSamplingParams, SDEType
 
 Family = Literal["diffusion", "lm"]
+ScheduleKind = Literal["auto", "sd3", "flux"]
 PromptSource = Literal["inline", "toy_arithmetic", "file"]
 
 
@@ -35,8 +36,11 @@ class DiffusionSamplingConfig:
 
     num_steps: int = 10
     """Denoising steps T."""
+    schedule: ScheduleKind = "auto"
+    """Sigma schedule: ``sd3`` (static ``shift``, the SD3 pipeline's), ``flux`` (dynamic shift from the image
+    sequence length ``(height // 16) * (width // 16)``, the Flux pipeline's), or ``auto``: the model family's own."""
     shift: float = 3.0
-    """Static SD3 timestep shift of the flow-matching schedule."""
+    """Static SD3 timestep shift of the flow-matching schedule (``schedule: sd3``; unused by ``flux``)."""
     sde_type: SDEType = "flow"
     """SDE kernel: flow (Flow-GRPO), dance (DanceGRPO), cps, ode."""
     noise_level: float = 0.7
@@ -56,9 +60,18 @@ class DiffusionSamplingConfig:
     same_noise_per_group: bool = False
     """Start all siblings of a group from the same x_T."""
 
-    def params(self) -> DiffusionSamplingParams:
+    def sigmas(self, family: str) -> tuple[float, ...]:
+        """The pinned ``[T+1]`` schedule for a model of ``family`` (``sd3`` / ``flux``)."""
+        kind = family if self.schedule == "auto" else self.schedule
+        if kind == "flux":
+            # Flux packs 2x2 latent patches of a VAE with 8x downsampling: one token per 16x16 pixels.
+            return flux_sigmas(num_steps=self.num_steps, image_seq_len=(self.height // 16) * (self.width // 16))
+        return flow_sigmas(num_steps=self.num_steps, shift=self.shift)
+
+    def params(self, family: str = "sd3") -> DiffusionSamplingParams:
+        """The DiffusionSamplingParams every Part of a step is pinned to, for a model of ``family``."""
         return DiffusionSamplingParams(
-            sigmas=flow_sigmas(num_steps=self.num_steps, shift=self.shift), sde_type=self.sde_type,
+            sigmas=self.sigmas(family), sde_type=self.sde_type,
             noise_level=self.noise_level, sde_window_size=self.sde_window_size,
             sde_window_range=self.sde_window_range, guidance_scale=self.guidance_scale,
             negative_prompt=self.negative_prompt, height=self.height, width=self.width)

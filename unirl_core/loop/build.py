@@ -39,6 +39,7 @@ from unirl_core.reward.service import RewardService
 from unirl_core.rollout.sglang import SGLangEngine
 from unirl_core.rollout.vllm import VLLMEngine
 from unirl_core.rollout.weights import write_peft_adapter
+from unirl_core.train.backend import TrainBackend
 from unirl_core.types import PromptRecord
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ _BUNDLES: dict[str, object] = {}
 _REWARDS: dict[str, RewardService] = {}
 _DATASETS: dict[str, PromptDataset] = {}
 _INITIAL_DIRS: dict[str, str] = {}
+_TRAINERS: dict[str, TrainBackend] = {}
 
 
 def _key(obj: object) -> str:
@@ -66,6 +68,17 @@ def bundle(cfg: RunConfig):
     if key not in _BUNDLES:
         _BUNDLES[key] = fresh_bundle(cfg)
     return _BUNDLES[key]
+
+
+def trainer(cfg: RunConfig) -> TrainBackend:
+    """The process's train backend: it owns a bundle of its own (never ``bundle(cfg)``, which the rollout
+    samples with), built once per process and model/train/loss config. Restore a checkpoint into it before
+    every step: it holds whatever the last train phase left."""
+    key = f"{cfg.family}:{_key(cfg.section.model)}:{_key(cfg.train)}:{_key(cfg.section.algorithm)}"
+    if key not in _TRAINERS:
+        _TRAINERS.clear()  # one trainer per process: a model copy plus optimizer state each
+        _TRAINERS[key] = TrainBackend(fresh_bundle(cfg), algorithm(cfg), cfg.train)
+    return _TRAINERS[key]
 
 
 def algorithm(cfg: RunConfig):
@@ -102,9 +115,13 @@ def dataset(cfg: RunConfig) -> PromptDataset:
     return _DATASETS[key]
 
 
-def load_policy_weights(policy, ref: CheckpointRef, cfg: RunConfig) -> None:
-    """Load a version's (trainable or full) weights into the bundle's module, checking every name."""
-    weights: dict[str, Tensor] = load_weights(ref, storage_options=cfg.checkpoint.storage_options)
+def load_policy_weights(policy, ref: CheckpointRef, cfg: RunConfig, *, ema: bool = False) -> None:
+    """Load a version's (trainable or full) weights, or its EMA weights, into the bundle's module, checking
+    every name. The fp32 checkpoint values are rounded into the module's own dtype on copy."""
+    if ema and cfg.train.ema_decay is None:
+        raise field_error(ConfigError, "train.ema_decay", None, "a decay, to sample with EMA weights",
+                          "set train.ema_decay (e.g. 0.95) so checkpoints carry EMA weights")
+    weights: dict[str, Tensor] = load_weights(ref, storage_options=cfg.checkpoint.storage_options, ema=ema)
     module = policy.module
     result = module.load_state_dict(weights, strict=False)
     if result.unexpected_keys:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from unirl_core.config.run import RunConfig
+from unirl_core.loop.metrics import merge_shard_metrics
 from unirl_core.loop.phases import (
     advantage_phase,
     init_run,
@@ -45,11 +46,12 @@ def run_local(cfg: RunConfig, *, resume_from: str = "latest", on_step: StepCallb
     for step in range(ckpt.step + 1, total + 1):
         t = {}
         t0 = time.perf_counter()
-        parts, metrics = [], {}
+        parts, per_shard = [], []
         for shard in range(shards):
             b, m = rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=shards)
             parts.append(b)
-            metrics.update(m)
+            per_shard.append(m)
+        metrics = merge_shard_metrics(per_shard)
         batch = SampleBatch.concat(parts)
         t["rollout"] = time.perf_counter() - t0
         t1 = time.perf_counter()

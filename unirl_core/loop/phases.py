@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import time
+from typing import Literal
 
 from unirl_core.advantage.batch import assign_advantages
 from unirl_core.advantage.tracker import PerPromptStatTracker
@@ -21,12 +22,13 @@ from unirl_core.checkpoint import (
 )
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
-from unirl_core.errors import CheckpointError, ConfigError, field_error
+from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
 from unirl_core.loop import build
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
 from unirl_core.rollout.logp_check import check_logp_agreement, replay_agreement
 from unirl_core.rollout.modes import needs_sleep
+from unirl_core.rollout.sigma_verify import verify_batch_sigmas
 from unirl_core.sde.noise import stable_seed
 from unirl_core.train.backend import TrainBackend
 from unirl_core.types import NoiseRecipe, PromptRecord, SampleBatch
@@ -34,6 +36,8 @@ from unirl_core.types import NoiseRecipe, PromptRecord, SampleBatch
 log = logging.getLogger(__name__)
 
 TRACKER_KEY = "unirl.tracker_state"
+EMA_POLICY_VERSION = -2
+"""Policy version stamped on Parts sampled with EMA weights: no trainer version ever equals it."""
 
 
 def init_run(cfg: RunConfig, *, resume_from: str = "latest") -> CheckpointRef:
@@ -90,16 +94,23 @@ def step_prompts(cfg: RunConfig, step: int, shard: int = 0, num_shards: int = 1)
             for r in recs[shard * per:(shard + 1) * per]]
 
 
-def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int = 0,
-                  num_shards: int = 1) -> tuple[SampleBatch, dict[str, float]]:
+def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int = 0, num_shards: int = 1,
+                  weights: Literal["policy", "ema"] = "policy") -> tuple[SampleBatch, dict[str, float]]:
     """Sample one shard of step ``step`` with the weights of ``ckpt``: the trainside engine, or the process's
-    dedicated engine after syncing ``ckpt`` to it (then checked against the trainer's replay, fail-closed)."""
+    dedicated engine after syncing ``ckpt`` to it (then checked against the trainer's replay, fail-closed).
+
+    The rollout bundle is the process's own (``build.bundle``), never the trainer's: it holds ``ckpt``'s
+    weights in the model dtype, the view the trainer's compute context reproduces. ``weights='ema'`` samples
+    with the EMA weights stored in ``ckpt`` (``train.ema_decay`` set), e.g. for evaluation or EMA rollouts;
+    such a batch is off-policy for the trainer's first-update check, which only runs on equal versions.
+    """
     t0 = time.perf_counter()
     policy = build.bundle(cfg)
-    build.load_policy_weights(policy, ckpt, cfg)
+    build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
     seed = stable_seed(cfg.loop.seed, "rollout", step, shard) % (2**63)
     section = cfg.section
-    sampling = section.sampling.params() if cfg.family == "diffusion" else section.sampling
+    sampling = section.sampling.params(policy.family) if cfg.family == "diffusion" else section.sampling
+    version = ckpt.policy_version if weights == "policy" else EMA_POLICY_VERSION
     dedicated = cfg.family == "lm" and cfg.lm.dedicated is not None
     if dedicated and sampling.seed is None:
         # A server draws unseeded requests from its own stream; seed them from the step instead.
@@ -107,20 +118,24 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
     request = SampleBatch.from_prompts(step_prompts(cfg, step, shard, num_shards),
                                        samples_per_prompt=cfg.data.samples_per_prompt, kind=cfg.family
                                        if cfg.family == "diffusion" else "ar", sampling=sampling,
-                                       policy_version=ckpt.policy_version,
+                                       policy_version=version,
                                        metadata={"run": cfg.name, "step": str(step), "shard": str(shard)})
     metrics: dict[str, float] = {}
     if dedicated:
         batch, metrics = _dedicated_rollout(cfg, policy, ckpt, request, where=f"rollout step {step} shard {shard}")
     elif cfg.family == "diffusion":
         engine_cfg = dataclasses.replace(section.engine, seed=seed)
-        engine = TrainsideDiffusionEngine(policy, engine_cfg, policy_version=ckpt.policy_version)
+        engine = TrainsideDiffusionEngine(policy, engine_cfg, policy_version=version)
         noise = NoiseRecipe(base_seed=seed, same_noise_per_group=section.sampling.same_noise_per_group)
         batch = engine.generate(request, noise=noise)
     else:
-        engine = TrainsideAREngine(policy, dataclasses.replace(section.engine, seed=seed),
-                                   policy_version=ckpt.policy_version)
+        engine = TrainsideAREngine(policy, dataclasses.replace(section.engine, seed=seed), policy_version=version)
         batch = engine.generate(request)
+        if engine.last_decode_rescore_absdiff is not None:
+            # How far the KV-cached decode drifts from the full forward (recorded log-probs come from the latter).
+            metrics["rollout/decode_rescore_absdiff_max"] = engine.last_decode_rescore_absdiff
+    if cfg.family == "diffusion":
+        verify_batch_sigmas(batch)  # every engine echoes the schedule it ran; a mismatch fails closed
     seconds = time.perf_counter() - t0
     metrics.update({"rollout/samples": float(len(batch)), "rollout/seconds": seconds})
     if cfg.family == "lm":
@@ -189,8 +204,8 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
     if step != ckpt.step + 1:
         raise field_error(CheckpointError, "step", step, f"ckpt.step + 1 = {ckpt.step + 1}",
                           "train each step from the version of the step before it")
-    policy = build.bundle(cfg)
-    backend = TrainBackend(policy, build.algorithm(cfg), cfg.train)
+    check_policy_lag(cfg, batch, ckpt)
+    backend = build.trainer(cfg)
     loaded = restore_train_checkpoint(backend, ckpt, storage_options=cfg.checkpoint.storage_options)
     metrics = backend.step(batch).as_dict()
     extra = dict(loaded.extra)
@@ -200,6 +215,26 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
                                 overwrite=True)
     return ref, {f"train/{k}": float(v) for k, v in metrics.items()}
+
+
+def check_policy_lag(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) -> None:
+    """Refuse a batch sampled by a policy more than the allowed number of versions behind ``ckpt``.
+
+    The bound is ``lm.deployment.sync.max_policy_lag`` for a dedicated LM engine and 0 otherwise (the
+    synchronous loop always samples with the version it trains from). EMA rollouts are exempt.
+    """
+    bound, field = 0, "policy lag (synchronous loop)"
+    if cfg.family == "lm" and cfg.lm.dedicated is not None and cfg.lm.deployment.sync is not None:
+        bound, field = cfg.lm.deployment.sync.max_policy_lag, "lm.deployment.sync.max_policy_lag"
+    versions = [p.policy_version for p in batch.generated if p.policy_version != EMA_POLICY_VERSION]
+    if not versions:
+        return
+    lag = ckpt.policy_version - min(versions)
+    if lag > bound or max(versions) > ckpt.policy_version:
+        raise field_error(NumericsError, field, lag, f"0 <= trainer version - sample version <= {bound} (trainer "
+                          f"at {ckpt.policy_version}, samples from {min(versions)}..{max(versions)})",
+                          "train each batch from the version that sampled it (or raise the bound for "
+                          "asynchronous rollouts); a stale batch optimises a ratio against the wrong policy")
 
 
 def publish_phase(cfg: RunConfig, ckpt: CheckpointRef) -> dict:

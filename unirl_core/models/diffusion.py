@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.lora import apply_lora, lora_disabled
+from unirl_core.models.precision import compute_context
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,18 @@ class DiffusionBundle:
 
     # -- Policy -------------------------------------------------------------------------------
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype every forward computes in (the model dtype), whoever runs it."""
+        return self.dtype
+
+    def compute(self):
+        """The policy's compute context: parameters read in ``compute_dtype`` (see ``models.precision``).
+
+        Rollout, replay and the trainer all run the transformer inside it; ``velocity`` enters it itself.
+        """
+        return compute_context(self._module, self.dtype)
+
+    @property
     def module(self) -> nn.Module:
         """The trainable transformer (the train backend may replace it with a wrapped one)."""
         return self._module
@@ -239,6 +252,10 @@ class DiffusionBundle:
     def velocity(self, latents: Tensor, sigma: Tensor, conds: dict[str, Tensor], *,
                  guidance_scale: float = 1.0) -> Tensor:
         """One transformer forward: ``[B, C, h, w]`` latents (model dtype) -> velocity ``[B, C, h, w]``."""
+        with self.compute():
+            return self._velocity(latents, sigma, conds, guidance_scale=guidance_scale)
+
+    def _velocity(self, latents: Tensor, sigma: Tensor, conds: dict[str, Tensor], *, guidance_scale: float) -> Tensor:
         model = self._transformer()
         b = latents.shape[0]
         if self.family == "sd3":

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from unirl_core.errors import ConfigError, InvariantError, field_error
 from unirl_core.models.lora import apply_lora, has_lora, lora_disabled
+from unirl_core.models.precision import compute_context
 from unirl_core.types import TokenSegment
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,16 @@ class LMBundle:
                            target_modules=config.lora_target_modules)
         elif config.keep_reference:
             self._reference = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype every forward computes in (the model dtype), whoever runs it."""
+        return _DTYPES[self.config.dtype]
+
+    def compute(self):
+        """The policy's compute context (see ``models.precision``): the engine's decode and rescoring, the
+        trainer's replay and loss forwards and the agreement check of a dedicated engine all run inside it."""
+        return compute_context(self._module, self.compute_dtype)
 
     @property
     def module(self) -> nn.Module:

@@ -164,7 +164,7 @@ class TrainsideAREngine:
         was_training = module.training
         module.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.bundle.compute():
                 for sp, rows in _group_by_params(sps).items():
                     for k in range(0, len(rows), self.config.forward_batch_size):
                         chunk = rows[k:k + self.config.forward_batch_size]

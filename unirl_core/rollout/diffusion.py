@@ -84,9 +84,11 @@ def denoise_slice(bundle: DiffusionBundle, sampling: DiffusionSamplingParams, x_
     was_training = bundle.module.training
     bundle.module.eval()
     try:
-        return sample_trajectory(velocity_fn, x_T.to(device), sig, sde_type=sampling.sde_type,
-                                 noise_level=sampling.noise_level, sde_mask=sde_mask.cpu(),
-                                 trajectory_dtype=trajectory_dtype, noise_fn=noise_fn)
+        # One cast of the parameters for the whole slice (velocity's own compute() then swaps nothing).
+        with bundle.compute():
+            return sample_trajectory(velocity_fn, x_T.to(device), sig, sde_type=sampling.sde_type,
+                                     noise_level=sampling.noise_level, sde_mask=sde_mask.cpu(),
+                                     trajectory_dtype=trajectory_dtype, noise_fn=noise_fn)
     finally:
         bundle.module.train(was_training)
 

@@ -13,6 +13,7 @@ Shapes: ``[B, R]`` (B sequences, R = longest response), with a bool mask of real
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -104,7 +105,8 @@ def replay_agreement(policy, batch: SampleBatch, *, micro_batch_size: int = 16) 
         temps.append((part.sampling or ARSamplingParams()).temperature)
     device = next(policy.module.parameters()).device
     diffs: list[Tensor] = []
-    with torch.no_grad():
+    compute = policy.compute() if hasattr(policy, "compute") else contextlib.nullcontext()
+    with torch.no_grad(), compute:
         for k in range(0, len(segs), micro_batch_size):
             layout = build_layout(segs[k:k + micro_batch_size], temps[k:k + micro_batch_size],
                                   pad_id=int(policy.pad_token_id), device=device)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from unirl_core.algorithms.base import Algorithm, Policy
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
+from unirl_core.models.precision import module_dtype, parameters_as, upcast_trainable
 from unirl_core.train import distributed as D
 from unirl_core.train.config import TrainConfig
 from unirl_core.train.ema import ParameterEMA
@@ -28,9 +29,6 @@ from unirl_core.train.state import capture_rng, restore_rng, seed_everything
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass(kw_only=True)
 class TrainMetrics:
@@ -66,6 +64,22 @@ class TrainMetrics:
         return out
 
 
+def _accumulate_metric(sums: dict[str, float], counts: dict[str, int], key: str, value: float) -> None:
+    """Running reduction of one micro-batch metric: extremes for ``*_max`` / ``*_min``, sums otherwise."""
+    if key.endswith("_max"):
+        sums[key], counts[key] = max(sums.get(key, -math.inf), value), 1
+    elif key.endswith("_min"):
+        sums[key], counts[key] = min(sums.get(key, math.inf), value), 1
+    else:
+        sums[key] = sums.get(key, 0.0) + value
+        counts[key] = counts.get(key, 0) + 1
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def names_in_order(module: torch.nn.Module) -> list[str]:
     """State-dict keys in module order (tied weights appear under each of their names)."""
     return list(module.state_dict().keys())
@@ -74,9 +88,13 @@ def names_in_order(module: torch.nn.Module) -> list[str]:
 class TrainBackend:
     """Owns optimizer, scheduler, precision, EMA, sharding and RNG of one policy.
 
-    ``policy.module`` is prepared in place: trainable parameters become fp32 master weights and, at world
-    size > 1 (``cfg.shard='auto'``, or always with ``'always'``), the module is sharded with FSDP2. Call :func:`init_distributed` first
-    (or pass ``dist_info``) when launched by torchrun.
+    The backend owns ``policy``: its module is prepared in place (trainable parameters become fp32 master
+    weights; at world size > 1 with ``cfg.shard='auto'``, or always with ``'always'``, it is sharded with
+    FSDP2), so a rollout must not sample with the same bundle object afterwards unless it enters the
+    bundle's ``compute()`` (the trainside engines do) and the module is not sharded. The loop gives the
+    trainer a bundle of its own. Every forward runs in the policy's compute context
+    (``unirl_core.models.precision``): the parameters as the model dtype, natively, exactly what the
+    rollout ran. Call :func:`init_distributed` first (or pass ``dist_info``) when launched by torchrun.
     """
 
     def __init__(self, policy: Policy, algorithm: Algorithm, cfg: TrainConfig, *,
@@ -86,52 +104,50 @@ class TrainBackend:
                 raise field_error(ConfigError, name, type(obj).__name__, f"an object implementing {proto.__name__}",
                                   "see unirl_core.algorithms.base for the contract")
         self.policy, self.algorithm, self.cfg = policy, algorithm, cfg
-        self.dist = dist_info or D.init_distributed()
+        # Without dist_info the device is the module's: a CPU model stays on gloo on a host that also has CUDA.
+        self.dist = dist_info or D.init_distributed(device=_module_device(policy.module))
         if cfg.shard == "always":
             D.ensure_process_group(self.dist.device)
         self.rank, self.world_size = D.current_world()
         seed_everything(cfg.seed + self.rank)
         module = policy.module
+        self.compute_dtype: torch.dtype = getattr(policy, "compute_dtype", None) or module_dtype(module)
+        if D.is_sharded(module):
+            raise field_error(ConfigError, "policy.module", "already sharded", "a module no backend has prepared",
+                              "build one TrainBackend per bundle (the backend owns its module)")
+        upcast = upcast_trainable(module)
+        if upcast:
+            log.info("upcast %d trainable tensors to fp32 master weights", upcast)
         named = trainable_parameters(module)
-        self._upcast_master_weights(named)
-        self._compute_dtype = _DTYPES[cfg.mixed_precision]
         if cfg.shard == "always" or (cfg.shard == "auto" and self.world_size > 1):
-            D.apply_fsdp(module, cfg.fsdp_wrap_classes, self._compute_dtype)
+            mp = None if self.compute_dtype == torch.float32 else self.compute_dtype
+            D.apply_fsdp(module, cfg.fsdp_wrap_classes, mp)
             named = trainable_parameters(module)  # fully_shard swapped the parameters for DTensor shards
         self.sharded = D.is_sharded(module)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.optimizer = build_optimizer(self.params, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
-        self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=cfg.mixed_precision == "fp16")
+        self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.compute_dtype == torch.float16)
         self.ema = ParameterEMA(named, cfg.ema_decay) if cfg.ema_decay is not None else None
         self.step_count = 0
         self.optimizer_steps = 0
         log.info("train backend: %d trainable tensors (%.3fM params), world=%d, sharded=%s, precision=%s",
                  len(self.params), sum(p.numel() for p in self.params) / 1e6,  # DTensor numel is global
-                 self.world_size, self.sharded, cfg.mixed_precision)
-
-    @staticmethod
-    def _upcast_master_weights(named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        # Low-precision master weights lose small AdamW updates (bf16 has 8 mantissa bits); autocast
-        # still runs the matmuls in the compute dtype.
-        low = [n for n, p in named if p.dtype != torch.float32]
-        for _, p in named:
-            if p.dtype != torch.float32:
-                p.data = p.data.float()
-        if low:
-            log.info("upcast %d trainable tensors to fp32 master weights", len(low))
+                 self.world_size, self.sharded, self.compute_dtype)
 
     @property
     def policy_version(self) -> int:
         """Version the current weights carry: the number of rollout batches trained on."""
         return self.step_count
 
-    def autocast(self) -> AbstractContextManager[None]:
-        """The forward-pass precision context (a no-op in fp32)."""
-        if self._compute_dtype is None:
+    def compute(self) -> AbstractContextManager[None]:
+        """The policy's compute context around every forward (pi_old replay and loss)."""
+        if hasattr(self.policy, "compute"):
+            return self.policy.compute()
+        if self.sharded or self.compute_dtype == torch.float32:
             return nullcontext()
-        return torch.autocast(self.dist.device.type, dtype=self._compute_dtype)
+        return parameters_as(self.policy.module, self.compute_dtype)
 
     def ema_applied(self) -> AbstractContextManager[None]:
         """Within this context the module carries the EMA weights (for EMA rollout or eval)."""
@@ -152,7 +168,8 @@ class TrainBackend:
         return batch[self.rank * per:(self.rank + 1) * per]
 
     def step(self, batch: SampleBatch) -> TrainMetrics:
-        """Train on one rollout batch; returns metrics averaged over micro-batches and ranks."""
+        """Train on one rollout batch; returns metrics averaged over micro-batches and ranks (``*_max`` /
+        ``*_min`` metrics: the extreme over micro-batches and ranks)."""
         t_start = time.perf_counter()
         micro = self.local_shard(batch).split(self.cfg.micro_batch_size)
         t0 = time.perf_counter()
@@ -165,9 +182,12 @@ class TrainBackend:
         loss_sums: list[Tensor] = []
         t_fb = t_opt = 0.0
         lr = self.scheduler.get_last_lr()[0]
-        for _ in range(self.cfg.num_updates_per_batch):
+        # The rollout-vs-replay gap is only defined while the weights are the ones that sampled the batch.
+        on_policy = all(p.policy_version == self.step_count for p in batch.generated)
+        for update in range(self.cfg.num_updates_per_batch):
             t0 = time.perf_counter()
-            loss_sums.append(self._accumulate(micro, old, local_n, sums, counts))
+            loss_sums.append(self._accumulate(micro, old, local_n, sums, counts,
+                                              first_update=update == 0 and on_policy))
             t1 = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
             grad_norms.append(self._optimizer_step())
@@ -179,7 +199,7 @@ class TrainBackend:
         sums["loss"] = float(torch.stack(loss_sums).sum())
         counts["loss"] = len(micro) * self.cfg.num_updates_per_batch
         means = {k: sums[k] / counts[k] for k in sums}
-        means = D.all_reduce_mean(means, self.dist.device)
+        means = D.all_reduce_metrics(means, self.dist.device)
         loss = means.pop("loss")
         timings = {"old_logp": t_old, "forward_backward": t_fb, "optimizer": t_opt,
                    "total": time.perf_counter() - t_start}
@@ -192,30 +212,33 @@ class TrainBackend:
         if self.cfg.old_logp_source == "rollout":
             return [None] * len(micro)
         out = []
-        with self.autocast():
+        with self.compute():
             for mb in micro:
                 out.append(self.algorithm.old_log_probs(self.policy, mb).detach())
         return out
 
     def _accumulate(self, micro: list[SampleBatch], old: list[Tensor | None], local_n: int,
-                    sums: dict[str, float], counts: dict[str, int]) -> Tensor:
-        """Backward every micro-batch; returns the sum of the unweighted micro-batch losses."""
+                    sums: dict[str, float], counts: dict[str, int], *, first_update: bool) -> Tensor:
+        """Backward every micro-batch; returns the sum of the unweighted micro-batch losses.
+
+        ``first_update``: the weights are still the rollout's, so the algorithm holds the rollout-vs-replay
+        log-prob gap to its tolerance (whatever ``old_logp_source`` is).
+        """
         module = self.policy.module
         loss_sum: Tensor | None = None
         for i, (mb, olp) in enumerate(zip(micro, old)):
             if self.sharded:
                 # Reduce-scatter once, after the last micro-batch, instead of after each backward.
                 module.set_requires_gradient_sync(i == len(micro) - 1)
-            with self.autocast():
-                out = self.algorithm.loss(self.policy, mb, old_log_probs=olp)
+            with self.compute():
+                out = self.algorithm.loss(self.policy, mb, old_log_probs=olp, first_update=first_update)
             # Each micro-batch loss is a per-sample mean; weight by its share so a ragged tail counts fairly.
             weighted = out.loss.float() * (len(mb) / local_n)
             self.scaler.scale(weighted).backward()
             # The loss stays a tensor until the end of the step: a float() here would stall a GPU per micro-batch.
             loss_sum = out.loss.detach().float() if loss_sum is None else loss_sum + out.loss.detach().float()
             for k, v in out.metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-                counts[k] = counts.get(k, 0) + 1
+                _accumulate_metric(sums, counts, k, float(v))
         return loss_sum
 
     def _optimizer_step(self) -> float:

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from unirl_core.algorithms.base import OldLogpSource
 from unirl_core.errors import ConfigError, field_error
 
 LRSchedule = Literal["constant", "cosine", "linear"]
-MixedPrecision = Literal["fp32", "bf16", "fp16"]
 ShardMode = Literal["auto", "never", "always"]
 WeightsScope = Literal["trainable", "full"]
 
 _SCHEDULES = ("constant", "cosine", "linear")
-_PRECISIONS = ("fp32", "bf16", "fp16")
 _OLD_LOGP = ("rollout", "replay")
 
 
@@ -26,7 +24,15 @@ def _positive(name: str, value: float, fix: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Optimizer, schedule, precision, batch geometry and sharding of one training job."""
+    """Optimizer, schedule, batch geometry and sharding of one training job.
+
+    Precision is not set here: the forward computes in the policy's model dtype (``model.dtype``) with fp32
+    master copies of the trainable parameters, the same function the rollout runs (``models.precision``).
+    """
+
+    REMOVED_FIELDS: ClassVar[dict[str, str]] = {
+        "mixed_precision": "remove it: the compute dtype is the model's dtype (diffusion.model.dtype / "
+                           "lm.model.dtype, e.g. bfloat16); trainable weights always keep fp32 master copies"}
 
     lr: float = 1e-4
     """Peak learning rate of AdamW (reached after ``warmup_steps`` optimizer steps)."""
@@ -53,8 +59,6 @@ class TrainConfig:
     old_logp_source: OldLogpSource = "rollout"
     """pi_old: ``rollout`` uses the log-probs stored at sampling; ``replay`` recomputes them once, before the
     first update, over exactly the training micro-batches."""
-    mixed_precision: MixedPrecision = "fp32"
-    """Autocast dtype of forward passes; trainable parameters are always kept in fp32 (master weights)."""
     ema_decay: float | None = None
     """Keep an exponential moving average of the trainable parameters with this decay; None disables it.
     Enable it only when the algorithm samples or evaluates with EMA weights (GRPO must not)."""
@@ -81,9 +85,6 @@ class TrainConfig:
             raise field_error(ConfigError, "train.weight_decay", self.weight_decay, "a finite value >= 0", "use 0.0")
         self._check_schedule()
         self._check_batching()
-        if self.mixed_precision not in _PRECISIONS:
-            raise field_error(ConfigError, "train.mixed_precision", self.mixed_precision, f"one of {_PRECISIONS}",
-                              "use 'bf16' on GPUs that support it, 'fp32' on CPU")
         if self.ema_decay is not None and not (0 < self.ema_decay < 1):
             raise field_error(ConfigError, "train.ema_decay", self.ema_decay, "a value in (0, 1) or None",
                               "use e.g. 0.95, or None to disable EMA")

@@ -91,12 +91,14 @@ def apply_fsdp(module: nn.Module, wrap_classes: tuple[str, ...], mp_dtype: torch
     """Shard ``module`` in place with FSDP2: each sub-module whose class name is listed, then the root.
 
     Inner units first so the root only owns the leftovers (embeddings, heads). Gradients are reduced in
-    fp32 whatever the compute dtype; when a compute dtype is given, parameters are all-gathered in it,
-    which also lets bf16 frozen weights and fp32 LoRA weights share one unit.
+    fp32 whatever the compute dtype; when a compute dtype is given, parameters are all-gathered in it
+    (which also lets bf16 frozen weights and fp32 LoRA masters share one unit) and the module runs natively
+    in it: the policy's compute context (``unirl_core.models.precision``). Forward inputs are NOT cast
+    (``cast_forward_inputs=False``): a float timestep must reach the model as the rollout passed it.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     wanted = set(wrap_classes)
     found = 0
     for sub in module.modules():
@@ -133,12 +135,22 @@ def like_layout(full: Tensor, like: Tensor) -> Tensor:
     return full.to(like.device, like.dtype)
 
 
-def all_reduce_mean(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Average float metrics over ranks (identity without a process group); keys must match on all ranks."""
+def all_reduce_metrics(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Reduce float metrics over ranks (identity without a process group); keys must match on all ranks.
+
+    ``*_max`` keys take the maximum over ranks, ``*_min`` the minimum, every other key the mean.
+    """
     _, world = current_world()
     if world == 1 or not values:
         return values
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return {k: float(v) / world for k, v in zip(keys, t.tolist())}
+    out: dict[str, float] = {}
+    for op, keys in ((dist.ReduceOp.MAX, [k for k in sorted(values) if k.endswith("_max")]),
+                     (dist.ReduceOp.MIN, [k for k in sorted(values) if k.endswith("_min")]),
+                     (dist.ReduceOp.SUM, [k for k in sorted(values) if not k.endswith(("_max", "_min"))])):
+        if not keys:
+            continue
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op)
+        scale = world if op == dist.ReduceOp.SUM else 1
+        out.update({k: float(v) / scale for k, v in zip(keys, t.tolist())})
+    return out

@@ -29,10 +29,11 @@ class ToyNet(nn.Module):
         self.lora_enabled = True
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: [N, DIM] -> mean of the next state [N, DIM]."""
-        out = x + self.base(x)
+        """x: [N, DIM] -> mean of the next state [N, DIM] (fp32; the layers run in the model dtype)."""
+        h = x.to(self.base[0].weight.dtype)
+        out = x + self.base(h).float()
         if self.lora_enabled:
-            out = out + self.lora(x)
+            out = out + self.lora(h).float()
         return out
 
 
@@ -83,7 +84,8 @@ class ToyGRPO:
         lat, _, _ = _stack(micro_batch)
         return step_log_probs(policy.module, lat)
 
-    def loss(self, policy: ToyPolicy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None) -> LossOutput:
+    def loss(self, policy: ToyPolicy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None,
+             first_update: bool = False) -> LossOutput:
         self.calls.append(("loss", [s.sample_id for s in micro_batch], old_log_probs is not None))
         lat, stored, adv = _stack(micro_batch)
         old = stored if old_log_probs is None else old_log_probs

@@ -1,21 +1,62 @@
 #!/usr/bin/env bash
 # Install everything, start the services the integration tests need, run the whole test suite.
 # Usage: scripts/test.sh [pytest args...]   (e.g. scripts/test.sh -m "not integration" for unit tests only)
+# The services (vLLM venv, Chromium, Ceph S3) are set up only when the selection holds an `integration`
+# test: pytest collects once with the same args and counts them. With no args (.ci/run) that is always so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-bash scripts/install_vllm.sh
-# headless Chromium for the run-report browser test (Debian package; needs root once)
-if ! command -v chromium >/dev/null 2>&1; then
-  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+
+# Prints the number of selected tests marked `integration`, or "unknown" when collection fails
+# (then the services are started, as for a full run).
+count_integration() {
+  local out
+  out=$(mktemp)
+  .venv/bin/python - "$out" "$@" >/dev/null 2>&1 <<'PY' || true
+import sys
+import pytest
+
+out, args = sys.argv[1], sys.argv[2:]
+
+
+class CountIntegration:
+    n = None
+
+    def pytest_collection_finish(self, session):
+        CountIntegration.n = sum(1 for item in session.items if item.get_closest_marker("integration"))
+
+
+rc = pytest.main(["--collect-only", "-q", *args], plugins=[CountIntegration()])
+with open(out, "w") as f:
+    f.write("unknown" if rc not in (0, 5) or CountIntegration.n is None else str(CountIntegration.n))
+PY
+  cat "$out" 2>/dev/null || true
+  rm -f "$out"
+}
+
+if [ $# -eq 0 ]; then
+  n_integration=all
+else
+  n_integration=$(count_integration "$@")
+  n_integration=${n_integration:-unknown}
 fi
-cleanup() { if [ -n "${STARTED_S3:-}" ]; then bash scripts/s3_server.sh stop || true; fi; }
-trap cleanup EXIT
-if [ -z "${UNIRL_S3_ENDPOINT:-}" ]; then
-  bash scripts/s3_server.sh start
-  eval "$(bash scripts/s3_server.sh env)"
-  STARTED_S3=1
+
+if [ "$n_integration" = 0 ]; then
+  echo "test.sh: no integration test selected; not installing vLLM or Chromium, not starting S3"
+else
+  bash scripts/install_vllm.sh
+  # headless Chromium for the run-report browser test (Debian package; needs root once)
+  if ! command -v chromium >/dev/null 2>&1; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+  fi
+  cleanup() { if [ -n "${STARTED_S3:-}" ]; then bash scripts/s3_server.sh stop || true; fi; }
+  trap cleanup EXIT
+  if [ -z "${UNIRL_S3_ENDPOINT:-}" ]; then
+    bash scripts/s3_server.sh start
+    eval "$(bash scripts/s3_server.sh env)"
+    STARTED_S3=1
+  fi
 fi
 set +e
 .venv/bin/python -m pytest -q "$@"

@@ -4,6 +4,7 @@ from torch import nn
 
 from unirl_core.errors import ConfigError, InvariantError
 from unirl_core.models.lora import apply_lora, has_lora, load_lora_state_dict, lora_disabled, lora_state_dict
+from tests.unit.models.round_trip import assert_outputs_close, assert_same_weights
 
 
 class _Block(nn.Module):
@@ -59,7 +60,9 @@ def test_state_dict_round_trip_with_canonical_keys():
     apply_lora(m2, rank=2, alpha=2, target_modules=["to_q"])
     m2.load_state_dict({k: v for k, v in m.state_dict().items() if "lora_" not in k}, strict=False)
     load_lora_state_dict(m2, sd)
-    assert torch.equal(m2(x), m(x))
+    assert_same_weights(m2, m)
+    with torch.no_grad():  # two module instances: equal weights, outputs equal up to kernel choice
+        assert_outputs_close(m2(x), m(x))
 
 
 def test_errors():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from unirl_core.advantage.config import AdvantageConfig, StatTrackerConfig
@@ -94,7 +94,8 @@ class LMSection:
     model: LMConfig = field(default_factory=LMConfig)
     sampling: ARSamplingParams = field(default_factory=ARSamplingParams)
     engine: AREngineConfig = field(default_factory=AREngineConfig)
-    """The trainside engine (``deployment.engine='trainside'``); unused with a dedicated engine."""
+    """The trainside engine (``deployment.engine='trainside'``); must stay default with a dedicated engine (its
+    prompt format is ``vllm.prompt`` / ``sglang.prompt``). ``seed`` must stay default: the loop seeds rollouts."""
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     """Which engine samples and where: trainside (direct) or a dedicated vLLM/SGLang server (separate,
@@ -218,6 +219,7 @@ class RunConfig:
         self._check_geometry()
         if self.lm is not None:
             check_lm_deployment(self.lm, self.train.old_logp_source)
+        check_rollout_seeds(self)
 
     @property
     def section(self) -> DiffusionSection | LMSection:
@@ -287,7 +289,47 @@ def check_lm_deployment(lm: LMSection, old_logp_source: str) -> None:
     if engine.tokenizer is not None:
         raise field_error(ConfigError, f"lm.{kind}.tokenizer", engine.tokenizer, "None in a training run",
                           "the loop encodes prompts with the trainer's tokenizer (lm.model.tokenizer); set it there")
+    _check_trainside_engine_unset(lm, kind)
     _check_weight_sync(lm, kind, engine)
+
+
+def _check_trainside_engine_unset(lm: LMSection, kind: str) -> None:
+    """``lm.engine`` configures the trainside engine only: with a dedicated engine every non-default value in it
+    would be ignored, so it is refused with where the setting lives instead (``seed``: ``check_rollout_seeds``)."""
+    prompt = (f"the {kind} engine encodes prompts with the trainer's tokenizer and lm.{kind}.prompt; "
+              f"set lm.{kind}.prompt.")
+    fixes = {"system_prompt": f"{prompt}system_prompt instead",
+             "apply_chat_template": f"{prompt}apply_chat_template instead",
+             "ignore_eos": "set lm.vllm.ignore_eos instead" if kind == "vllm"
+             else f"the {kind} engine does not support ignore_eos; remove it",
+             "forward_batch_size": f"the {kind} server batches requests itself (lm.{kind}.max_concurrency) and the "
+                                   "trainer's replay uses train.micro_batch_size; remove it"}
+    defaults = AREngineConfig()
+    for f in fields(AREngineConfig):
+        value, default = getattr(lm.engine, f.name), getattr(defaults, f.name)
+        if f.name != "seed" and value != default:
+            raise field_error(ConfigError, f"lm.engine.{f.name}", value,
+                              f"the default {default!r} with lm.deployment.engine={kind!r} (lm.engine configures "
+                              "the trainside engine, which does not sample here)",
+                              fixes.get(f.name, f"it has no counterpart in the {kind} engine; remove it"))
+
+
+def check_rollout_seeds(cfg: RunConfig) -> None:
+    """Refuse engine seeds the loop would replace without a word.
+
+    ``rollout_phase`` seeds every rollout shard with ``stable_seed(loop.seed, 'rollout', step, shard)``: it
+    replaces ``<family>.engine.seed`` of the trainside engines and seeds every request of a dedicated
+    engine (unless ``lm.sampling.seed`` is set), so the server's own ``lm.vllm.seed`` never draws a sample.
+    """
+    seeds = [(f"{cfg.family}.engine.seed", cfg.section.engine.seed, type(cfg.section.engine)().seed)]
+    if cfg.family == "lm" and cfg.lm.deployment.engine == "vllm" and cfg.lm.vllm is not None:
+        seeds.append(("lm.vllm.seed", cfg.lm.vllm.seed, VLLMEngineConfig().seed))
+    for name, value, default in seeds:
+        if value != default:
+            raise field_error(ConfigError, name, value, f"the default {default!r} in a training run (the loop "
+                              "seeds each rollout shard with stable_seed(loop.seed, 'rollout', step, shard) instead)",
+                              "set loop.seed to change the rollout randomness (for LM runs a set lm.sampling.seed "
+                              "takes precedence)")
 
 
 def _check_weight_sync(lm: LMSection, kind: str, engine: VLLMEngineConfig | SGLangEngineConfig) -> None:

@@ -52,8 +52,28 @@ def restore_train_checkpoint(backend: TrainBackend, ref: CheckpointRef, *,
     state = dict(loaded.train_state)
     state["ema"] = loaded.ema_weights
     backend.load_state_dict(state)
+    _use_config_hyperparameters(backend)
     if backend.policy_version != ref.policy_version:
         raise field_error(CheckpointError, f"{ref.uri}: policy_version", backend.policy_version,
                           f"{ref.policy_version} as in the manifest", "the checkpoint is inconsistent")
     log.info("resumed from %s (step %d)", ref.uri, ref.step)
     return loaded
+
+
+def _use_config_hyperparameters(backend: TrainBackend) -> None:
+    """Make the run's ``TrainConfig``, not the checkpoint, set AdamW's lr / betas / eps / weight_decay.
+
+    ``load_state_dict`` restores the optimizer's param_groups and the scheduler's ``base_lrs`` as they were
+    when the version was written, so a resume with a changed ``train.lr`` would keep training at the old
+    rate while the new version's config.json records the new one. The schedule's position (``last_epoch``)
+    stays restored; the next lr is ``cfg.lr * factor(last_epoch)``, the very expression LambdaLR evaluates,
+    so an unchanged config rewrites identical values and resume stays bit-exact.
+    """
+    cfg, optimizer, scheduler = backend.cfg, backend.optimizer, backend.scheduler
+    groups = optimizer.param_groups
+    factors = [fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
+    for group, factor in zip(groups, factors, strict=True):
+        group.update(initial_lr=cfg.lr, lr=cfg.lr * factor, betas=tuple(cfg.betas), eps=cfg.eps,
+                     weight_decay=cfg.weight_decay)
+    scheduler.base_lrs = [cfg.lr] * len(groups)
+    scheduler._last_lr = [group["lr"] for group in groups]

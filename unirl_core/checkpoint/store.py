@@ -27,6 +27,7 @@ from unirl_core.errors import CheckpointError, ConfigError, field_error
 log = logging.getLogger(__name__)
 
 LATEST = "LATEST"
+HISTORY = "history.json"
 WEIGHTS, EMA, TRAIN_STATE, CONFIG, EXTRA = "model.safetensors", "ema.safetensors", "train_state.pt", \
     "config.json", "extra.json"
 
@@ -215,6 +216,26 @@ class CheckpointStore:
         found = self.versions()
         return found[-1] if found else None
 
+    def history(self) -> list[dict[str, object]]:
+        """Events recorded for the run (resumes that changed settings, forks), oldest first."""
+        try:
+            raw = self._run.fs.cat_file(self._run.join(HISTORY))
+        except FileNotFoundError:
+            return []
+        try:
+            events = json.loads(raw)
+            if not isinstance(events, list):
+                raise TypeError(f"a JSON list, got {type(events).__name__}")
+        except (ValueError, TypeError) as e:
+            log.warning("ignoring damaged %s: %s", self._run.uri(self._run.join(HISTORY)), e)
+            return []
+        return events
+
+    def record(self, event: dict[str, object]) -> None:
+        """Append ``event`` (JSON data) to ``<run>/history.json``, rewritten atomically (one writer per run).
+        Versions and the pointer are not touched; the file is not part of any version."""
+        self._run.write(HISTORY, _to_json([*self.history(), event], "history event"), atomic=True)
+
     def load(self, ref: CheckpointRef | None = None, *, train_state: bool = True) -> LoadedCheckpoint:
         """Read and verify a version (default: :meth:`latest`). Raises CheckpointError naming the bad file."""
         ref = ref or self.latest()
@@ -266,6 +287,16 @@ def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | 
         train_state=state,
         config=json.loads(config_blob) if config_blob is not None else None,
         extra=json.loads(extra_blob) if extra_blob is not None else {})
+
+
+def load_version_json(ref: CheckpointRef, name: str, *,
+                      storage_options: dict[str, object] | None = None) -> object | None:
+    """One JSON file of a version (``config.json``, ``extra.json``), checksum-verified, without reading its
+    weights; None when the version has no such file."""
+    folder, manifest = _open_version(ref, storage_options)
+    if name not in manifest.files:
+        return None
+    return json.loads(folder.read_verified(name, manifest))
 
 
 def load_weights(ref: CheckpointRef, *, storage_options: dict[str, object] | None = None,

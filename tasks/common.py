@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import flytekit
 from flytekit import Deck, Resources
+from flytekit.core.context_manager import FlyteContextManager
 from flytekit.exceptions.user import FlyteRecoverableException
 from flytekit.extras.accelerators import H100, H200
 
@@ -102,3 +103,29 @@ def deck(name: str, html: str) -> None:
 def session_id() -> str:
     """Execution name (remote) - local executions all share the name ``local``."""
     return flytekit.current_context().execution_id.name
+
+
+# The run a local `pyflyte run` trains (set by init_task): flytekit's SIGINT handler calls the registered
+# handlers and then exits (SystemExit 1), so a Ctrl-C never reaches the tasks as a KeyboardInterrupt.
+_INTERRUPTED_RUN: list = []
+GENERIC_RESUME = ("pyflyte run workflows/grpo.py grpo --recipe <recipe> --overrides '<the same overrides>' "
+                  "--resume latest")
+
+
+def say_resume_on_interrupt(cfg) -> None:
+    """Local executions: on Ctrl-C, say (WARNING + stderr) which version of ``cfg``'s run was published last
+    and the command that resumes it. Remote executions: nothing (Flyte owns a pod's signals)."""
+    state = FlyteContextManager.current_context().execution_state
+    if state is None or not state.is_local_execution():
+        return
+    if not _INTERRUPTED_RUN:
+        FlyteContextManager.add_signal_handler(_on_sigint)
+    _INTERRUPTED_RUN[:] = [cfg]
+
+
+def _on_sigint(signum, frame) -> None:
+    from unirl_core.loop import resume
+
+    if _INTERRUPTED_RUN:
+        command = resume.pyflyte_resume_command(sys.argv) or GENERIC_RESUME
+        resume.tell(resume.interrupted_message(_INTERRUPTED_RUN[0], command))

@@ -11,7 +11,7 @@ from typing import NamedTuple
 from flytekit import task
 
 from images import train_image
-from tasks.common import CPU_TASK, DECK, SMALL_TIMEOUT, deck, phase, session_id
+from tasks.common import CPU_TASK, DECK, SMALL_TIMEOUT, deck, phase, say_resume_on_interrupt, session_id
 from tasks.report import run_report
 from tasks.run_types import ClusterConfig, HashedCheckpointRef, load_run_config, use_storage_options
 from unirl_core.config import RunConfig, to_dict
@@ -19,6 +19,7 @@ from unirl_core.report.phase_html import metrics_table
 
 if train_image.is_container():
     from unirl_core.loop import phases
+    from unirl_core.loop.resume import forked_config
 
 
 class Setup(NamedTuple):
@@ -38,13 +39,23 @@ def setup_task(recipe: str, overrides: list[str]) -> Setup:
     return Setup(cfg=cfg, cluster=cluster, session=f"{session_id()}-{uuid.uuid4().hex[:8]}")
 
 
+class Start(NamedTuple):
+    cfg: RunConfig
+    """The config the loop runs with: the setup's, named ``fork_as`` for a fork."""
+    ckpt: HashedCheckpointRef
+
+
 @task(container_image=train_image, **CPU_TASK, retries=2, timeout=SMALL_TIMEOUT)
-def init_task(cfg: RunConfig, resume: str) -> HashedCheckpointRef:
+def init_task(cfg: RunConfig, resume: str, fork_as: str) -> Start:
     """``resume``: ``latest`` (the run's published version, or a fresh step-0 version), ``never`` (the run
-    must be empty) or the URI of one version folder of this run."""
+    must be empty) or one version folder of this run (URI or path); ``fork_as``: "" or the name of a new
+    run that starts from that version (``init_run``)."""
     timings: dict[str, float] = {}
+    fork = fork_as or None
     with phase("init", timings):
-        ckpt = phases.init_run(cfg, resume_from=resume)
-    run_report(cfg).write_config(to_dict(cfg))
-    use_storage_options(cfg)
-    return ckpt
+        ckpt = phases.init_run(cfg, resume_from=resume, fork_as=fork)
+    run_cfg = forked_config(cfg, fork)
+    run_report(run_cfg).write_config(to_dict(run_cfg))
+    use_storage_options(run_cfg)
+    say_resume_on_interrupt(run_cfg)
+    return Start(cfg=run_cfg, ckpt=ckpt)

@@ -73,12 +73,17 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
 
 @workflow
 def grpo(recipe: str = "tiny-flow-grpo", overrides: list[str] = [],  # noqa: B006 (flytekit copies defaults)
-         resume: str = "latest", max_steps: int = 0) -> CheckpointRef:
+         resume: str = "latest", max_steps: int = 0, fork_as: str = "") -> CheckpointRef:
     """Train ``recipe`` (a shipped recipe name or a YAML path) with ``a.b=value`` overrides.
 
     ``resume``: ``latest`` continues the run's newest published version (a new run starts from a fresh
-    step-0 version), ``never`` requires an empty run, or the URI of one version folder of the run.
-    ``max_steps``: stop this execution after that many steps (0: run to ``loop.total_steps``)."""
+    step-0 version), ``never`` requires an empty run, or one version folder of the run (URI, or a path
+    relative to the current directory); an older version than the published one needs ``fork_as``.
+    ``max_steps``: stop this execution after that many steps (0: run to ``loop.total_steps``).
+    ``fork_as``: start a new run of this name from the ``resume`` version (the original run is untouched).
+    Overrides that differ from the version's config apply when safe (``train.lr``, ``loop.total_steps``, ...)
+    and are refused when they change the trajectory layout (unless forking) or the model."""
     setup = setup_task(recipe=recipe, overrides=overrides)
-    start = init_task(cfg=setup.cfg, resume=resume)
-    return grpo_chunk(cfg=setup.cfg, cluster=setup.cluster, session=setup.session, ckpt=start, max_steps=max_steps)
+    start = init_task(cfg=setup.cfg, resume=resume, fork_as=fork_as)
+    return grpo_chunk(cfg=start.cfg, cluster=setup.cluster, session=setup.session, ckpt=start.ckpt,
+                      max_steps=max_steps)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -27,3 +30,36 @@ def test_pyflyte_run_grpo_prints_progress(tmp_path):
     lines = re.findall(r"INFO unirl\.progress: (step \d+/\d+ \| reward \S+ \| ratio \S+ \| step \S+ \| ETA \S+)", out)
     assert [ln.split(" |")[0] for ln in lines] == ["step 1/2", "step 2/2"], out[-4000:]
     assert "step-00000002" in out and (tmp_path / name / "report" / "index.html").is_file()
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_the_last_published_version_and_a_working_resume_command(tmp_path):
+    name = f"cli-{uuid.uuid4().hex[:8]}"
+    overrides = json.dumps(["loop.total_steps=400", f"checkpoint.root={tmp_path}", f"name={name}"])
+    pyflyte = Path(sys.executable).with_name("pyflyte")
+    argv = [str(pyflyte), "run", "workflows/grpo.py", "grpo", "--recipe", "tiny-grpo", "--overrides", overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "out.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while "step 3/400" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    published = json.loads((tmp_path / name / "LATEST").read_text())["step"]
+    found = re.search(rf"interrupted: run '{name}' last published step (\d+) \((\S+)\).*Resume with: (.+)", text)
+    assert found and int(found[1]) == published, text[-4000:]
+    assert found[2] == str(tmp_path / name / f"step-{published:08d}")
+    command = shlex.split(found[3])
+    assert command == [*argv, "--resume", "latest"]
+    # the printed command continues the run (one step of it here)
+    proc = subprocess.run([*command, "--max_steps", "1"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert f"step {published + 1}/400" in proc.stderr and f"step {published + 2}/400" not in proc.stderr

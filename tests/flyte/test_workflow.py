@@ -106,15 +106,53 @@ def test_interrupted_run_resumes_with_nothing_lost(tmp_path, run_name, monkeypat
 def test_unchanged_step_hits_the_cache(tmp_path, run_name, monkeypatch):
     recipe = "tiny-grpo"
     ov = tiny_overrides(recipe, str(tmp_path), run_name, steps=1)
-    grpo(recipe=recipe, overrides=ov)
+    publish = phases.publish_phase
+
+    def crash(cfg, ckpt):
+        raise RuntimeError("simulated crash before publish")
+
+    monkeypatch.setattr(phases, "publish_phase", crash)
+    with pytest.raises(Exception, match="simulated crash"):
+        grpo(recipe=recipe, overrides=ov)  # step 1 trained and left unpublished; step 0 stays the published one
     calls = _count_calls(monkeypatch, "rollout_phase", "reward_phase", "advantage_phase", "train_phase")
     step0 = str(Path(tmp_path) / run_name / "step-00000000")
+    with pytest.raises(Exception, match="simulated crash"):
+        grpo(recipe=recipe, overrides=[*ov, "loop.seed=1"], resume=step0)  # a changed config misses
+    assert calls["rollout_phase"] == 1
+    monkeypatch.setattr(phases, "publish_phase", publish)
     again = grpo(recipe=recipe, overrides=ov, resume=step0)  # re-run step 1 from the same version
     assert again.step == 1
     # rollout, reward and advantage come from the cache; train and publish (side effects) always run
-    assert calls == {"rollout_phase": 0, "reward_phase": 0, "advantage_phase": 0, "train_phase": 1}
-    grpo(recipe=recipe, overrides=[*ov, "loop.seed=1"], resume=step0)  # a changed config misses
-    assert calls["rollout_phase"] == 1
+    assert calls == {"rollout_phase": 1, "reward_phase": 1, "advantage_phase": 1, "train_phase": 2}
+
+
+def test_fork_from_an_older_version_leaves_the_run_untouched(tmp_path, run_name):
+    recipe = "tiny-grpo"
+    ov = tiny_overrides(recipe, str(tmp_path), run_name, steps=2)
+    grpo(recipe=recipe, overrides=ov)
+    run = tmp_path / run_name
+    step1 = str(run / "step-00000001")
+    with pytest.raises(Exception, match=r"already has steps \[2\] after step 1.*fork_as"):
+        grpo(recipe=recipe, overrides=ov, resume=step1)
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    fork = f"{run_name}-b"
+    out = grpo(recipe=recipe, overrides=[*ov, "train.lr=1e-3"], resume=step1, fork_as=fork)
+    assert (out.run, out.step) == (fork, 2) and out.uri == str(tmp_path / fork / "step-00000002")
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+    lineage = json.loads((tmp_path / fork / "step-00000002" / "extra.json").read_text())["lineage"]
+    assert (lineage["parent_run"], lineage["parent_step"], lineage["parent_uri"]) == (run_name, 1, step1)
+    assert lineage["changes"] == {"train.lr": [0.002, 0.001]}
+    report = tmp_path / fork / "report"
+    assert json.loads((report / "config.json").read_text())["name"] == fork
+    assert (report / "step-00000002" / "metrics.json").is_file()
+
+
+def test_finished_run_says_how_to_extend_it(tmp_path, run_name, caplog):
+    ov = tiny_overrides("tiny-grpo", str(tmp_path), run_name, steps=1)
+    grpo(recipe="tiny-grpo", overrides=ov)
+    with caplog.at_level(logging.WARNING):
+        assert grpo(recipe="tiny-grpo", overrides=ov).step == 1
+    assert "already complete" in caplog.text and '"loop.total_steps=2"' in caplog.text
 
 
 def test_max_steps_bounds_one_execution_and_the_next_resumes(tmp_path, run_name):

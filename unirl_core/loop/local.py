@@ -10,7 +10,9 @@ import math
 import time
 from collections.abc import Callable
 
+from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
+from unirl_core.loop import resume
 from unirl_core.loop.metrics import merge_shard_metrics
 from unirl_core.loop.phases import (
     advantage_phase,
@@ -35,10 +37,24 @@ def progress_line(step: int, total: int, metrics: dict, step_seconds: float, eta
             f"step {step_seconds:.1f}s | ETA {eta_seconds:.0f}s")
 
 
-def run_local(cfg: RunConfig, *, resume_from: str = "latest", on_step: StepCallback | None = None) -> list[dict]:
+def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None = None,
+              on_step: StepCallback | None = None) -> list[dict]:
     """Run ``cfg.loop.total_steps`` (from the resume point) in this process; returns per-step metrics,
-    each with ``time/<phase>`` seconds spent inside phase compute."""
-    ckpt = init_run(cfg, resume_from=resume_from)
+    each with ``time/<phase>`` seconds spent inside phase compute.
+
+    ``resume_from`` / ``fork_as``: as in ``init_run`` (with ``fork_as`` the steps train the new run).
+    Ctrl-C: says at WARNING and on stderr which version was published last and the call that resumes,
+    then re-raises the KeyboardInterrupt."""
+    try:
+        ckpt = init_run(cfg, resume_from=resume_from, fork_as=fork_as)
+        return _run_steps(resume.forked_config(cfg, fork_as), ckpt, on_step)
+    except KeyboardInterrupt:
+        resume.tell(resume.interrupted_message(resume.forked_config(cfg, fork_as),
+                                               resume.library_resume_command(cfg, resume_from, fork_as)))
+        raise
+
+
+def _run_steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None) -> list[dict]:
     total = cfg.loop.total_steps
     shards = cfg.loop.rollout_shards
     history: list[dict] = []

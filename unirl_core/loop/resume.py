@@ -1,0 +1,334 @@
+"""Where a run starts: which version a ``resume_from`` names, what the config may change against that
+version, forks into a new run name, and the messages a user gets when there is nothing to do or the run
+is interrupted.
+
+A version's ``config.json`` holds the config it was trained with. Starting from a version compares the
+run's config with it key by key (dotted paths) and sorts every difference by :data:`RESUME_RULES`:
+
+- ``apply``: safe between two steps (optimizer hyper-parameters, loop length, retention, reward,
+  advantage, loss coefficients, the serving engine). Used from the next step on, logged at WARNING,
+  recorded in ``<run>/history.json`` (and, for a fork, in the fork's lineage).
+- ``fork``: changes what a step samples or how its batch is cut (sampling, data, group size,
+  micro-batches, prompt format). Refused on resume - one run keeps one trajectory layout -
+  and allowed when forking a new run from the version.
+- ``never``: the version's weights / train state would not fit, or the value cannot take effect (the
+  model section, ``train.weights_scope``, ``train.ema_decay``, ``train.seed``). Refused; start a new run.
+
+Keys a rule does not list fall under their longest listed prefix; a key under no prefix is ``fork``.
+``name``, ``checkpoint.root`` and ``checkpoint.storage_options`` say where the run lives and are not compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_version_json
+from unirl_core.checkpoint.store import CONFIG, EXTRA
+from unirl_core.config.loader import to_dict
+from unirl_core.config.run import RunConfig
+from unirl_core.errors import CheckpointError, ConfigError, field_error
+
+log = logging.getLogger(__name__)
+
+Rule = Literal["ignore", "apply", "fork", "never"]
+
+RESUME_RULES: dict[str, Rule] = {
+    # where the run lives, not what it trains
+    "name": "ignore", "checkpoint.root": "ignore", "checkpoint.storage_options": "ignore",
+    "checkpoint": "apply",  # keep_last, keep_every
+    "loop": "apply",  # total_steps, steps_per_chunk, rollout_shards, seed
+    "train": "apply",  # lr, betas, eps, weight_decay, schedule, warmup, clipping, updates per batch, sharding
+    "train.micro_batch_size": "fork",
+    "train.weights_scope": "never",
+    "train.ema_decay": "never",
+    "train.seed": "never",
+    "reward": "apply",
+    "advantage": "apply",
+    "tracker": "fork",
+    "data": "fork",
+    "family": "never",
+    "diffusion.model": "never",
+    "diffusion.model.device": "apply",
+    "diffusion.model.gradient_checkpointing": "apply",
+    "diffusion.sampling": "fork",
+    "diffusion.engine": "fork",
+    "diffusion.engine.decode_media": "apply",
+    "diffusion.algorithm": "apply",
+    "lm.model": "never",
+    "lm.model.attn_implementation": "apply",
+    "lm.sampling": "fork",
+    "lm.engine": "fork",
+    "lm.engine.decoder": "apply",
+    "lm.engine.stop_check_interval": "apply",
+    "lm.engine.finish_check_interval": "apply",
+    "lm.algorithm": "apply",
+    "lm.deployment": "apply",
+    "lm.vllm": "apply",
+    "lm.sglang": "apply",
+    "lm.logp_check": "apply",
+}
+"""Dotted config prefix -> what a resume may do when the value differs from the version's config."""
+
+_WHY_NEVER = {
+    "train.seed": "a resumed or forked run restores the RNG state saved in the version; train.seed only seeds a "
+                  "run's fresh step-0 backend",
+    "train.ema_decay": "the version's EMA state (or its absence) is restored as saved",
+}
+_WHY_NEVER_DEFAULT = "the version's weights and optimizer state belong to the old model / adapter layout"
+
+
+def rule_for(key: str) -> Rule:
+    """The rule of a dotted config key: its longest prefix in :data:`RESUME_RULES`, else ``fork``."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        rule = RESUME_RULES.get(".".join(parts[:n]))
+        if rule is not None:
+            return rule
+    return "fork"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConfigChange:
+    """One config value that differs from the version's ``config.json``."""
+
+    key: str
+    """Dotted path, e.g. ``train.lr``."""
+    old: object
+    """The version's value (JSON data)."""
+    new: object
+    """This run's value (JSON data)."""
+
+    @property
+    def rule(self) -> Rule:
+        return rule_for(self.key)
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.old!r} -> {self.new!r}"
+
+
+def config_json(cfg: RunConfig) -> dict:
+    """``to_dict(cfg)`` as it reads back from a version's config.json (tuples become lists)."""
+    return json.loads(json.dumps(to_dict(cfg), sort_keys=True, allow_nan=False))
+
+
+def config_changes(stored: dict, current: dict, prefix: str = "") -> list[ConfigChange]:
+    """Every leaf that differs, ``ignore`` keys left out. A key only one side has (a field added or removed
+    by another version of the code) is skipped: there is nothing to compare it with."""
+    out: list[ConfigChange] = []
+    for key in sorted(set(stored) & set(current)):
+        path = f"{prefix}{key}"
+        if rule_for(path) == "ignore":
+            continue
+        old, new = stored[key], current[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            out.extend(config_changes(old, new, f"{path}."))
+        elif old != new:
+            out.append(ConfigChange(key=path, old=old, new=new))
+    for key in sorted(set(stored) ^ set(current)):
+        log.debug("config key %s%s is in only one of the version's and the run's config; not compared", prefix, key)
+    return out
+
+
+def check_changes(changes: Sequence[ConfigChange], *, ref: CheckpointRef, forking: bool) -> list[ConfigChange]:
+    """Raise ``ConfigError`` for the first refused change (naming the key, both values and the fix, and listing
+    the other refused keys); return the changes, all of which then apply."""
+    refused = [c for c in changes if c.rule == "never" or (c.rule == "fork" and not forking)]
+    if refused:
+        first = refused[0]
+        others = f" (also changed and refused: {', '.join(str(c) for c in refused[1:])})" if refused[1:] else ""
+        where = f"{first.old!r}, the value of {ref.uri}/{CONFIG}"
+        if first.rule == "never":
+            why = _WHY_NEVER.get(first.key, _WHY_NEVER_DEFAULT)
+            raise field_error(ConfigError, first.key, first.new, f"{where}{others}",
+                              f"{why}: keep {first.key}={first.old!r} to resume or fork run {ref.run!r} from step "
+                              f"{ref.step}, or train the new value as a new run from scratch (another name, "
+                              f"resume_from='latest')")
+        raise field_error(ConfigError, first.key, first.new, f"{where}{others}",
+                          f"it changes what a step samples or how its batch is cut, and one run keeps one layout: "
+                          f"keep {first.key}={first.old!r} to resume run {ref.run!r}, or start a new run from this "
+                          f"version with fork_as='<new name>' (pyflyte: --fork_as <new name>), or train from "
+                          f"scratch under another name")
+    return list(changes)
+
+
+# ------------------------------------------------------------------------------------- which version
+
+
+def normalize_uri(uri: str) -> str:
+    """Comparable form of a version URI: object-store URLs as given (no trailing '/'); local paths (plain,
+    relative, ``~``, ``file://``) absolute, symlinks resolved."""
+    if "://" in uri and not uri.startswith("file://"):
+        return uri.rstrip("/")
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    return os.path.realpath(os.path.expanduser(path))
+
+
+def find_version(store: CheckpointStore, resume_from: str, run: str) -> CheckpointRef:
+    """The complete version of ``store`` that ``resume_from`` names: a URI, or a local path (relative to the
+    current directory, trailing '/' allowed). ``CheckpointError`` naming the run's newest versions otherwise."""
+    want = normalize_uri(resume_from)
+    versions = store.versions()
+    for ref in versions:
+        if normalize_uri(ref.uri) == want:
+            return ref
+    newest = [r.uri for r in versions][-3:]
+    raise field_error(CheckpointError, "resume_from", resume_from,
+                      f"a complete version of run {run!r} under {store.uri} (resolved: {want})",
+                      f"pick one of its versions (newest: {newest}) or 'latest'; a version of another run: set "
+                      f"name=<that run> and fork_as=<new name>")
+
+
+def check_no_newer(store: CheckpointStore, ref: CheckpointRef, resume_from: str) -> None:
+    """Refuse to resume from ``ref`` when the run has moved past it: the steps after it would be retrained and
+    their versions overwritten. The one exception is a crash leftover: version ``ref.step + 1`` written but
+    never published while ``ref`` is the published version (it is replaced, as documented)."""
+    newer = [r for r in store.versions() if r.step > ref.step]
+    if not newer:
+        return
+    published = store.latest()
+    leftover = (len(newer) == 1 and newer[0].step == ref.step + 1 and published is not None
+                and published.step <= ref.step)
+    if leftover:
+        log.info("version %s was written but never published (an interrupted step); it will be replaced",
+                 newer[0].uri)
+        return
+    steps = [r.step for r in newer]
+    raise field_error(ConfigError, "resume_from", resume_from,
+                      f"the run's newest version, but run {ref.run!r} already has steps {steps} after step "
+                      f"{ref.step} (published: step {published.step if published else None}); resuming here would "
+                      f"retrain them and overwrite {[r.uri for r in newer]}",
+                      f"resume from 'latest', or start a new run from step {ref.step} with fork_as='<new name>' "
+                      f"(pyflyte: --fork_as <new name>), which leaves run {ref.run!r} untouched")
+
+
+# ------------------------------------------------------------------------------------- forks
+
+
+def forked_config(cfg: RunConfig, fork_as: str | None) -> RunConfig:
+    """The config the loop runs with after ``init_run(cfg, fork_as=...)``: the same, under the fork's name."""
+    return dataclasses.replace(cfg, name=fork_as) if fork_as else cfg
+
+
+def check_fork_name(cfg: RunConfig, fork_as: str, resume_from: str) -> None:
+    if fork_as == cfg.name or "/" in fork_as or fork_as in (".", ".."):
+        raise field_error(ConfigError, "fork_as", fork_as, f"a new run name without '/', not {cfg.name!r}",
+                          "name the fork, e.g. fork_as='" + cfg.name + "-b'")
+    if resume_from == "never":
+        raise field_error(ConfigError, "resume_from", resume_from, "'latest' or a version URI with fork_as",
+                          "a fork starts from a version of the run; pass the version to fork from")
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def lineage_record(parent: CheckpointRef, changes: Sequence[ConfigChange], parent_extra: dict) -> dict:
+    """What a fork's versions carry in ``extra.json`` under ``lineage`` (train_phase copies extra forward)."""
+    return {"parent_run": parent.run, "parent_uri": parent.uri, "parent_step": parent.step,
+            "parent_policy_version": parent.policy_version,
+            "forked_utc": utc_now(),
+            "changes": {c.key: [c.old, c.new] for c in changes},
+            "parent_lineage": parent_extra.get("lineage")}
+
+
+def stored_config(ref: CheckpointRef, storage_options: dict) -> dict | None:
+    """The config ``ref`` was trained with (its ``config.json``); None, said at WARNING, when it has none."""
+    stored = load_version_json(ref, CONFIG, storage_options=storage_options)
+    if not isinstance(stored, dict):
+        tell(f"version {ref.uri} has no {CONFIG}: the run's config cannot be compared with the one it was "
+             "trained with; every setting is taken from the run's config as given")
+        return None
+    return stored
+
+
+def fork_parent(ref: CheckpointRef, storage_options: dict) -> str | None:
+    """The ``parent_uri`` recorded in ``ref``'s lineage, None when ``ref`` is not a fork."""
+    extra = load_version_json(ref, EXTRA, storage_options=storage_options) or {}
+    lineage = extra.get("lineage") if isinstance(extra, dict) else None
+    return lineage.get("parent_uri") if isinstance(lineage, dict) else None
+
+
+# ------------------------------------------------------------------------------------- telling the user
+
+
+def tell(message: str) -> None:
+    """WARNING on this module's logger, and on stderr: printed there unless logging already writes it to stderr
+    (a stderr handler, or no handler at all, when Python's last-resort handler does)."""
+    log.warning(message)
+    if not _logged_to_stderr(log):
+        print(message, file=sys.stderr, flush=True)
+
+
+def _logged_to_stderr(logger: logging.Logger) -> bool:
+    found = False
+    node: logging.Logger | None = logger
+    while node is not None:
+        for h in node.handlers:
+            found = True
+            if (isinstance(h, logging.StreamHandler) and h.stream in (sys.stderr, sys.__stderr__)
+                    and h.level <= logging.WARNING):
+                return True
+        node = node.parent if node.propagate else None
+    return not found and logging.lastResort is not None
+
+
+def finished_message(cfg: RunConfig, ref: CheckpointRef) -> str | None:
+    """What to say when ``ref`` already reaches ``loop.total_steps`` (None while steps remain)."""
+    total = cfg.loop.total_steps
+    if ref.step < total:
+        return None
+    more = ref.step + total
+    return (f"run {cfg.name!r} is already complete: its published version {ref.uri} is at step {ref.step} and "
+            f"loop.total_steps={total}, so there is nothing to train. To train it further, raise loop.total_steps "
+            f"above {ref.step} and keep the run's other overrides (pyflyte: --overrides "
+            f"'[..., \"loop.total_steps={more}\"]'; library: load_recipe(..., [..., 'loop.total_steps={more}'])); "
+            f"to train again from scratch, use another run name (name=<new name>).")
+
+
+def interrupted_message(cfg: RunConfig, resume_command: str) -> str:
+    """What was published last in ``cfg``'s run and the command that continues it."""
+    try:
+        ref = CheckpointStore(cfg.checkpoint.root, cfg.name,
+                              storage_options=cfg.checkpoint.storage_options).latest()
+    except Exception as e:  # noqa: BLE001 - an interrupt message must never hide the interrupt
+        return f"interrupted: run {cfg.name!r}; could not read its store ({e}). Resume with: {resume_command}"
+    if ref is None:
+        return f"interrupted: run {cfg.name!r} has no published version yet; start it again with: {resume_command}"
+    return (f"interrupted: run {cfg.name!r} last published step {ref.step} ({ref.uri}); steps after it are "
+            f"redone on resume. Resume with: {resume_command}")
+
+
+def pyflyte_resume_command(argv: Sequence[str]) -> str | None:
+    """The command that continues the local ``pyflyte run`` of ``argv``: the same line with ``--resume latest``;
+    a fork's line stays as it is (run again, it continues the fork). None when ``argv`` is not a local
+    ``pyflyte run``."""
+    args = list(argv)
+    if not args or "pyflyte" not in os.path.basename(args[0]) or "run" not in args or "--remote" in args:
+        return None
+    if any(a == "--fork_as" or a.startswith("--fork_as=") for a in args):
+        return shlex.join(args)
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = True
+        elif not a.startswith("--resume="):
+            out.append(a)
+    return shlex.join([*out, "--resume", "latest"])
+
+
+def library_resume_command(cfg: RunConfig, resume_from: str, fork_as: str | None) -> str:
+    """The ``run_local`` call that continues a run (a fork: the same call, which continues the fork)."""
+    if fork_as:
+        return f"run_local(cfg, resume_from={resume_from!r}, fork_as={fork_as!r}) with the same cfg"
+    return f"run_local(cfg) with the same cfg (name={cfg.name!r}; resume_from='latest' is the default)"

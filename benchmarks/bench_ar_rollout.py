@@ -70,9 +70,10 @@ def _word_tokenizer(vocab: int, eos: int, pad: int):
                                    padding_side="left")
 
 
-def build_bundle(preset: str, dtype: torch.dtype, device: str) -> LMBundle:
+def build_bundle(preset: str, dtype: torch.dtype, device: str, finetune: str = "full") -> LMBundle:
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
     if preset == "tiny":
-        bundle = build_tiny_lm(seed=0, keep_reference=False)
+        bundle = build_tiny_lm(seed=0, keep_reference=False, finetune=finetune, dtype=name)
     else:
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -80,8 +81,10 @@ def build_bundle(preset: str, dtype: torch.dtype, device: str) -> LMBundle:
         torch.manual_seed(0)
         with torch.device(device):
             model = Qwen3ForCausalLM(cfg)
-        bundle = LMBundle(model.eval(), _word_tokenizer(cfg.vocab_size, 151_645, 151_643),
-                          config=LMConfig(model=preset, keep_reference=False))
+        # in its dtype before the bundle sees it: the bundle's compute dtype is the model's dtype
+        bundle = LMBundle(model.to(dtype).eval(), _word_tokenizer(cfg.vocab_size, 151_645, 151_643),
+                          config=LMConfig(model=preset, keep_reference=False, finetune=finetune,
+                                          dtype=name))
     bundle.module.to(device=device, dtype=dtype)
     return bundle
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from unirl_core.errors import ConfigError, InvariantError, field_error
 from unirl_core.models.lora import apply_lora, has_lora, lora_disabled
-from unirl_core.models.precision import compute_context
+from unirl_core.models.precision import compute_context, module_dtype
 from unirl_core.types import TokenSegment
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ class LMBundle:
         self.config = config
         self.tokenizer = tokenizer
         self._module = model
+        self._compute_dtype = module_dtype(model)
         self._reference: nn.Module | None = None
         self._in_reference = False
         if config.finetune == "lora":
@@ -114,8 +115,9 @@ class LMBundle:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype every forward computes in (the model dtype), whoever runs it."""
-        return _DTYPES[self.config.dtype]
+        """The dtype every forward computes in, whoever runs it: the model's dtype as the bundle got it
+        (before a train backend made fp32 masters of the trainable weights)."""
+        return self._compute_dtype
 
     def compute(self):
         """The policy's compute context (see ``models.precision``): the engine's decode and rescoring, the

@@ -230,11 +230,13 @@ class TrainBackend:
             if self.sharded:
                 # Reduce-scatter once, after the last micro-batch, instead of after each backward.
                 module.set_requires_gradient_sync(i == len(micro) - 1)
+            # Backward inside the compute context too: activation checkpointing recomputes forwards during
+            # backward, and they must see the same parameter casts as the first pass.
             with self.compute():
                 out = self.algorithm.loss(self.policy, mb, old_log_probs=olp, first_update=first_update)
-            # Each micro-batch loss is a per-sample mean; weight by its share so a ragged tail counts fairly.
-            weighted = out.loss.float() * (len(mb) / local_n)
-            self.scaler.scale(weighted).backward()
+                # Each micro-batch loss is a per-sample mean; weight by its share so a ragged tail counts fairly.
+                weighted = out.loss.float() * (len(mb) / local_n)
+                self.scaler.scale(weighted).backward()
             # The loss stays a tensor until the end of the step: a float() here would stall a GPU per micro-batch.
             loss_sum = out.loss.detach().float() if loss_sum is None else loss_sum + out.loss.detach().float()
             for k, v in out.metrics.items():

@@ -12,6 +12,8 @@ import logging
 import time
 from typing import Literal
 
+import torch.distributed
+
 from unirl_core.advantage.batch import assign_advantages
 from unirl_core.advantage.tracker import PerPromptStatTracker
 from unirl_core.checkpoint import (
@@ -31,6 +33,7 @@ from unirl_core.rollout.modes import needs_sleep
 from unirl_core.rollout.sigma_verify import verify_batch_sigmas
 from unirl_core.sde.noise import stable_seed
 from unirl_core.train.backend import TrainBackend
+from unirl_core.train.distributed import current_world
 from unirl_core.types import NoiseRecipe, PromptRecord, SampleBatch
 
 log = logging.getLogger(__name__)
@@ -315,9 +318,15 @@ def check_policy_lag(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) ->
 
 
 def publish_phase(cfg: RunConfig, ckpt: CheckpointRef) -> dict:
-    """Make ``ckpt`` the run's published version (atomic pointer + retention); returns what was published."""
+    """Make ``ckpt`` the run's published version (atomic pointer + retention); returns what was published.
+
+    Inside a multi-rank job (every rank running the loop) rank 0 publishes and the others wait for it."""
     store = build.store(cfg)
-    store.publish(ckpt)
+    rank, world = current_world()
+    if rank == 0:
+        store.publish(ckpt)
+    if world > 1:
+        torch.distributed.barrier()
     manifest = load_checkpoint(ckpt, storage_options=cfg.checkpoint.storage_options, train_state=False).manifest
     return {"uri": ckpt.uri, "step": ckpt.step, "policy_version": ckpt.policy_version,
             "files": {name: dict(info) for name, info in manifest.files.items()},

@@ -152,9 +152,10 @@ def fsdp_role(args) -> None:
     result = {"world_size_env": os.environ.get("WORLD_SIZE"), "device": str(dev)}
     for shard in ("never", "always"):
         cfg = TrainConfig(lr=1e-5, micro_batch_size=p["micro"], shard=shard,
-                          mixed_precision="bf16" if dev.type == "cuda" else "fp32",
                           fsdp_wrap_classes=("Qwen2DecoderLayer",) if shard == "always" else ())
-        be = TrainBackend(ModelPolicy(copy.deepcopy(model)), algo, cfg, dist_info=info)
+        # the compute dtype is the model's: bf16 on CUDA (fp32 masters of the trainable weights), fp32 on CPU
+        low = copy.deepcopy(model).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        be = TrainBackend(ModelPolicy(low), algo, cfg, dist_info=info)
         t0 = time.perf_counter()
         losses = [be.step(batch).loss for _ in range(3)]
         if dev.type == "cuda":

@@ -38,7 +38,7 @@ from common import RESULTS, environment  # noqa: E402
 
 from unirl_core.train import TrainBackend, TrainConfig  # noqa: E402
 from unirl_core.train.distributed import init_distributed  # noqa: E402
-from unirl_core.types import Part, Sample, SampleBatch  # noqa: E402
+from unirl_core.types import Sample, SampleBatch  # noqa: E402
 
 
 def diffusion_setup(args, device: str):

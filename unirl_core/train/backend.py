@@ -267,21 +267,32 @@ class TrainBackend:
     # ----------------------------------------------------------------------------------- state
 
     def model_state_dict(self) -> dict[str, Tensor]:
-        """Full (unsharded) CPU weights to checkpoint: trainable params only, or all with weights_scope='full'.
+        """Full (unsharded) CPU weights to checkpoint: exactly the trainable parameters, or everything
+        (parameters and persistent buffers) with weights_scope='full'.
+
+        The trainable scope holds nothing else: no buffers (SD3's persistent ``pos_embed`` alone is
+        ~13x a LoRA adapter at SD3.5-M shape) and no frozen tied names; a trainable tied weight appears
+        under each of its names. Loading tolerates the missing frozen tensors (``load_model_state_dict``,
+        ``load_policy_weights``: strict=False, every trainable name required).
 
         Collective under FSDP: every rank must call it; only rank 0 receives the tensors.
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        if self.cfg.weights_scope != "trainable":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        trainable_only = self.cfg.weights_scope == "trainable"
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
-        state = get_model_state_dict(self.policy.module, options=opts)
-        if trainable_only:
-            # ignore_frozen_params drops only the first name of a tied weight: a frozen tied lm_head would
-            # otherwise ride along in every LoRA checkpoint
-            frozen = {n for n, p in self.policy.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        return {k: v.detach().contiguous() for k, v in state.items()}
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(self.policy.module, options=opts)
+            return {k: v.detach().contiguous() for k, v in state.items()}
+        # named_parameters, not state_dict: the names load_model_state_dict requires (the same under FSDP2,
+        # whose parameters are DTensor shards: full_tensor gathers each, in module order on every rank)
+        out: dict[str, Tensor] = {}
+        for name, p in self.policy.module.named_parameters(remove_duplicate=False):
+            if not p.requires_grad:
+                continue
+            full = D.full_tensor(p.detach())
+            if self.rank == 0:
+                out[name] = full.to("cpu").contiguous()
+        return out
 
     def load_model_state_dict(self, weights: dict[str, Tensor]) -> None:
         """Load weights written by :meth:`model_state_dict` (any world size); every saved name must exist."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -49,6 +50,11 @@ class FlowGRPOConfig:
     """Fail closed when max |logp_rollout - logp_replay| exceeds this (checked wherever pi_old is replayed); None disables."""
     seed: int = 0
     """Seed of the ``timestep_fraction`` subset."""
+    cfg_grad: Literal["cond", "both"] = "cond"
+    """Which CFG branch carries gradient in the loss: ``cond`` stops it at the unconditional branch (the public
+    Flow-GRPO training loop, ``scripts/train_sd3.py``'s ``compute_log_prob``, detaches it), ``both`` lets it
+    flow through both (that repository's earliest versions). Forward values, hence log-probs and ratios, are
+    the same bits either way."""
 
     def __post_init__(self) -> None:
         if not (self.clip_range > 0):
@@ -66,6 +72,9 @@ class FlowGRPOConfig:
         if self.replay_batch_size is not None and not (isinstance(self.replay_batch_size, int) and self.replay_batch_size >= 1):
             raise field_error(ConfigError, "flow_grpo.replay_batch_size", self.replay_batch_size, "None or an integer >= 1",
                               "match the engine's forward_batch_size")
+        if self.cfg_grad not in ("cond", "both"):
+            raise field_error(ConfigError, "flow_grpo.cfg_grad", self.cfg_grad, "'cond' or 'both'",
+                              "use 'cond' (the reference's choice)")
         if self.logp_tolerance is not None and not (self.logp_tolerance >= 0):
             raise field_error(ConfigError, "flow_grpo.logp_tolerance", self.logp_tolerance, "None or a value >= 0",
                               "use e.g. 1e-3")
@@ -195,7 +204,8 @@ class FlowGRPO:
             smask = torch.stack([segs[i].sde_mask for i in chunk])  # stays on CPU (see transition)
 
             def vel(x: Tensor, sigma: Tensor, conds=conds) -> Tensor:
-                return policy.guided_velocity(x, sigma, conds, guidance_scale=sampling.guidance_scale)
+                return policy.guided_velocity(x, sigma, conds, guidance_scale=sampling.guidance_scale,
+                                              uncond_grad=self.config.cfg_grad == "both")
 
             lp_cols, kl_cols = [], []
             for k in steps:

@@ -286,11 +286,12 @@ class DiffusionBundle:
         return out
 
     def guided_velocity(self, latents: Tensor, sigma: Tensor, conds: dict[str, Tensor], *,
-                        guidance_scale: float) -> Tensor:
+                        guidance_scale: float, uncond_grad: bool = True) -> Tensor:
         """CFG velocity in fp32. ``conds`` holds ``negative_*`` keys when the unconditional branch runs.
 
         SD3 batches ``[uncond; cond]`` into one forward of 2B (as its pipeline does); Flux runs two
         forwards (as its true-CFG path does). Rollout and replay both come through here.
+        ``uncond_grad=False`` stops gradient at the unconditional branch (same values, bitwise).
         """
         x = latents.to(self.dtype)
         if not self.guidance_uses_negative(guidance_scale):
@@ -303,6 +304,8 @@ class DiffusionBundle:
         else:
             v_c = self.velocity(x, sigma, conds).float()
             v_u = self.velocity(x, sigma, neg).float()
+        if not uncond_grad:
+            v_u = v_u.detach()
         return v_u + guidance_scale * (v_c - v_u)
 
     # -- images -------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def _rollout():
     return bundle, batch
 
 
-def _lora_grads(bundle, batch, *, detach_uncond=False):
+def _lora_grads(bundle, batch, *, detach_uncond=False, cfg_grad="both"):
     """LoRA gradients of one Flow-GRPO loss; records the gradient at the transformer's output rows."""
     seen = []
 
@@ -43,15 +43,25 @@ def _lora_grads(bundle, batch, *, detach_uncond=False):
     handle = bundle.module.register_forward_hook(hook)
     try:
         bundle.module.zero_grad(set_to_none=True)
-        FlowGRPO(FlowGRPOConfig(replay_batch_size=FBS, clip_range=1.0)).loss(bundle, batch, old_log_probs=None) \
-            .loss.backward()
+        FlowGRPO(FlowGRPOConfig(replay_batch_size=FBS, clip_range=1.0, cfg_grad=cfg_grad)) \
+            .loss(bundle, batch, old_log_probs=None).loss.backward()
     finally:
         handle.remove()
     grads = {n: p.grad.clone() for n, p in bundle.module.named_parameters() if p.requires_grad}
     return grads, seen
 
 
-def test_replay_gradient_reaches_both_cfg_branches():
+def test_default_stops_gradient_at_the_uncond_branch_like_the_reference():
+    bundle, batch = _rollout()
+    default, seen = _lora_grads(bundle, batch, cfg_grad=FlowGRPOConfig().cfg_grad)
+    assert seen and all(g.chunk(2)[0].abs().sum() == 0 and g.chunk(2)[1].abs().sum() > 0 for g in seen)
+    # the same gradient a hook that detaches the uncond rows gives
+    hooked, _ = _lora_grads(bundle, batch, detach_uncond=True)
+    for n in default:
+        torch.testing.assert_close(default[n], hooked[n], rtol=1e-6, atol=1e-12)
+
+
+def test_replay_gradient_reaches_both_cfg_branches_when_asked():
     bundle, batch = _rollout()
     _, seen = _lora_grads(bundle, batch)
     assert seen  # one batched forward of 2B per trained step

@@ -9,6 +9,7 @@ optimizer; algorithms never call ``backward`` or ``step``.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -60,4 +61,19 @@ class Algorithm(Protocol):
         log-probs ARE the replayed pi_old; the algorithm checks their gap to the stored log-probs against
         its tolerance (fail closed), also when ``old_log_probs`` is None.
         """
+        ...
+
+
+@runtime_checkable
+class SteppedAlgorithm(Algorithm, Protocol):
+    """An algorithm whose loss is a sum of terms the backend may back-propagate one at a time (e.g. Flow-GRPO's
+    trained denoising steps), so only one term's graph is alive at once."""
+
+    def num_loss_terms(self, micro_batch: SampleBatch) -> int:
+        """How many terms ``loss_terms`` yields for this micro-batch (known before any forward)."""
+        ...
+
+    def loss_terms(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None,
+                   first_update: bool = False) -> Generator[Tensor, None, LossOutput]:
+        """Yield scalar terms that add up to ``loss(...)``; return its ``LossOutput`` (detached loss, metrics)."""
         ...

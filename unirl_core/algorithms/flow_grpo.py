@@ -9,6 +9,7 @@ trained steps (SDE steps of the micro-batch, optionally a ``timestep_fraction`` 
 from __future__ import annotations
 
 import logging
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,17 +81,28 @@ class FlowGRPOConfig:
                               "use e.g. 1e-3")
 
 
+def surrogate_per_entry(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_range: float,
+                        adv_clip_max: float) -> tuple[Tensor, Tensor]:
+    """PPO-clip loss of each entry: ``max(-A r, -A clip(r, 1-eps, 1+eps))`` with ``A`` clamped.
+
+    ``new_logp`` / ``old_logp`` ``[B, S]`` (or ``[B]``), ``advantages`` ``[B]``; returns ``(per_entry, ratio)``.
+    """
+    adv = advantages.clamp(-adv_clip_max, adv_clip_max)
+    if new_logp.ndim == 2:
+        adv = adv[:, None]
+    ratio = torch.exp(new_logp - old_logp)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(unclipped, clipped), ratio
+
+
 def clipped_surrogate(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_range: float,
                       adv_clip_max: float) -> tuple[Tensor, Tensor]:
     """PPO-clip loss per trained entry, averaged over ``mask``. ``[B, S]`` log-probs, ``[B]`` advantages.
 
     Returns ``(loss, ratio)``; ``loss = mean(max(-A r, -A clip(r, 1-eps, 1+eps)))`` with ``A`` clamped.
     """
-    adv = advantages.clamp(-adv_clip_max, adv_clip_max)[:, None]
-    ratio = torch.exp(new_logp - old_logp)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
-    per = torch.maximum(unclipped, clipped)
+    per, ratio = surrogate_per_entry(new_logp, old_logp, advantages, clip_range=clip_range, adv_clip_max=adv_clip_max)
     return masked_mean(per, mask), ratio
 
 
@@ -106,9 +118,17 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 @dataclass
-class _Replay:
-    log_probs: Tensor  # [B, S] fp32, with grad when requested
-    kl: Tensor  # [B, S] fp32 (zeros without KL)
+class _StepReplay:
+    """One trained step of one replay slice."""
+
+    rows: slice
+    """Rows of the micro-batch in this replay slice."""
+    col: int
+    """Index of the step among the trained steps S."""
+    log_prob: Tensor
+    """[b] fp32 log-probs, with grad when grad is enabled."""
+    kl: Tensor | None
+    """[b] fp32 KL to the reference (None without KL)."""
 
 
 class FlowGRPO:
@@ -123,51 +143,94 @@ class FlowGRPO:
         """``[B, T]`` pi_old log-probs replayed over exactly this micro-batch (0 off the trained steps)."""
         parts, segs, sampling = _diffusion_parts(micro_batch)
         steps = self._train_steps(micro_batch, segs)
-        rep = self._replay(policy, parts, segs, sampling, steps, with_kl=False)
         full = torch.zeros(len(parts), sampling.num_steps, dtype=torch.float32)
-        full[:, steps] = rep.log_probs.cpu()
+        for rep in self._replay_steps(policy, parts, segs, sampling, steps, with_kl=False):
+            full[rep.rows, steps[rep.col]] = rep.log_prob.cpu()
         stored = torch.stack([s.log_probs for s in segs])
         self._check_logp(stored[:, steps], full[:, steps], _mask(segs, steps), where="old_log_probs")
         return full
 
     def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None,
              first_update: bool = False) -> LossOutput:
+        """The micro-batch loss as one graph (every trained step's graph alive until backward). The train
+        backend calls ``loss_terms`` instead and back-propagates one step at a time."""
+        terms = self.loss_terms(policy, micro_batch, old_log_probs=old_log_probs, first_update=first_update)
+        total = None
+        while True:
+            try:
+                term = next(terms)
+            except StopIteration as stop:
+                return LossOutput(loss=total, metrics=stop.value.metrics)
+            total = term if total is None else total + term
+
+    def num_loss_terms(self, micro_batch: SampleBatch) -> int:
+        """How many terms ``loss_terms`` yields for this micro-batch: replay slices x trained steps."""
+        _, segs, _ = _diffusion_parts(micro_batch)
+        size = self.config.replay_batch_size or len(segs)
+        return -(-len(segs) // size) * len(self._train_steps(micro_batch, segs))
+
+    def loss_terms(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None,
+                   first_update: bool = False) -> Generator[Tensor, None, LossOutput]:
+        """Yield the micro-batch loss one trained step (of one replay slice) at a time; return its metrics.
+
+        Each yielded scalar is that step's share of ``mean over trained entries (policy loss) + kl_beta * KL``,
+        so the terms add up to the loss; back-propagating each as it comes keeps one step's graph alive
+        instead of all of them. The returned ``LossOutput.loss`` is the detached total.
+        """
         cfg = self.config
         parts, segs, sampling = _diffusion_parts(micro_batch)
         steps = self._train_steps(micro_batch, segs)
-        mask = _mask(segs, steps)
         if not steps:
             raise field_error(InvariantError, "micro_batch.sde_mask", "no SDE step", "at least one SDE step",
                               "sample with noise_level > 0 and a stochastic sde_type")
+        mask = _mask(segs, steps)  # [B, S] bool, CPU
+        count = float(mask.sum().clamp_min(1))
         adv = _advantages(parts)
-        rep = self._replay(policy, parts, segs, sampling, steps, with_kl=cfg.kl_beta > 0)
-        device = rep.log_probs.device
-        stored = torch.stack([s.log_probs for s in segs])[:, steps].to(device)
-        old = stored if old_log_probs is None else old_log_probs[:, steps].to(device)
-        mask = mask.to(device)
-        policy_loss, ratio = clipped_surrogate(rep.log_probs, old, adv.to(device), mask,
-                                               clip_range=cfg.clip_range, adv_clip_max=cfg.adv_clip_max)
-        kl = masked_mean(rep.kl, mask)
-        total = policy_loss + cfg.kl_beta * kl if cfg.kl_beta > 0 else policy_loss
-        # pi_old as replayed: the given tensor, else the current forward (equal to pi_old on the first update).
-        pi_old_replay = old if old_log_probs is not None else rep.log_probs.detach()
-        absdiff = (stored - pi_old_replay).abs()
+        stored = torch.stack([s.log_probs for s in segs])[:, steps]
+        old = stored if old_log_probs is None else old_log_probs[:, steps].cpu()
         if old_log_probs is not None:
             self._check_logp(stored, old, mask, where="loss(old_log_probs)")
-        elif first_update:
-            self._check_logp(stored, pi_old_replay, mask, where="first update")
-        with torch.no_grad():
-            sel = mask.bool()
-            r = ratio.detach()[sel]
-            metrics = {
-                "loss": float(total.detach()), "policy_loss": float(policy_loss.detach()),
-                "ratio_mean": float(r.mean()), "ratio_min": float(r.min()), "ratio_max": float(r.max()),
-                "clip_frac": float(((r - 1).abs() > cfg.clip_range).float().mean()),
-                "kl": float(kl.detach()),
-                "logp_absdiff_mean": float(absdiff[sel].mean()), "logp_absdiff_max": float(absdiff[sel].max()),
-                "advantage_mean": float(adv.mean()), "trained_steps": float(len(steps)),
-            }
-        return LossOutput(loss=total, metrics=metrics)
+        # Detached per-entry records stay on the device until the end: no host sync between steps, so the
+        # backend's backward of one step and the next step's forward queue back to back.
+        rec: dict[str, Tensor] = {}
+        sums: list[Tensor] = []
+        for rep in self._replay_steps(policy, parts, segs, sampling, steps, with_kl=cfg.kl_beta > 0):
+            dev = rep.log_prob.device
+            if not rec:
+                rec = {"new": stored.to(dev).clone(), "ratio": torch.ones_like(stored, device=dev),
+                       "kl": torch.zeros_like(stored, device=dev), "mask": mask.to(dev), "old": old.to(dev),
+                       "adv": adv.to(dev)}
+            m = rec["mask"][rep.rows, rep.col]
+            per, r = surrogate_per_entry(rep.log_prob, rec["old"][rep.rows, rep.col], rec["adv"][rep.rows],
+                                         clip_range=cfg.clip_range, adv_clip_max=cfg.adv_clip_max)
+            policy_term = (per * m).sum() / count
+            term, kl_term = policy_term, None
+            if rep.kl is not None:
+                kl_term = (rep.kl * m).sum() / count
+                term = term + cfg.kl_beta * kl_term
+                rec["kl"][rep.rows, rep.col] = rep.kl.detach()
+            rec["new"][rep.rows, rep.col] = rep.log_prob.detach()
+            rec["ratio"][rep.rows, rep.col] = r.detach()
+            sums.append(torch.stack([policy_term.detach(), (kl_term if kl_term is not None else policy_term * 0).detach()]))
+            yield term
+        policy_sum, kl_sum = (float(v) for v in torch.stack(sums).sum(0))
+        new = rec["new"].cpu()
+        # pi_old as replayed: the given tensor, else the current forward (equal to pi_old on the first update)
+        replayed = old if old_log_probs is not None else new
+        if old_log_probs is None and first_update:
+            self._check_logp(stored, new, mask, where="first update")
+        total = policy_sum + cfg.kl_beta * kl_sum if cfg.kl_beta > 0 else policy_sum
+        sel = mask.bool()
+        r, absdiff = rec["ratio"].cpu()[sel], (stored - replayed).abs()[sel]
+        metrics = {
+            "loss": total, "policy_loss": policy_sum,
+            "ratio_mean": float(r.mean()), "ratio_min": float(r.min()), "ratio_max": float(r.max()),
+            "clip_frac": float(((r - 1).abs() > cfg.clip_range).float().mean()),
+            "kl": float(masked_mean(rec["kl"].cpu(), mask)),
+            "logp_absdiff_mean": float(absdiff.mean()), "logp_absdiff_max": float(absdiff.max()),
+            "advantage_mean": float(adv.mean()), "trained_steps": float(len(steps)),
+        }
+        return LossOutput(loss=torch.tensor(total), metrics=metrics)
 
     # -- pieces -------------------------------------------------------------------------------
     def _train_steps(self, micro_batch: SampleBatch, segs: list[DiffusionSegment]) -> list[int]:
@@ -186,8 +249,10 @@ class FlowGRPO:
                               "rollout and replay ran different numerics: match replay_batch_size to the engine's "
                               "forward_batch_size, keep the same dtype and CFG, and check sigma_verify")
 
-    def _replay(self, policy: Policy, parts: list[Part], segs: list[DiffusionSegment],
-                sampling: DiffusionSamplingParams, steps: list[int], *, with_kl: bool) -> _Replay:
+    def _replay_steps(self, policy: Policy, parts: list[Part], segs: list[DiffusionSegment],
+                      sampling: DiffusionSamplingParams, steps: list[int], *, with_kl: bool) -> Iterator[_StepReplay]:
+        """Replay every trained step of every slice of ``replay_batch_size`` samples, one at a time (the same
+        ``denoise_step`` as the rollout, on the same slices)."""
         if not hasattr(policy, "guided_velocity"):
             raise field_error(ConfigError, "policy", type(policy).__name__, "a DiffusionBundle (guided_velocity)",
                               "train Flow-GRPO with unirl_core.models.diffusion.DiffusionBundle")
@@ -195,9 +260,9 @@ class FlowGRPO:
         size = self.config.replay_batch_size or len(parts)
         sig = segs[0].sigmas.to(device)
         coefs = schedule_coefficients(sampling.sde_type, sig, noise_level=sampling.noise_level)
-        lps, kls = [], []
         for lo in range(0, len(parts), size):
-            chunk = range(lo, min(lo + size, len(parts)))
+            rows = slice(lo, min(lo + size, len(parts)))
+            chunk = range(rows.start, rows.stop)
             conds = policy.prepare_cfg(stack_conditions([parts[i].conditions for i in chunk], device),
                                        guidance_scale=sampling.guidance_scale)
             lat = torch.stack([segs[i].latents for i in chunk]).to(device)
@@ -207,23 +272,18 @@ class FlowGRPO:
                 return policy.guided_velocity(x, sigma, conds, guidance_scale=sampling.guidance_scale,
                                               uncond_grad=self.config.cfg_grad == "both")
 
-            lp_cols, kl_cols = [], []
-            for k in steps:
+            for col, k in enumerate(steps):
                 kw = dict(sde_type=sampling.sde_type, noise_level=sampling.noise_level, sde_mask_k=smask[:, k],
                           trajectory_dtype=lat.dtype, prev_sample=lat[:, k + 1], coefficients=coefs)
                 out = denoise_step(vel, lat[:, k].float(), k, sig, **kw)
-                lp_cols.append(out.log_prob)
+                kl = None
                 if with_kl:
                     with torch.no_grad(), policy.reference():
                         ref = denoise_step(vel, lat[:, k].float(), k, sig, **kw)
                     safe = torch.where(out.std > 0, out.std, torch.ones_like(out.std)).expand(len(chunk), 1, 1, 1)
-                    kl_cols.append(torch.where(smask[:, k].to(device), gaussian_kl_same_std(out.mean, ref.mean, safe),
-                                               torch.zeros((), device=device)))
-                else:
-                    kl_cols.append(torch.zeros(len(chunk), device=device))
-            lps.append(torch.stack(lp_cols, dim=1))
-            kls.append(torch.stack(kl_cols, dim=1))
-        return _Replay(log_probs=torch.cat(lps), kl=torch.cat(kls))
+                    kl = torch.where(smask[:, k].to(device), gaussian_kl_same_std(out.mean, ref.mean, safe),
+                                     torch.zeros((), device=device))
+                yield _StepReplay(rows=rows, col=col, log_prob=out.log_prob, kl=kl)
 
 
 def _diffusion_parts(batch: SampleBatch) -> tuple[list[Part], list[DiffusionSegment], DiffusionSamplingParams]:

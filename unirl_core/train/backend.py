@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from unirl_core.algorithms.base import Algorithm, Policy
+from unirl_core.algorithms.base import Algorithm, LossOutput, Policy
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
 from unirl_core.models.precision import module_dtype, parameters_as, upcast_trainable
 from unirl_core.train import distributed as D
@@ -224,24 +224,51 @@ class TrainBackend:
         ``first_update``: the weights are still the rollout's, so the algorithm holds the rollout-vs-replay
         log-prob gap to its tolerance (whatever ``old_logp_source`` is).
         """
-        module = self.policy.module
         loss_sum: Tensor | None = None
         for i, (mb, olp) in enumerate(zip(micro, old)):
-            if self.sharded:
-                # Reduce-scatter once, after the last micro-batch, instead of after each backward.
-                module.set_requires_gradient_sync(i == len(micro) - 1)
+            # Each micro-batch loss is a per-sample mean; weight by its share so a ragged tail counts fairly.
+            weight = len(mb) / local_n
             # Backward inside the compute context too: activation checkpointing recomputes forwards during
             # backward, and they must see the same parameter casts as the first pass.
             with self.compute():
-                out = self.algorithm.loss(self.policy, mb, old_log_probs=olp, first_update=first_update)
-                # Each micro-batch loss is a per-sample mean; weight by its share so a ragged tail counts fairly.
-                weighted = out.loss.float() * (len(mb) / local_n)
-                self.scaler.scale(weighted).backward()
+                out = self._backward(mb, olp, weight, last_micro_batch=i == len(micro) - 1,
+                                     first_update=first_update)
             # The loss stays a tensor until the end of the step: a float() here would stall a GPU per micro-batch.
             loss_sum = out.loss.detach().float() if loss_sum is None else loss_sum + out.loss.detach().float()
             for k, v in out.metrics.items():
                 _accumulate_metric(sums, counts, k, float(v))
         return loss_sum
+
+    def _backward(self, mb: SampleBatch, olp: Tensor | None, weight: float, *, last_micro_batch: bool,
+                  first_update: bool) -> LossOutput:
+        """Back-propagate one micro-batch: term by term when the algorithm yields its loss in pieces
+        (``loss_terms``: Flow-GRPO's trained steps, so one step's graph is alive at a time), else in one go.
+
+        Under FSDP2 gradients are reduce-scattered once per rollout batch: only the very last backward of
+        the last micro-batch syncs (``num_loss_terms`` says which one that is, without running ahead).
+        """
+        module = self.policy.module
+        kw = dict(old_log_probs=olp, first_update=first_update)
+        if not hasattr(self.algorithm, "loss_terms"):
+            if self.sharded:
+                module.set_requires_gradient_sync(last_micro_batch)
+            out = self.algorithm.loss(self.policy, mb, **kw)
+            self.scaler.scale(out.loss.float() * weight).backward()
+            return out
+        n = self.algorithm.num_loss_terms(mb)
+        terms = self.algorithm.loss_terms(self.policy, mb, **kw)
+        for j in range(n):
+            term = next(terms)
+            if self.sharded:
+                module.set_requires_gradient_sync(last_micro_batch and j == n - 1)
+            self.scaler.scale(term.float() * weight).backward()
+            del term  # this step's graph is freed before the next step's forward
+        try:
+            next(terms)
+        except StopIteration as stop:
+            return stop.value
+        raise field_error(ConfigError, "algorithm.num_loss_terms", n, "the number of terms loss_terms yields",
+                          f"{type(self.algorithm).__name__} yielded more terms than it announced")
 
     def _optimizer_step(self) -> float:
         self.scaler.unscale_(self.optimizer)

@@ -1,8 +1,8 @@
-"""Flow-GRPO replay back-propagates through both CFG branches of SD3's batched [uncond; cond] forward.
+"""Which CFG branch of SD3's batched [uncond; cond] forward carries Flow-GRPO's gradient (cfg_grad).
 
 With v = v_u + g (v_c - v_u) = (1 - g) v_u + g v_c, the gradient reaching the transformer's uncond rows
-is exactly (1 - g) / g times the one reaching its cond rows. (The public Flow-GRPO reference detaches
-the uncond half in its training-time log-prob recomputation; ours does not: see the algorithms README.)
+is exactly (1 - g) / g times the one reaching its cond rows with ``cfg_grad: both``. The default, like the public
+Flow-GRPO reference's training-time log-prob recomputation, detaches the uncond half (algorithms README).
 """
 
 import torch

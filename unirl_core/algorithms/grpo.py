@@ -25,7 +25,7 @@ from torch import Tensor
 from unirl_core.algorithms.base import LossOutput, Policy
 from unirl_core.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_penalty
 from unirl_core.errors import ConfigError, InvariantError, NumericsError, field_error
-from unirl_core.models.lm import ReplayLayout, build_layout, replay_log_probs
+from unirl_core.models.lm import ReplayLayout, build_layout, logprob_chunk_tokens, replay_log_probs
 from unirl_core.types import ARSamplingParams, SampleBatch, TokenSegment
 
 LossAgg = Literal["grpo", "dapo", "dr_grpo"]
@@ -171,7 +171,7 @@ class GRPO:
         """pi_old ``[B, R]`` replayed over exactly this micro-batch; checks it against the rollout log-probs."""
         layout = self.layout(policy, micro_batch)
         with torch.no_grad():
-            logp, _ = replay_log_probs(policy.module, layout)
+            logp, _ = replay_log_probs(policy.module, layout, chunk_tokens=logprob_chunk_tokens(policy))
         self._check_absdiff(layout, logp)
         return logp
 
@@ -180,7 +180,8 @@ class GRPO:
         cfg = self.config
         layout = self.layout(policy, micro_batch)
         adv = _advantages(micro_batch).to(layout.input_ids.device)
-        logp, entropy = replay_log_probs(policy.module, layout, with_entropy=True)
+        logp, entropy = replay_log_probs(policy.module, layout, with_entropy=True,
+                                         chunk_tokens=logprob_chunk_tokens(policy))
         if old_log_probs is not None:
             if old_log_probs.shape != logp.shape:
                 raise field_error(InvariantError, "old_log_probs.shape", tuple(old_log_probs.shape),
@@ -195,7 +196,7 @@ class GRPO:
         ref = None
         if cfg.beta > 0:
             with torch.no_grad(), policy.reference():
-                ref, _ = replay_log_probs(policy.module, layout)
+                ref, _ = replay_log_probs(policy.module, layout, chunk_tokens=logprob_chunk_tokens(policy))
         loss, stats = grpo_token_loss(logp, old, adv, layout.loss_mask, cfg, ref_logp=ref,
                                       rollout_logp=layout.stored_log_probs)
         return LossOutput(loss=loss, metrics=self._metrics(layout, logp, old, entropy, stats))

@@ -8,8 +8,19 @@ the same micro-batch gives the same bits on both sides.
 
 Replay layout of a micro-batch of B segments (P = longest prompt, R = longest response):
 ``[left pad | prompt | response | right pad]``, ``input_ids [B, P + R]``. Prompts are left padded so
-every response starts at column P, which lets the forward keep only the last R + 1 positions of
-logits (``logits_to_keep``) instead of materialising ``[B, P + R, V]``.
+every response starts at column P, which lets the forward keep only the last R + 1 positions
+(``logits_to_keep``) instead of materialising ``[B, P + R, V]``.
+
+Memory: for the supported causal LMs (``CHUNKED_HEAD_MODELS``) the LM head never runs over the whole
+micro-batch. The model's own forward runs with its head swapped for a module that takes the kept
+hidden states ``[B, R + 1, H]``, selects the N valid response positions ``[N, H]`` and applies the real
+head chunk by chunk (``LMConfig.logprob_chunk_tokens`` tokens at a time): logits ``[n, V]`` in the
+compute dtype, then in fp32 ``logits / T``, ``logsumexp``, the target's logit -> log-prob, and optionally
+the entropy. Only ``[B, R]`` results survive a chunk; with grad enabled each chunk is wrapped in
+``torch.utils.checkpoint`` so backward recomputes its logits, so the replay's extra memory is
+O(chunk x V) instead of a few ``[B, R, V]`` fp32 copies. Chunking can change the bits of a logit (a
+matmul's result may depend on its row count), so the engine and the trainer read the chunk size from
+the same ``LMConfig``.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from unirl_core.errors import ConfigError, InvariantError, field_error
 from unirl_core.models.lora import apply_lora, has_lora, lora_disabled
@@ -35,6 +47,7 @@ logger = logging.getLogger(__name__)
 DType = Literal["float32", "bfloat16", "float16"]
 FineTune = Literal["lora", "full"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_LOGPROB_CHUNK_TOKENS = 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,10 +100,24 @@ class LMConfig:
     """Seed of the tiny preset's random init."""
     tiny: TinyLMSpec = field(default_factory=TinyLMSpec)
     """Shape of the tiny preset (ignored for real models)."""
+    logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS
+    """Response tokens per chunk of the LM head + fp32 log-softmax in ``replay_log_probs``: the replay holds
+    about ``chunk x vocab`` fp32 logits at a time instead of ``B x R x vocab``. Part of the numerics
+    (a chunk's matmul shape can change a logit's last bits): the rollout engine's recording and the
+    trainer's replay both read it from this config, so keep it fixed over a run. At vocab 151,936 a
+    chunk of 1024 holds ~0.6 GB of fp32 logits (plus their compute-dtype copy and, in backward, their
+    gradient)."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder activations in backward (transformers' ``gradient_checkpointing_enable``,
+    non-reentrant); same forward numerics, less memory, about one more forward of compute per update."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise field_error(ConfigError, "lm.dtype", self.dtype, f"one of {tuple(_DTYPES)}", "use 'float32'")
+        if (isinstance(self.logprob_chunk_tokens, bool) or not isinstance(self.logprob_chunk_tokens, int)
+                or self.logprob_chunk_tokens < 1):
+            raise field_error(ConfigError, "lm.logprob_chunk_tokens", self.logprob_chunk_tokens, "an integer >= 1",
+                              f"use {DEFAULT_LOGPROB_CHUNK_TOKENS} (lower it if the replay runs out of memory)")
         if self.finetune not in ("lora", "full"):
             raise field_error(ConfigError, "lm.finetune", self.finetune, "'lora' or 'full'", "pick a mode")
         object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
@@ -112,6 +139,13 @@ class LMBundle:
                            target_modules=config.lora_target_modules)
         elif config.keep_reference:
             self._reference = copy.deepcopy(model).eval().requires_grad_(False)
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+
+    @property
+    def logprob_chunk_tokens(self) -> int:
+        """Chunk size of ``replay_log_probs`` (``LMConfig.logprob_chunk_tokens``), shared by engine and trainer."""
+        return self.config.logprob_chunk_tokens
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -191,6 +225,49 @@ def merged_copy(module: nn.Module) -> nn.Module:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, sub.get_base_layer())
     return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Checkpoint every decoder layer of a transformers causal LM (non-reentrant, in place).
+
+    transformers only checkpoints a layer whose ``training`` flag is set, and bundles stay in eval mode
+    (the engine and the trainer must run the same function); ``replay_log_probs`` therefore raises the
+    flag of the checkpointed decoder layers themselves (``GradientCheckpointingLayer``) for its
+    grad-enabled forwards only. Their sub-modules stay in eval mode, so attention dropout stays off and
+    the forward computes exactly what it computes without checkpointing.
+    """
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
+        raise field_error(ConfigError, "lm.gradient_checkpointing", True,
+                          f"a transformers model that supports it, not {type(model).__name__}",
+                          "set gradient_checkpointing=False")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers also hooks the input embeddings to require grad (only the reentrant variant needs it);
+    # removing the hook keeps the forward graph what it was without checkpointing.
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()
+
+
+def _checkpointed_layers(module: nn.Module) -> list[nn.Module]:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - transformers < 4.52
+        return []
+    return [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+
+
+@contextmanager
+def _checkpointing_active(module: nn.Module) -> Iterator[None]:
+    """Raise the ``training`` flag of the checkpointed layers (only) when grad is enabled; see above."""
+    layers = _checkpointed_layers(module) if torch.is_grad_enabled() else []
+    flags = [m.training for m in layers]
+    for m in layers:
+        m.training = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, flags):
+            m.training = flag
 
 
 def _tiny_model(vocab: int, tokenizer, spec: TinyLMSpec, *, seed: int, attn: str) -> nn.Module:
@@ -298,16 +375,132 @@ def build_layout(segments: Sequence[TokenSegment], temperatures: Sequence[float]
                         temperatures=temps.to(device), stored_log_probs=stored.to(device))
 
 
-def replay_log_probs(module: nn.Module, layout: ReplayLayout, *,
-                     with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+CHUNKED_HEAD_MODELS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM",
+                       "MistralForCausalLM")
+"""Causal-LM classes whose ``forward`` returns ``self.lm_head(hidden_states[:, -logits_to_keep:])`` unchanged as
+``logits`` (no soft-capping or logit scale), checked against transformers 5.x; the chunked replay swaps their
+``lm_head``. Any other class (or a subclass overriding ``forward``) replays with full-vocabulary logits."""
+
+_warned_full_logits: set[str] = set()
+
+
+def _chunkable_head(module: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
+    """``(owner, "lm_head", head)`` when ``module`` (a causal LM, possibly inside a peft or FSDP2 wrapper) is
+    one of ``CHUNKED_HEAD_MODELS``; else None."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module):
+        return None
+    for owner in module.modules():
+        if owner._modules.get("lm_head") is not head:
+            continue
+        # the class that defines the forward that runs (FSDP2's dynamic subclass defines none)
+        defining = next((c for c in type(owner).__mro__ if "forward" in c.__dict__), None)
+        if defining is not None and defining.__name__ in CHUNKED_HEAD_MODELS:
+            return owner, "lm_head", head
+        return None
+    return None
+
+
+class _ChunkedLogProbHead(nn.Module):
+    """Stands in for a causal LM's ``lm_head`` during one replay forward: takes the kept hidden states
+    ``[B, R + 1, H]`` and returns the response log-probs ``[B, R]`` float32 (in the ``logits`` field of the
+    model output), computed ``chunk`` valid tokens at a time with the real head."""
+
+    def __init__(self, head: nn.Module, layout: ReplayLayout, *, chunk: int, with_entropy: bool) -> None:
+        super().__init__()
+        self.__dict__["head"] = head  # not registered: the module tree (and FSDP's view of it) is unchanged
+        self.layout, self.chunk, self.with_entropy = layout, chunk, with_entropy
+        self.entropy: Tensor | None = None
+
+    def _chunk_fn(self, h: Tensor, targets: Tensor, temps: Tensor) -> tuple[Tensor, Tensor | None]:
+        """h ``[n, H]`` (compute dtype), targets ``[n]`` int64, temps ``[n]`` fp32 -> log-probs ``[n]`` fp32 and
+        the detached entropy ``[n]`` fp32 (or None). Holds ``[n, V]`` logits only while it runs."""
+        z = self.head(h).float() / temps[:, None]  # [n, V] fp32
+        lse = torch.logsumexp(z, dim=-1)
+        logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+        ent = None
+        if self.with_entropy:  # after logp, so checkpoint's early stop skips it when recomputing
+            with torch.no_grad():
+                ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        return logp, ent
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        lay = self.layout
+        b, r = lay.targets.shape
+        valid = lay.valid
+        h = hidden[:, :r][valid]  # [N, H]: the valid response positions, row-major
+        targets = lay.targets[valid]
+        temps = lay.temperatures.float()[:, None].expand(b, r)[valid]
+        grad = torch.is_grad_enabled()
+        logps, ents = [], []
+        for s in range(0, h.shape[0], self.chunk):
+            args = (h[s:s + self.chunk], targets[s:s + self.chunk], temps[s:s + self.chunk])
+            if grad:  # backward recomputes the chunk's logits instead of keeping them
+                logp, ent = checkpoint(self._chunk_fn, *args, use_reentrant=False, preserve_rng_state=False)
+            else:
+                logp, ent = self._chunk_fn(*args)
+            logps.append(logp)
+            ents.append(ent)
+        zeros = torch.zeros(b, r, dtype=torch.float32, device=hidden.device)
+        flat = torch.cat(logps) if logps else zeros.new_zeros(0)
+        if self.with_entropy:
+            self.entropy = zeros.masked_scatter(valid, torch.cat(ents) if ents else zeros.new_zeros(0))
+        return zeros.masked_scatter(valid, flat)
+
+
+def logprob_chunk_tokens(policy) -> int:
+    """The replay chunk size of a policy: its ``config.logprob_chunk_tokens`` (an ``LMBundle``), else the default."""
+    value = getattr(getattr(policy, "config", None), "logprob_chunk_tokens", None)
+    return DEFAULT_LOGPROB_CHUNK_TOKENS if value is None else int(value)
+
+
+def replay_log_probs(module: nn.Module, layout: ReplayLayout, *, with_entropy: bool = False,
+                     chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs ``[B, R]`` float32 of the response under ``softmax(logits / T)``.
 
     Returns ``(log_probs, entropy)``; entropy ``[B, R]`` (detached) only when asked. Positions
-    outside ``layout.valid`` are 0. Gradients flow when called with grad enabled.
+    outside ``layout.valid`` are 0. Gradients flow (to the body and the head) when called with grad
+    enabled. ``chunk_tokens`` is the bundle's ``LMConfig.logprob_chunk_tokens``: the engine's recording and
+    the trainer's replay must pass the same value (see the module docstring). Models outside
+    ``CHUNKED_HEAD_MODELS`` replay with full ``[B, R, V]`` fp32 logits (logged once per class).
+    """
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise field_error(ConfigError, "chunk_tokens", chunk_tokens, "an integer >= 1",
+                          "pass the bundle's LMConfig.logprob_chunk_tokens")
+    found = _chunkable_head(module)
+    if found is None:
+        name = type(module).__name__
+        if name not in _warned_full_logits:
+            _warned_full_logits.add(name)
+            logger.warning("replay_log_probs: %s is not one of %s; replaying with full-vocabulary fp32 logits "
+                           "(memory grows with B x R x vocab)", name, CHUNKED_HEAD_MODELS)
+        return replay_log_probs_full(module, layout, with_entropy=with_entropy)
+    owner, attr, head = found
+    chunked = _ChunkedLogProbHead(head, layout, chunk=chunk_tokens, with_entropy=with_entropy)
+    r = layout.targets.shape[1]
+    owner._modules[attr] = chunked
+    try:
+        with _checkpointing_active(module):
+            out = module(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                         position_ids=layout.position_ids, use_cache=False, logits_to_keep=r + 1)
+    finally:
+        owner._modules[attr] = head
+    return out.logits, chunked.entropy
+
+
+def replay_log_probs_full(module: nn.Module, layout: ReplayLayout, *,
+                          with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The unchunked replay: full-vocabulary fp32 logits ``[B, R, V]`` and ``log_softmax`` over them.
+
+    The fallback of ``replay_log_probs`` for models outside ``CHUNKED_HEAD_MODELS``, and the reference the
+    chunked path is tested against (equal within fp32 rounding, not bitwise). Peak memory: a few
+    ``[B, R, V]`` fp32 copies.
     """
     r = layout.targets.shape[1]
-    out = module(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
-                 position_ids=layout.position_ids, use_cache=False, logits_to_keep=r + 1)
+    with _checkpointing_active(module):
+        out = module(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                     position_ids=layout.position_ids, use_cache=False, logits_to_keep=r + 1)
     logits = out.logits[:, :r].float() / layout.temperatures[:, None, None]
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, layout.targets.unsqueeze(-1)).squeeze(-1)

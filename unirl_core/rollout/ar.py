@@ -203,7 +203,7 @@ class TrainsideAREngine:
             seg = segments[k:k + fbs]
             layout = build_layout(seg, [s.temperature for s in sps[k:k + fbs]], pad_id=self.bundle.pad_token_id,
                                   device=self._device)
-            logp, _ = replay_log_probs(self.bundle.module, layout)
+            logp, _ = replay_log_probs(self.bundle.module, layout, chunk_tokens=self.bundle.logprob_chunk_tokens)
             logp = logp.cpu()
             for j, s in enumerate(seg):
                 new = logp[j, :s.num_response_tokens].contiguous()

@@ -93,7 +93,7 @@ def check_logp_agreement(agreement: LogpAgreement, cfg: LogpCheckConfig, *, wher
 def replay_agreement(policy, batch: SampleBatch, *, micro_batch_size: int = 16) -> LogpAgreement:
     """Replay ``batch`` with the trainer's forward (``unirl_core.models.lm``) and compare to the engine's
     recorded log-probs, micro-batch by micro-batch (no grad)."""
-    from unirl_core.models.lm import build_layout, replay_log_probs
+    from unirl_core.models.lm import build_layout, logprob_chunk_tokens, replay_log_probs
 
     segs: list[TokenSegment] = []
     temps: list[float] = []
@@ -110,7 +110,7 @@ def replay_agreement(policy, batch: SampleBatch, *, micro_batch_size: int = 16) 
         for k in range(0, len(segs), micro_batch_size):
             layout = build_layout(segs[k:k + micro_batch_size], temps[k:k + micro_batch_size],
                                   pad_id=int(policy.pad_token_id), device=device)
-            replay, _ = replay_log_probs(policy.module, layout)
+            replay, _ = replay_log_probs(policy.module, layout, chunk_tokens=logprob_chunk_tokens(policy))
             diffs.append(_masked_absdiff(layout.stored_log_probs, replay, layout.loss_mask))
     diff = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
     if diff.numel() == 0:

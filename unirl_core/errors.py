@@ -42,6 +42,11 @@ class RemoteRewardUnavailable(RewardError, TransientError):
     """The reward server did not answer in time, or at all, after the client's retries."""
 
 
+class PoolActorDied(TransientError):
+    """An actor of the run's Ray pool died or became unreachable during a call. The next call re-creates it,
+    and it resumes from the last published version (Flyte retries the task)."""
+
+
 class EngineError(UniRLError):
     """A rollout engine could not start, serve, or fill a Sample."""
 

@@ -14,6 +14,7 @@ from unirl_core.data.toy import ToyArithmeticConfig
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
+from unirl_core.pool.config import PoolConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.rollout.ar import AREngineConfig
 from unirl_core.rollout.diffusion import DiffusionEngineConfig
@@ -204,6 +205,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    """Where the phases execute: ``pods`` (default) or a Ray ``pool`` of warm actors (``unirl_core/pool``)."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -220,6 +223,10 @@ class RunConfig:
         if self.lm is not None:
             check_lm_deployment(self.lm, self.train.old_logp_source)
         check_rollout_seeds(self)
+        if self.pool.execution == "pool" and self.lm is not None and self.lm.deployment.engine != "trainside":
+            raise field_error(ConfigError, "pool.execution", "pool", f"'pods' with lm.deployment.engine="
+                              f"{self.lm.deployment.engine!r}", "the pool runs the trainside engines only (a vLLM "
+                              "engine actor is not built yet); use execution 'pods' or the trainside engine")
 
     @property
     def section(self) -> DiffusionSection | LMSection:

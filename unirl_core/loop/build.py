@@ -122,15 +122,21 @@ def load_policy_weights(policy, ref: CheckpointRef, cfg: RunConfig, *, ema: bool
         raise field_error(ConfigError, "train.ema_decay", None, "a decay, to sample with EMA weights",
                           "set train.ema_decay (e.g. 0.95) so checkpoints carry EMA weights")
     weights: dict[str, Tensor] = load_weights(ref, storage_options=cfg.checkpoint.storage_options, ema=ema)
+    apply_policy_weights(policy, weights, where=ref.uri)
+
+
+def apply_policy_weights(policy, weights: dict[str, Tensor], *, where: str) -> None:
+    """Copy (trainable or full) weights into the bundle's module, rounded to its dtype; every trainable
+    parameter must get a tensor and every tensor must name a parameter (``where`` says whose weights)."""
     module = policy.module
     result = module.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
-        raise field_error(CheckpointError, f"{ref.uri}: weights", result.unexpected_keys[:5],
+        raise field_error(CheckpointError, f"{where}: weights", result.unexpected_keys[:5],
                           "parameter names of this model", "load a checkpoint of the same model / LoRA layout")
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     missing = sorted(trainable - set(weights))
     if missing:
-        raise field_error(CheckpointError, f"{ref.uri}: weights", missing[:5], "a tensor for every trainable "
+        raise field_error(CheckpointError, f"{where}: weights", missing[:5], "a tensor for every trainable "
                           "parameter", "the checkpoint was written with another trainable layout")
 
 

@@ -183,10 +183,25 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
     weights in the model dtype, the view the trainer's compute context reproduces. ``weights='ema'`` samples
     with the EMA weights stored in ``ckpt`` (``train.ema_decay`` set), e.g. for evaluation or EMA rollouts;
     such a batch is off-policy for the trainer's first-update check, which only runs on equal versions.
+
+    With ``pool.execution: pool`` the step runs on the pool's engine actor (``unirl_core.pool.phases``).
     """
+    if cfg.pool.execution == "pool":
+        from unirl_core.pool import phases as pool_phases
+
+        return pool_phases.rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights)
     t0 = time.perf_counter()
     policy = build.bundle(cfg)
     build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
+    return sample_step(cfg, policy, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights,
+                       started=t0)
+
+
+def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
+                weights: Literal["policy", "ema"], started: float) -> tuple[SampleBatch, dict[str, float]]:
+    """The sampling of ``rollout_phase`` with ``policy`` already holding ``ckpt``'s (or its EMA) weights;
+    ``started`` is the ``perf_counter`` the phase began at (``rollout/seconds``)."""
+    t0 = started
     seed = stable_seed(cfg.loop.seed, "rollout", step, shard) % (2**63)
     section = cfg.section
     sampling = section.sampling.params(policy.family) if cfg.family == "diffusion" else section.sampling
@@ -258,7 +273,12 @@ def _dedicated_rollout(cfg: RunConfig, policy, ckpt: CheckpointRef, request: Sam
 
 
 def reward_phase(cfg: RunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
-    """Score every sample (per component and weighted total); the failure policy is the config's."""
+    """Score every sample (per component and weighted total); the failure policy is the config's.
+    In pool mode the pool's reward actor scores."""
+    if cfg.pool.execution == "pool":
+        from unirl_core.pool import phases as pool_phases
+
+        return pool_phases.reward_phase(cfg, batch)
     scored, stats = build.reward_service(cfg).score_with_stats(batch)
     return scored, stats.as_metrics()
 
@@ -280,10 +300,15 @@ def advantage_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) -> 
 
 def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
                 step: int) -> tuple[CheckpointRef, dict[str, float]]:
-    """One rollout batch of updates from ``ckpt``; writes (unpublished) version ``step``."""
+    """One rollout batch of updates from ``ckpt``; writes (unpublished) version ``step``.
+    In pool mode the pool's trainer actor trains (its optimizer state stays resident between steps)."""
     if step != ckpt.step + 1:
         raise field_error(CheckpointError, "step", step, f"ckpt.step + 1 = {ckpt.step + 1}",
                           "train each step from the version of the step before it")
+    if cfg.pool.execution == "pool":
+        from unirl_core.pool import phases as pool_phases
+
+        return pool_phases.train_phase(cfg, batch, ckpt, step=step)
     check_policy_lag(cfg, batch, ckpt)
     backend = build.trainer(cfg)
     loaded = restore_train_checkpoint(backend, ckpt, storage_options=cfg.checkpoint.storage_options)
@@ -320,7 +345,8 @@ def check_policy_lag(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) ->
 def publish_phase(cfg: RunConfig, ckpt: CheckpointRef) -> dict:
     """Make ``ckpt`` the run's published version (atomic pointer + retention); returns what was published.
 
-    Inside a multi-rank job (every rank running the loop) rank 0 publishes and the others wait for it."""
+    Inside a multi-rank job (every rank running the loop) rank 0 publishes and the others wait for it.
+    In pool mode the trainer's weights then go to the pool's engines in-pool (``pool/*`` entries)."""
     store = build.store(cfg)
     rank, world = current_world()
     if rank == 0:
@@ -328,6 +354,11 @@ def publish_phase(cfg: RunConfig, ckpt: CheckpointRef) -> dict:
     if world > 1:
         torch.distributed.barrier()
     manifest = load_checkpoint(ckpt, storage_options=cfg.checkpoint.storage_options, train_state=False).manifest
-    return {"uri": ckpt.uri, "step": ckpt.step, "policy_version": ckpt.policy_version,
-            "files": {name: dict(info) for name, info in manifest.files.items()},
-            "bytes": sum(int(info["bytes"]) for info in manifest.files.values())}
+    published = {"uri": ckpt.uri, "step": ckpt.step, "policy_version": ckpt.policy_version,
+                 "files": {name: dict(info) for name, info in manifest.files.items()},
+                 "bytes": sum(int(info["bytes"]) for info in manifest.files.values())}
+    if cfg.pool.execution == "pool":
+        from unirl_core.pool import phases as pool_phases
+
+        published.update(pool_phases.publish_weights(cfg, ckpt))
+    return published

@@ -74,6 +74,7 @@ RESUME_RULES: dict[str, Rule] = {
     "lm.vllm": "apply",
     "lm.sglang": "apply",
     "lm.logp_check": "apply",
+    "pool": "apply",  # where the phases execute, not what they compute
 }
 """Dotted config prefix -> what a resume may do when the value differs from the version's config."""
 

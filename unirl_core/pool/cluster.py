@@ -1,0 +1,271 @@
+"""The driver side of the pool: connect to Ray, reserve the placement group, create actors, call them.
+
+``Pool.get(cfg)`` is a per-process singleton keyed by the run's config: every phase of a process (``run_local``,
+a local ``pyflyte run``) talks to the same actors. Actors are named ``<run>-<config digest>-<role>`` in the
+``unirl`` namespace; when the pool attaches to a cluster (``pool.address``) they are detached, so the phase
+tasks of one run, each its own process, find them by name.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import socket
+from dataclasses import dataclass
+
+from unirl_core.config.loader import to_dict
+from unirl_core.config.run import RunConfig
+from unirl_core.errors import ConfigError, PoolActorDied, TransientError, field_error
+from unirl_core.pool import actors
+from unirl_core.pool.config import ActorResources, PoolConfig
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "unirl"
+TRAINER, REWARD = "trainer", "reward-0"
+
+
+def engine_name(index: int) -> str:
+    return f"engine-{index}"
+
+
+@dataclass(frozen=True)
+class _Role:
+    name: str
+    cls: type
+    resources: ActorResources
+    field: str
+    """Config field of its resources (``pool.engine``)."""
+
+
+def _roles(pcfg: PoolConfig) -> list[_Role]:
+    engines = [_Role(engine_name(i), actors.EngineActor, pcfg.engine, "pool.engine") for i in range(pcfg.num_engines)]
+    return [*engines, _Role(TRAINER, actors.TrainerActor, pcfg.trainer, "pool.trainer"),
+            _Role(REWARD, actors.RewardActor, pcfg.reward, "pool.reward")]
+
+
+def _needs(r: ActorResources) -> dict[str, float]:
+    return {k: v for k, v in (("CPU", r.num_cpus), ("GPU", r.num_gpus)) if v > 0}
+
+
+def probe_address(address: str, timeout_s: float) -> None:
+    """Raise ConfigError unless ``host:port`` (optionally ``ray://``) accepts a TCP connection in time."""
+    hostport = address.removeprefix("ray://").rsplit("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise field_error(ConfigError, "pool.address", address, "host:port of a Ray cluster's GCS (or ray://host:port)",
+                          "e.g. 10.0.0.5:6379, or leave it unset to start a local head")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise field_error(ConfigError, "pool.address", address, f"a Ray cluster answering within "
+                          f"pool.connect_timeout_s={timeout_s} s ({type(e).__name__}: {e})",
+                          "start the cluster (ray start --head) or fix the address; leave it unset to start a "
+                          "local head") from None
+
+
+def _connect(pcfg: PoolConfig) -> bool:
+    """Connect this process to Ray; True when it started a local head (stopped at interpreter exit)."""
+    import ray
+
+    if pcfg.address is not None:
+        probe_address(pcfg.address, pcfg.connect_timeout_s)
+        if not ray.is_initialized():
+            ray.init(address=pcfg.address, log_to_driver=False)
+        return False
+    if ray.is_initialized():
+        return False
+    log.info("starting a local Ray head on 127.0.0.1 for the pool")
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    atexit.register(ray.shutdown)
+    return True
+
+
+class Pool:
+    """The run's actors and their placement group. Use ``Pool.get(cfg)``; ``close()`` frees them."""
+
+    def __init__(self, cfg: RunConfig, key: str) -> None:
+        self.cfg, self.key = cfg, key
+        self.pcfg = cfg.pool
+        self.prefix = f"{cfg.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+        self.detached = self.pcfg.address is not None
+        self.started_ray = _connect(self.pcfg)
+        self.roles = {r.name: r for r in _roles(self.pcfg)}
+        self.bundle_of: dict[str, int] = {}
+        self.pg = self._placement_group()
+        self._handles: dict[str, object] = {}
+
+    # ----------------------------------------------------------------------------- placement
+
+    def _bundles(self) -> list[dict[str, float]]:
+        if self.pcfg.placement == "colocate":
+            total: dict[str, float] = {}
+            for r in self.roles.values():
+                for k, v in _needs(r.resources).items():
+                    total[k] = total.get(k, 0.0) + v
+            self.bundle_of = dict.fromkeys(self.roles, 0)
+            return [total]
+        bundles = []
+        for r in self.roles.values():
+            need = _needs(r.resources)
+            self.bundle_of[r.name] = len(bundles) if need else -1  # a role without resources: any bundle
+            if need:
+                bundles.append(need)
+        return bundles
+
+    def _check_fits(self, bundles: list[dict[str, float]]) -> None:
+        """Fail fast, naming the field, when the cluster could never place the group."""
+        import ray
+
+        total = ray.cluster_resources()
+        largest: dict[str, float] = {}
+        for node in ray.nodes():
+            if node.get("Alive"):
+                for k, v in node.get("Resources", {}).items():
+                    largest[k] = max(largest.get(k, 0.0), v)
+        for res in ("CPU", "GPU"):
+            ask = sum(b.get(res, 0.0) for b in bundles)
+            one = max((b.get(res, 0.0) for b in bundles), default=0.0)
+            have, node_max = total.get(res, 0.0), largest.get(res, 0.0)
+            if ask <= have + 1e-9 and one <= node_max + 1e-9:
+                continue
+            blame = max(self.roles.values(), key=lambda r: getattr(r.resources, f"num_{res.lower()}s"))
+            attr = f"num_{res.lower()}s"
+            asks = {r.name: getattr(r.resources, attr) for r in self.roles.values()}
+            raise field_error(ConfigError, f"{blame.field}.{attr}", getattr(blame.resources, attr),
+                              f"a placement ({self.pcfg.placement}) the cluster can hold: the pool asks {ask:g} {res} "
+                              f"({asks}), largest bundle {one:g}; the cluster has {have:g} {res}, at most "
+                              f"{node_max:g} on one node", f"lower pool.*.{attr}, use pool.placement='separate' to "
+                              "spread the actors over nodes, or attach to a larger cluster (pool.address)")
+
+    def _placement_group(self):
+        import ray
+        from ray.util import get_placement_group, placement_group, remove_placement_group
+
+        name = f"{self.prefix}-pg"
+        if self.detached:
+            try:
+                return get_placement_group(name)  # another task of this run reserved it
+            except ValueError:
+                pass
+        bundles = self._bundles()
+        self._check_fits(bundles)
+        strategy = "STRICT_PACK" if self.pcfg.placement == "colocate" else "PACK"
+        pg = placement_group(bundles, strategy=strategy, name=name, lifetime="detached" if self.detached else None)
+        ready, _ = ray.wait([pg.ready()], timeout=self.pcfg.placement_timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise field_error(ConfigError, "pool.placement_timeout_s", self.pcfg.placement_timeout_s,
+                              f"time to reserve {bundles} ({self.pcfg.placement}); the cluster has "
+                              f"{ray.available_resources()} free now", "free the cluster's resources (another "
+                              "pool or job holds them), lower pool.*.num_cpus / num_gpus, or raise the timeout")
+        log.info("pool %s: placement group %s (%s) ready", self.prefix, bundles, self.pcfg.placement)
+        return pg
+
+    # ----------------------------------------------------------------------------- actors
+
+    def actor(self, name: str):
+        """The live handle of actor ``name``, created on first use (or after it died)."""
+        if name in self._handles:
+            return self._handles[name]
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        role = self.roles[name]
+        res = role.resources
+        opts = dict(name=f"{self.prefix}-{name}", namespace=NAMESPACE, get_if_exists=True, max_restarts=0,
+                    num_cpus=res.num_cpus, num_gpus=res.num_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=self.bundle_of[name]))
+        if self.detached:
+            opts["lifetime"] = "detached"
+        handle = ray.remote(role.cls).options(**opts).remote(self.cfg, name, max(1, int(res.num_cpus)))
+        self._handles[name] = handle
+        return handle
+
+    def call(self, name: str, method: str, *args, what: str):
+        """``actor(name).method(*args)``, waited for at most ``pool.call_timeout_s``. A dead actor raises
+        PoolActorDied naming it (and is re-created by the next call); a hung one is killed first."""
+        return self.wait(name, getattr(self.actor(name), method).remote(*args), what=what)
+
+    def wait(self, name: str, ref, *, what: str):
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            return ray.get(ref, timeout=self.pcfg.call_timeout_s)
+        except RayActorError as e:
+            self._handles.pop(name, None)
+            raise PoolActorDied(f"pool actor {name!r} of run {self.cfg.name!r} ({self.prefix}-{name}) died during "
+                                f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; the next "
+                                "call re-creates it from the last published version (retry the phase)") from e
+        except GetTimeoutError as e:
+            self.kill(name)
+            raise TransientError(f"pool actor {name!r} of run {self.cfg.name!r} did not finish {what} within "
+                                 f"pool.call_timeout_s={self.pcfg.call_timeout_s} s; it was killed and the next "
+                                 "call re-creates it") from e
+
+    def kill(self, name: str) -> None:
+        import ray
+
+        handle = self._handles.pop(name, None)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+
+    def close(self) -> None:
+        """Kill the actors and remove the placement group; stop Ray if this pool started it."""
+        import ray
+        from ray.util import remove_placement_group
+
+        if not ray.is_initialized():
+            return
+        for name in list(self._handles):
+            self.kill(name)
+        if self.detached:  # actors other processes of the run created
+            for name in self.roles:
+                try:
+                    ray.kill(ray.get_actor(f"{self.prefix}-{name}", namespace=NAMESPACE), no_restart=True)
+                except ValueError:
+                    pass  # never created
+        remove_placement_group(self.pg)
+        if self.started_ray:
+            ray.shutdown()
+
+    # ----------------------------------------------------------------------------- the singleton
+
+    @staticmethod
+    def get(cfg: RunConfig) -> Pool:
+        """The process's pool for ``cfg`` (another config closes the previous pool first)."""
+        global _POOL
+        key = pool_key(cfg)
+        if _POOL is not None and _POOL.key == key:
+            return _POOL
+        close_pool()
+        _POOL = Pool(cfg, key)
+        return _POOL
+
+
+_POOL: Pool | None = None
+
+
+def pool_key(cfg: RunConfig) -> str:
+    """The config the actors were built from: another config gets other actors."""
+    return json.dumps(to_dict(cfg), sort_keys=True, default=str)
+
+
+def close_pool() -> None:
+    """Close the process's pool, if any (idempotent)."""
+    global _POOL
+    pool, _POOL = _POOL, None
+    if pool is not None:
+        pool.close()
+
+
+def current_pool() -> Pool | None:
+    return _POOL
+
+
+atexit.register(close_pool)
+

@@ -70,21 +70,27 @@ def _word_tokenizer(vocab: int, eos: int, pad: int):
                                    padding_side="left")
 
 
-def build_bundle(preset: str, dtype: torch.dtype, device: str, finetune: str = "full") -> LMBundle:
+# Qwen3-1.7B's published shape (the qwen3-math recipe's model), random init.
+QWEN3_17B = dict(QWEN3_06B, hidden_size=2048, intermediate_size=6144)
+SHAPES = {"qwen3-0.6b": QWEN3_06B, "qwen3-1.7b": QWEN3_17B}
+
+
+def build_bundle(preset: str, dtype: torch.dtype, device: str, finetune: str = "full", **config) -> LMBundle:
+    """``config``: further LMConfig fields (e.g. gradient_checkpointing) for the shaped presets."""
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
     if preset == "tiny":
         bundle = build_tiny_lm(seed=0, keep_reference=False, finetune=finetune, dtype=name)
     else:
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        cfg = Qwen3Config(**QWEN3_06B, pad_token_id=151_643, eos_token_id=151_645, bos_token_id=151_643)
+        cfg = Qwen3Config(**SHAPES[preset], pad_token_id=151_643, eos_token_id=151_645, bos_token_id=151_643)
         torch.manual_seed(0)
         with torch.device(device):
             model = Qwen3ForCausalLM(cfg)
         # in its dtype before the bundle sees it: the bundle's compute dtype is the model's dtype
         bundle = LMBundle(model.to(dtype).eval(), _word_tokenizer(cfg.vocab_size, 151_645, 151_643),
                           config=LMConfig(model=preset, keep_reference=False, finetune=finetune,
-                                          dtype=name))
+                                          dtype=name, **config))
     bundle.module.to(device=device, dtype=dtype)
     return bundle
 

@@ -80,12 +80,14 @@ def lm_setup(args, device: str):
     from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine
     from unirl_core.types import ARSamplingParams, PromptRecord
 
-    preset = "tiny" if args.preset == "tiny" else "qwen3-0.6b"
+    preset = "tiny" if args.preset == "tiny" else args.lm_shape
     dtype = torch.float32 if preset == "tiny" and not args.bf16 else torch.bfloat16
-    rollout = build_bundle(preset, dtype, device, finetune=args.finetune)
+    extra = {"gradient_checkpointing": True} if args.grad_ckpt else {}
+    rollout = build_bundle(preset, dtype, device, finetune=args.finetune, **extra)
     mb = args.micro_batch or 8
-    texts = prompts(rollout, 16, 64 if preset != "tiny" else 8)
-    sp = ARSamplingParams(temperature=1.0, max_new_tokens=128 if preset != "tiny" else 16, seed=0)
+    texts = prompts(rollout, 64, args.prompt_len or (64 if preset != "tiny" else 8))
+    sp = ARSamplingParams(temperature=1.0, max_new_tokens=args.new_tokens or (128 if preset != "tiny" else 16),
+                          seed=0)
 
     def sample(bundle, version: int, n: int) -> SampleBatch:
         recs = [PromptRecord(prompt_id=f"p{i}", prompt=t) for i, t in enumerate(texts[:n // 4])]
@@ -131,6 +133,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--height", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
+    ap.add_argument("--lm-shape", choices=("qwen3-0.6b", "qwen3-1.7b"), default="qwen3-0.6b")
+    ap.add_argument("--prompt-len", type=int, default=None, help="lm: prompt tokens (default 64)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="lm: completion tokens (default 128)")
+    ap.add_argument("--grad-ckpt", action="store_true", help="lm: activation checkpointing of the decoder layers")
+    ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches per rank per step")
     args = ap.parse_args()
     info = init_distributed(args.device)
     device = str(info.device)
@@ -143,7 +150,7 @@ def main() -> None:
     cfg = TrainConfig(lr=1e-5 if args.finetune == "full" else 1e-4, micro_batch_size=mb, shard=args.shard,
                       fsdp_wrap_classes=wrap if args.shard != "never" else (), max_grad_norm=1.0)
     backend = TrainBackend(trainer, algo, cfg, dist_info=info)
-    n = 2 * mb * info.world_size
+    n = args.micro_batches * mb * info.world_size
     rows = []
     for step in range(2):
         t0 = time.perf_counter()
@@ -166,10 +173,14 @@ def main() -> None:
     if info.is_main:
         exact = all(r["ratio_min"] == r["ratio_max"] == 1.0 and r["logp_absdiff_max"] == 0.0 for r in rows)
         out = {"family": args.family, "finetune": args.finetune, "shard": args.shard, "world": info.world_size,
+               "lm_shape": args.lm_shape if args.family == "lm" else None, "new_tokens": args.new_tokens,
+               "prompt_len": args.prompt_len, "grad_ckpt": args.grad_ckpt,
                "sharded": backend.sharded, "preset": args.preset, "micro_batch": mb, "samples": n,
                "compute_dtype": str(backend.compute_dtype), "exact": exact, "steps": rows, "env": environment()}
         print("RESULT " + json.dumps(out), flush=True)
         name = f"gpu_exactness_{args.family}_{args.finetune}_{args.shard}_w{info.world_size}_{info.device.type}"
+        if args.family == "lm" and (args.lm_shape != "qwen3-0.6b" or args.new_tokens or args.grad_ckpt):
+            name += f"_{args.lm_shape}_t{args.new_tokens or 128}_mb{mb}" + ("_ckpt" if args.grad_ckpt else "")
         out_dir = Path(os.environ.get("OUT", RESULTS))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"{name}.json").write_text(json.dumps(out, indent=1))

@@ -63,9 +63,9 @@ def worker(args) -> None:
     def replay(grad: bool):
         with bundle.compute(), torch.set_grad_enabled(grad):
             if chunk is None:
-                logp, ent = replay_log_probs_full(bundle.module, layout, with_entropy=grad)
+                logp, _ = replay_log_probs_full(bundle.module, layout, with_entropy=grad)
             else:
-                logp, ent = replay_log_probs(bundle.module, layout, with_entropy=grad, chunk_tokens=chunk)
+                logp, _ = replay_log_probs(bundle.module, layout, with_entropy=grad, chunk_tokens=chunk)
             if grad:
                 logp.sum().backward()
                 bundle.module.zero_grad(set_to_none=True)

@@ -51,7 +51,9 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
         return ckpt
     last = first + min(cfg.loop.steps_per_chunk, budget) - 1
     shards = cfg.loop.rollout_shards
-    train = TRAIN_TASKS[(cluster.train_nnodes, cluster.train_nproc_per_node)]
+    # pool mode: the train task is a thin client of the pool's trainer actor, one process whatever the topology
+    pool = cfg.pool.execution == "pool"
+    train = TRAIN_TASKS[(1, 1) if pool else (cluster.train_nnodes, cluster.train_nproc_per_node)]
     state, prev_report = ckpt, None
     for step in range(first, last + 1):
         joined = rollout_step(cfg=cfg, ckpt=state, step=step, num_shards=shards, shards=list(range(shards)))

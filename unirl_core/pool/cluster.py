@@ -175,10 +175,10 @@ class Pool:
 
         role = self.roles[name]
         res = role.resources
-        opts = dict(name=f"{self.prefix}-{name}", namespace=NAMESPACE, get_if_exists=True, max_restarts=0,
-                    num_cpus=res.num_cpus, num_gpus=res.num_gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self.pg, placement_group_bundle_index=self.bundle_of[name]))
+        opts = {"name": f"{self.prefix}-{name}", "namespace": NAMESPACE, "get_if_exists": True, "max_restarts": 0,
+                "num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=self.bundle_of[name])}
         if self.detached:
             opts["lifetime"] = "detached"
         handle = ray.remote(role.cls).options(**opts).remote(self.cfg, name, max(1, int(res.num_cpus)))

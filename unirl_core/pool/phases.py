@@ -85,7 +85,7 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
                  if tuple(pool.call(engine_name(i), "served_version", what="publish") or ()) != want]
         weights = pool.call(TRAINER, "weights", ckpt, what=f"publish v{ckpt.policy_version}") if stale else []
         if weights:
-            pending = [(name, getattr(pool.actor(name), "load_weights").remote(weights[0], ckpt)) for name in stale]
+            pending = [(name, pool.actor(name).load_weights.remote(weights[0], ckpt)) for name in stale]
             for name, r in pending:
                 pool.wait(name, r, what=f"publish v{ckpt.policy_version}")
                 pushed += 1

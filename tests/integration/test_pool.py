@@ -1,0 +1,175 @@
+"""``execution: pool`` on a real local Ray cluster (2 CPUs, one per module): same numbers as pods, recovery
+from a killed actor, and pool settings that cannot work failing at setup with the field and the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+import safetensors.torch
+import torch
+
+from tests.flyte.conftest import SMALL, tiny_overrides
+from unirl_core.checkpoint import CheckpointStore
+from unirl_core.config import load_recipe
+from unirl_core.errors import ConfigError, PoolActorDied
+from unirl_core.loop import phases
+from unirl_core.loop.local import run_local
+
+ray = pytest.importorskip("ray")
+from unirl_core.pool import cluster
+
+pytestmark = pytest.mark.integration
+POOL = ["pool.execution=pool"]
+TEST_LIMIT_S = 120
+
+
+@pytest.fixture(autouse=True)
+def time_limit():
+    """Each test is bounded: a hung actor call fails the test instead of the CI run."""
+    def expire(signum, frame):
+        raise TimeoutError(f"test ran past {TEST_LIMIT_S} s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(TEST_LIMIT_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    """One local Ray head for the module; the pools attach to it (``pool.address`` unset, Ray initialised)."""
+    t0 = time.perf_counter()
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    print(f"ray head started in {time.perf_counter() - t0:.1f} s")
+    yield
+    cluster.close_pool()
+    ray.shutdown()
+
+
+def _cfg(recipe: str, root, steps: int, *extra: str):
+    return load_recipe(recipe, [*SMALL[recipe], f"loop.total_steps={steps}", f"checkpoint.root={root}", *extra])
+
+
+def _weights(root, run: str, step: int) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(f"{root}/{run}/step-{step:08d}/model.safetensors")
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _pid(name: str) -> int:
+    pool = cluster.current_pool()
+    return pool.call(name, "pid", what="test")
+
+
+@pytest.mark.parametrize("recipe", ["tiny-grpo", "tiny-flow-grpo"])
+def test_pool_equals_pods_bitwise(tmp_path, recipe):
+    steps = 3
+    t0 = time.perf_counter()
+    pods = run_local(_cfg(recipe, tmp_path / "pods", steps))
+    t1 = time.perf_counter()
+    emitted = []
+    pool = run_local(_cfg(recipe, tmp_path / "pool", steps, *POOL), on_step=lambda m, b: emitted.append(b))
+    t2 = time.perf_counter()
+    print(f"{recipe}: pods {t1 - t0:.1f} s, pool {t2 - t1:.1f} s (incl. actor start)")
+    assert [h["reward/mean"] for h in pool] == [h["reward/mean"] for h in pods]
+    for h in pool:
+        assert h["train/ratio_mean"] == 1.0 and h["train/logp_absdiff_max"] == 0.0
+    for k in range(1, steps + 1):
+        assert _same_weights(_weights(tmp_path / "pool", recipe, k), _weights(tmp_path / "pods", recipe, k))
+    # the trainer restored once (at start), then stayed resident; the engine loaded from the store once
+    assert [h["pool/trainer_restored"] for h in pool] == [1.0, 0.0, 0.0]
+    assert [h["pool/weights_from_store"] for h in pool] == [1.0, 0.0, 0.0]
+    cfg = _cfg(recipe, tmp_path / "pool", steps, *POOL)
+    again = phases.publish_phase(cfg, CheckpointStore(str(tmp_path / "pool"), cfg.name).latest())
+    assert again["step"] == steps and again["pool/engines_pushed"] == 0.0  # the engine serves it: not pushed twice
+    part = emitted[0].generated[0]
+    assert part.conditions == {}
+    if recipe == "tiny-flow-grpo":
+        assert part.segment.latents.numel() == 0 and part.media
+
+
+def test_killed_actors_raise_typed_errors_and_the_retry_is_bitexact(tmp_path):
+    recipe, steps = "tiny-grpo", 4
+    cfg = _cfg(recipe, tmp_path / "pool", steps, *POOL)
+    store = CheckpointStore(str(tmp_path / "pool"), cfg.name)
+
+    def kill_engine_after_1(metrics, batch):
+        if metrics["step"] == 1.0:
+            os.kill(_pid("engine-0"), signal.SIGKILL)
+
+    with pytest.raises(PoolActorDied, match="'engine-0'.*rollout step 2"):
+        run_local(cfg, on_step=kill_engine_after_1)
+    assert store.latest().step == 1 and [r.step for r in store.versions()] == [0, 1]
+
+    def kill_trainer_after_2(metrics, batch):
+        if metrics["step"] == 2.0:
+            os.kill(_pid("trainer"), signal.SIGKILL)
+
+    with pytest.raises(PoolActorDied, match="'trainer'.*train step 3"):
+        run_local(cfg, on_step=kill_trainer_after_2)  # the retry: a new engine resumes from LATEST (step 1)
+    latest = store.latest()
+    assert latest.step == 2 and (tmp_path / "pool" / cfg.name / "step-00000002" / "manifest.json").exists()
+    assert json.loads((tmp_path / "pool" / cfg.name / "LATEST").read_text())["step"] == 2
+
+    rest = run_local(cfg)  # a new trainer restores step 2 from the store
+    assert [h["step"] for h in rest] == [3.0, 4.0]
+    assert rest[0]["pool/trainer_restored"] == 1.0 and rest[1]["pool/trainer_restored"] == 0.0
+    ref = run_local(_cfg(recipe, tmp_path / "pods", steps))
+    assert [h["reward/mean"] for h in rest] == [h["reward/mean"] for h in ref[2:]]
+    assert _same_weights(_weights(tmp_path / "pool", recipe, 4), _weights(tmp_path / "pods", recipe, 4))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("extra, field", [
+    ([f"pool.address=127.0.0.1:{_free_port()}", "pool.connect_timeout_s=2"], "pool.address"),
+    (["pool.trainer.num_cpus=8"], "pool.trainer.num_cpus"),
+    (["pool.engine.num_gpus=1"], "pool.engine.num_gpus"),
+])
+def test_bad_pool_config_fails_at_setup(tmp_path, extra, field):
+    cfg = _cfg("tiny-grpo", tmp_path, 1, *POOL, *extra)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=rf"{field}=.*expected .*; "):
+        cluster.Pool.get(cfg)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_busy_cluster_times_out_with_the_resources_asked(tmp_path):
+    from ray.util import placement_group, remove_placement_group
+
+    cluster.close_pool()
+    hog = placement_group([{"CPU": 2}])
+    ray.get(hog.ready(), timeout=30)
+    try:
+        cfg = _cfg("tiny-grpo", tmp_path, 1, *POOL, "pool.placement_timeout_s=1")
+        with pytest.raises(ConfigError, match=r"pool.placement_timeout_s=1.*free now"):
+            cluster.Pool.get(cfg)
+    finally:
+        remove_placement_group(hog)
+
+
+def test_flyte_workflow_in_pool_mode(tmp_path):
+    from workflows.grpo import grpo
+
+    recipe, name = "tiny-flow-grpo", "t-pool-wf"
+    out = grpo(recipe=recipe, overrides=[*tiny_overrides(recipe, str(tmp_path / "pool"), name), *POOL,
+                                         "loop.rollout_shards=2"])
+    assert out.step == 2
+    ref = run_local(load_recipe(recipe, [*tiny_overrides(recipe, str(tmp_path / "pods"), name),
+                                         "loop.rollout_shards=2"]))
+    assert len(ref) == 2
+    assert _same_weights(_weights(tmp_path / "pool", name, 2), _weights(tmp_path / "pods", name, 2))
+    metrics = json.loads((tmp_path / "pool" / name / "report" / "step-00000002" / "metrics.json").read_text())
+    assert metrics["metrics"]["reward/mean"] == ref[1]["reward/mean"]

@@ -121,7 +121,7 @@ class TrainBackend:
         named = trainable_parameters(module)
         if cfg.shard == "always" or (cfg.shard == "auto" and self.world_size > 1):
             mp = None if self.compute_dtype == torch.float32 else self.compute_dtype
-            D.apply_fsdp(module, cfg.fsdp_wrap_classes, mp)
+            D.apply_fsdp(module, cfg.fsdp_wrap_classes, mp, device=self.dist.device)
             named = trainable_parameters(module)  # fully_shard swapped the parameters for DTensor shards
         self.sharded = D.is_sharded(module)
         self.param_names = [n for n, _ in named]

@@ -87,7 +87,8 @@ def current_world() -> tuple[int, int]:
     return 0, 1
 
 
-def apply_fsdp(module: nn.Module, wrap_classes: tuple[str, ...], mp_dtype: torch.dtype | None) -> nn.Module:
+def apply_fsdp(module: nn.Module, wrap_classes: tuple[str, ...], mp_dtype: torch.dtype | None,
+               device: torch.device | None = None) -> nn.Module:
     """Shard ``module`` in place with FSDP2: each sub-module whose class name is listed, then the root.
 
     Inner units first so the root only owns the leftovers (embeddings, heads). Gradients are reduced in
@@ -95,21 +96,30 @@ def apply_fsdp(module: nn.Module, wrap_classes: tuple[str, ...], mp_dtype: torch
     (which also lets bf16 frozen weights and fp32 LoRA masters share one unit) and the module runs natively
     in it: the policy's compute context (``unirl_core.models.precision``). Forward inputs are NOT cast
     (``cast_forward_inputs=False``): a float timestep must reach the model as the rollout passed it.
+
+    ``device``: where the module lives (default: its first parameter's device). The device mesh is built on
+    that device type explicitly: FSDP2's default mesh follows CUDA's availability, so a CPU (gloo) job on a
+    host with fewer GPUs than ranks would otherwise try ``cuda:<local rank>``.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if device is None:
+        first = next(module.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     wanted = set(wrap_classes)
     found = 0
     for sub in module.modules():
         if sub is not module and type(sub).__name__ in wanted:
-            fully_shard(sub, mp_policy=mp)
+            fully_shard(sub, mesh=mesh, mp_policy=mp)
             found += 1
     if wanted and not found:
         raise field_error(ConfigError, "train.fsdp_wrap_classes", sorted(wanted),
                           f"class names present in {type(module).__name__}",
                           "list the transformer-block class, e.g. 'Qwen3DecoderLayer'")
-    fully_shard(module, mp_policy=mp)
+    fully_shard(module, mesh=mesh, mp_policy=mp)
     return module
 
 

@@ -1,0 +1,54 @@
+"""PoolConfig in the RunConfig: defaults, validation, resume rule, and no Ray import unless the pool is used."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unirl_core.config import load_recipe
+from unirl_core.errors import ConfigError
+from unirl_core.loop.resume import rule_for
+from unirl_core.pool import ActorResources, PoolConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_pods_is_the_default():
+    cfg = load_recipe("tiny-grpo")
+    assert cfg.pool == PoolConfig() and cfg.pool.execution == "pods" and cfg.pool.address is None
+
+
+@pytest.mark.parametrize("override, field", [
+    ("pool.execution=ray", "pool.execution"),
+    ("pool.placement=spread", "pool.placement"),
+    ("pool.num_engines=0", "pool.num_engines"),
+    ("pool.trainer.num_cpus=-1", "pool.trainer.num_cpus"),
+    ("pool.placement_timeout_s=0", "pool.placement_timeout_s"),
+])
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=field):
+        load_recipe("tiny-grpo", [override])
+
+
+def test_pool_refuses_a_dedicated_engine():
+    with pytest.raises(ConfigError, match="pool.execution=.*lm.deployment.engine='vllm'"):
+        load_recipe("tiny-grpo-vllm", ["pool.execution=pool"])
+
+
+def test_switching_execution_mode_is_a_safe_resume_change():
+    assert rule_for("pool.execution") == "apply" and rule_for("pool.trainer.num_gpus") == "apply"
+
+
+def test_roles_have_their_own_resources():
+    cfg = PoolConfig(trainer=ActorResources(num_cpus=2, num_gpus=1))
+    assert cfg.engine.num_cpus == 1.0 and cfg.reward.num_cpus == 0.0 and cfg.trainer.num_gpus == 1
+
+
+def test_the_library_does_not_import_ray_in_pods_mode():
+    code = ("import sys; import unirl_core.loop.local, unirl_core.pool, unirl_core.config; "
+            "sys.exit(1 if 'ray' in sys.modules else 0)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr

@@ -127,6 +127,24 @@ def test_killed_actors_raise_typed_errors_and_the_retry_is_bitexact(tmp_path):
     assert _same_weights(_weights(tmp_path / "pool", recipe, 4), _weights(tmp_path / "pods", recipe, 4))
 
 
+def test_batch_lost_between_rollout_and_train_is_resampled_and_checked(tmp_path):
+    """An engine that dies after the rollout (or a rollout task served from Flyte's cache) leaves the pool
+    without the step's full batch: train re-samples it with the same seed and trains bit-exact."""
+    recipe = "tiny-flow-grpo"
+    cfg = _cfg(recipe, tmp_path / "pool", 1, *POOL)
+    ckpt = phases.init_run(cfg)
+    batch, _ = phases.rollout_phase(cfg, ckpt, step=1)
+    os.kill(_pid("engine-0"), signal.SIGKILL)
+    batch, _ = phases.reward_phase(cfg, batch)
+    batch, _ = phases.advantage_phase(cfg, batch, ckpt)
+    with pytest.raises(PoolActorDied, match="'engine-0'.*train step 1: fetching shard 0"):
+        phases.train_phase(cfg, batch, ckpt, step=1)
+    new, metrics = phases.train_phase(cfg, batch, ckpt, step=1)  # the retry
+    assert metrics["pool/resampled_shards"] == 1.0 and metrics["train/ratio_mean"] == 1.0
+    run_local(_cfg(recipe, tmp_path / "pods", 1))
+    assert _same_weights(_weights(tmp_path / "pool", recipe, 1), _weights(tmp_path / "pods", recipe, 1))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

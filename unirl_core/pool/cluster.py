@@ -74,6 +74,12 @@ def _connect(pcfg: PoolConfig) -> bool:
         probe_address(pcfg.address, pcfg.connect_timeout_s)
         if not ray.is_initialized():
             ray.init(address=pcfg.address, log_to_driver=False)
+            return False
+        connected = ray.get_runtime_context().gcs_address
+        if pcfg.address.removeprefix("ray://") != connected:
+            raise field_error(ConfigError, "pool.address", pcfg.address, f"the cluster this process is connected to "
+                              f"({connected})", "leave pool.address unset to use it, or run the pool from a "
+                              "process that is not connected to another Ray cluster")
         return False
     if ray.is_initialized():
         return False
@@ -239,7 +245,11 @@ class Pool:
     def get(cfg: RunConfig) -> Pool:
         """The process's pool for ``cfg`` (another config closes the previous pool first)."""
         global _POOL
+        import ray
+
         key = pool_key(cfg)
+        if _POOL is not None and not ray.is_initialized():
+            _POOL = None  # Ray was shut down under it: its actors are gone
         if _POOL is not None and _POOL.key == key:
             return _POOL
         close_pool()

@@ -178,13 +178,18 @@ def test_busy_cluster_times_out_with_the_resources_asked(tmp_path):
         remove_placement_group(hog)
 
 
-def test_flyte_workflow_in_pool_mode(tmp_path):
+def test_flyte_workflow_in_pool_mode_two_engines_separate(tmp_path):
     from workflows.grpo import grpo
 
     recipe, name = "tiny-flow-grpo", "t-pool-wf"
-    out = grpo(recipe=recipe, overrides=[*tiny_overrides(recipe, str(tmp_path / "pool"), name), *POOL,
+    # two engines (one per shard) in their own bundles next to the trainer's
+    separate = ["pool.placement=separate", "pool.num_engines=2", "pool.engine.num_cpus=0.5"]
+    out = grpo(recipe=recipe, overrides=[*tiny_overrides(recipe, str(tmp_path / "pool"), name), *POOL, *separate,
                                          "loop.rollout_shards=2"])
     assert out.step == 2
+    pool = cluster.current_pool()
+    assert pool.live == ["engine-0", "engine-1", "reward-0", "trainer"]
+    assert pool.bundle_of == {"engine-0": 0, "engine-1": 1, "trainer": 2, "reward-0": -1}
     ref = run_local(load_recipe(recipe, [*tiny_overrides(recipe, str(tmp_path / "pods"), name),
                                          "loop.rollout_shards=2"]))
     assert len(ref) == 2

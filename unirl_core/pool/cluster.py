@@ -191,6 +191,11 @@ class Pool:
         self._handles[name] = handle
         return handle
 
+    @property
+    def live(self) -> list[str]:
+        """Names of the actors this process holds handles of (created, not known dead)."""
+        return sorted(self._handles)
+
     def call(self, name: str, method: str, *args, what: str):
         """``actor(name).method(*args)``, waited for at most ``pool.call_timeout_s``. A dead actor raises
         PoolActorDied naming it (and is re-created by the next call); a hung one is killed first."""

@@ -16,7 +16,7 @@ import torch
 from tests.flyte.conftest import SMALL, tiny_overrides
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
-from unirl_core.errors import ConfigError, PoolActorDied
+from unirl_core.errors import ConfigError, PoolActorDied, TransientError
 from unirl_core.loop import phases
 from unirl_core.loop.local import run_local
 
@@ -143,6 +143,15 @@ def test_batch_lost_between_rollout_and_train_is_resampled_and_checked(tmp_path)
     assert metrics["pool/resampled_shards"] == 1.0 and metrics["train/ratio_mean"] == 1.0
     run_local(_cfg(recipe, tmp_path / "pods", 1))
     assert _same_weights(_weights(tmp_path / "pool", recipe, 1), _weights(tmp_path / "pods", recipe, 1))
+
+
+def test_a_call_past_its_timeout_kills_the_actor_with_a_transient_error(tmp_path):
+    cfg = _cfg("tiny-grpo", tmp_path, 1, *POOL, "pool.call_timeout_s=0.05")
+    ckpt = phases.init_run(cfg)
+    with pytest.raises(TransientError, match="'engine-0'.*rollout step 1.*pool.call_timeout_s=0.05"):
+        phases.rollout_phase(cfg, ckpt, step=1)
+    assert "engine-0" not in cluster.current_pool().live
+    assert issubclass(PoolActorDied, TransientError)  # Flyte retries both (tasks.common.is_transient)
 
 
 def _free_port() -> int:

@@ -1,0 +1,770 @@
+"""What one loop step costs when every phase runs in a fresh process (as Flyte pods do), next to the warm
+in-process loop (``run_local``), by component.
+
+Pods mode: step k (k = 2, from version 1, so the optimizer state restored is a real one) runs as five fresh
+``python benchmarks/bench_step_cost.py --worker <phase> --state DIR`` processes in order, one per phase
+(rollout, reward, advantage, train, publish). Each process times:
+
+  start     interpreter start: the parent's spawn -> the first line of this file (measured by the parent)
+  flytekit  ``import flytekit`` (a pod imports it to run a task; only where it is installed, not on the GPU box)
+  import    torch, unirl_core (loop, io, config) and the family's model library (diffusers / transformers)
+  build     load_recipe + what the phase builds before it runs: the rollout bundle (and data set), the reward
+            service, the train backend (model copy, fp32 masters, optimizer); GPU presets: model weights from a
+            local safetensors file, plus stand-in loads (below)
+  restore   checkpoint reads inside the phase: rollout ``load_policy_weights``, train
+            ``restore_train_checkpoint`` (weights + optimizer state), advantage / publish ``load_checkpoint``
+  read      the input SampleBatch from the Arrow IPC file the previous phase wrote (``unirl_core.io.read_batch``)
+  compute   the phase function (``unirl_core.loop.phases.*``) minus the restore / checkpoint write inside it
+  write     outputs: Arrow IPC file + its sha256 (what the Flyte SampleBatch type does), or the checkpoint
+            version (train, ``save_train_checkpoint`` inside ``train_phase``)
+  exit      from the JSON report to process exit (interpreter / CUDA teardown; measured by the parent)
+
+Warm mode: one long-lived process (``--worker warm``) builds everything, runs step k once as a warm-up, then
+runs step k again ``--warm-repeats`` times calling the same phase functions in-process with the batch handed
+over in memory (what ``run_local`` does); components are timed by the same wrappers. Rounds alternate warm and
+pods; medians over rounds. Both modes start every round from the same version 1 and rewrite version 2
+(``train_phase`` overwrites an unpublished/leftover version), so both do identical work: the per-step metrics
+of the two modes are compared as a check (``same_result``).
+
+Bytes written to the artifact store per step: pods = the three Arrow files (rollout, reward, advantage) + the
+checkpoint version; warm = the checkpoint version.
+
+Presets:
+  tiny-grpo, tiny-flow-grpo   the shipped recipes on CPU (default: both), checkpoint root in a temp dir.
+  sd35m-lora, sd35m-full      Flow-GRPO, SD3.5-Medium-shaped transformer (random init, bf16, 512 px, 10 steps,
+                              CFG 4.5, 2 prompts x 16 samples, micro-batch 8, gradient checkpointing; LoRA
+                              r32 + EMA + tracker + KL 0.01 like sd35m-pickscore, or full fine-tune with the
+                              tracker but without EMA / KL reference).
+  qwen3-0.6b                  GRPO, Qwen3-0.6B-shaped LM (random init, bf16, full fine-tune, full-scope
+                              checkpoints), 8 prompts x 8 samples x 256 new tokens, forward and micro-batch 16 (as qwen3-math).
+
+GPU presets cannot use ``from_pretrained`` (no hub access): every process (setup, warm, pods) replaces
+``unirl_core.loop.build.fresh_bundle`` with a builder that constructs the model of the real shape on the device
+(random init, fixed seed; sub-component ``construct``) and then loads the same weights from a local safetensors
+file written once by the setup process (``load``), which stands in for from_pretrained's load. SD3.5-M bundles
+have no text encoders or VAE: prompts encode to seeded random embeddings of the real shapes (77 + 256 tokens x
+4096, pooled 2048) and images decode to a cheap latent->RGB 512 px PNG; the load those components would cost
+is measured by loading a safetensors file of their real size (T5-XXL + CLIP-L + CLIP-G + VAE, 11.3 GB) in the
+rollout process, and a PickScore-sized file (CLIP-H, 2.0 GB) in the reward process (the reward computed is
+jpeg_compressibility). With ``--cold-cache`` (default) the model / stand-in / checkpoint / Arrow files are
+evicted from the page cache (fsync + posix_fadvise DONTNEED, best effort) before every pods process, so their
+reads come from disk rather than memory; a real pod reads them from object storage or a network volume.
+
+  OMP_NUM_THREADS=1 python benchmarks/bench_step_cost.py                          # CPU: tiny-grpo, tiny-flow-grpo
+  python benchmarks/bench_step_cost.py --preset sd35m-lora --device cuda          # one H200
+  python benchmarks/bench_step_cost.py --preset qwen3-0.6b --device cuda          # one H200
+  python benchmarks/bench_step_cost.py --preset sd35m-full --device cuda          # ~100 GB free disk (nvidia-h200-x2)
+  OMP_NUM_THREADS=1 python benchmarks/bench_step_cost.py --preset sd35m-lora --smoke   # CPU smoke, not a result
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0_WALL = time.time()  # the first thing a worker process does: the parent's spawn -> here is interpreter start
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PHASES = ("rollout", "reward", "advantage", "train", "publish")
+COMPONENTS = ("start", "flytekit", "import", "build", "restore", "read", "compute", "write", "exit")
+MARK = "@@STEPCOST "
+RUN = "stepcost"
+STEP = 2  # the measured step: trains from version 1 (a real optimizer state), writes version 2
+
+# Sizes of the SD3.5-Medium components a rollout pod loads besides the transformer (the hub repo's fp16/bf16
+# safetensors: T5-XXL encoder 9.52 GB, CLIP-G 1.39 GB, CLIP-L 0.25 GB, VAE 0.17 GB), and of PickScore's
+# CLIP-ViT-H-14 (0.99 B params in bf16) for the reward pod.
+SD35M_ENCODERS_BYTES = int(11.33e9)
+PICKSCORE_BYTES = int(1.97e9)
+
+PRESETS: dict[str, dict] = {
+    "tiny-grpo": {"recipe": "tiny-grpo", "device": "cpu", "rounds": 5, "warm_repeats": 3, "overrides": []},
+    "tiny-flow-grpo": {"recipe": "tiny-flow-grpo", "device": "cpu", "rounds": 5, "warm_repeats": 3, "overrides": []},
+    "sd35m-lora": {
+        "recipe": "tiny-flow-grpo", "device": "cuda", "rounds": 1, "warm_repeats": 1, "shaped": "sd35m",
+        "standins": {"rollout": SD35M_ENCODERS_BYTES, "reward": PICKSCORE_BYTES},
+        "overrides": ["diffusion.model.source=sd35m-shaped", "diffusion.model.dtype=bfloat16",
+                   "diffusion.model.finetune=lora", "diffusion.model.lora={rank: 32, alpha: 64.0}",
+                   "diffusion.model.gradient_checkpointing=true", "diffusion.sampling.noise_level=0.7",
+                   "diffusion.sampling.guidance_scale=4.5", "diffusion.sampling.height=512",
+                   "diffusion.sampling.width=512", "diffusion.engine.forward_batch_size=8",
+                   "diffusion.algorithm.clip_range=1.0e-4", "diffusion.algorithm.kl_beta=0.01",
+                   "diffusion.algorithm.timestep_fraction=0.99", "data.prompts_per_step=2",
+                   "data.samples_per_prompt=16", "advantage.std_scope=global",
+                   "tracker={buffer_size: 32, min_count: 16}", "train.lr=3.0e-4", "train.weight_decay=1.0e-4",
+                   "train.micro_batch_size=8", "train.ema_decay=0.99"]},
+    "sd35m-full": {
+        "recipe": "tiny-flow-grpo", "device": "cuda", "rounds": 1, "warm_repeats": 1, "shaped": "sd35m",
+        "standins": {"rollout": SD35M_ENCODERS_BYTES, "reward": PICKSCORE_BYTES},
+        "overrides": ["diffusion.model.source=sd35m-shaped", "diffusion.model.dtype=bfloat16",
+                   "diffusion.model.finetune=full", "diffusion.model.reference_copy=false",
+                   "diffusion.model.gradient_checkpointing=true", "diffusion.sampling.noise_level=0.7",
+                   "diffusion.sampling.guidance_scale=4.5", "diffusion.sampling.height=512",
+                   "diffusion.sampling.width=512", "diffusion.engine.forward_batch_size=8",
+                   "diffusion.algorithm.clip_range=1.0e-4", "diffusion.algorithm.kl_beta=0.0",
+                   "diffusion.algorithm.timestep_fraction=0.99", "data.prompts_per_step=2",
+                   "data.samples_per_prompt=16", "advantage.std_scope=global",
+                   "tracker={buffer_size: 32, min_count: 16}", "train.lr=1.0e-5", "train.weight_decay=1.0e-4",
+                   "train.micro_batch_size=8"]},
+    "qwen3-0.6b": {
+        "recipe": "tiny-grpo", "device": "cuda", "rounds": 1, "warm_repeats": 1, "shaped": "qwen3-0.6b",
+        "standins": {}, "overrides": ["lm.model.model=qwen3-0.6b-shaped", "lm.model.dtype=bfloat16", "lm.model.finetune=full",
+                   "lm.model.keep_reference=false", "lm.sampling.max_new_tokens=256",
+                   "lm.engine.forward_batch_size=16", "lm.engine.apply_chat_template=false",
+                   "data.prompts_per_step=8", "data.samples_per_prompt=8", "train.lr=1.0e-6",
+                   "train.micro_batch_size=16", "train.weights_scope=full"]},
+}
+
+
+# =============================================================================================== worker side
+
+class Clock:
+    """Accumulates seconds per component; ``wrap`` times a library function wherever the phases call it."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.t: dict[str, float] = {}
+
+    def sync(self) -> None:
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+
+    def add(self, name: str, seconds: float) -> None:
+        self.t[name] = self.t.get(name, 0.0) + seconds
+
+    def timed(self, name: str, fn, *a, **kw):
+        self.sync()
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            self.sync()
+            self.add(name, time.perf_counter() - t0)
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        orig = getattr(owner, attr)
+
+        def wrapped(*a, **kw):
+            return self.timed(name, orig, *a, **kw)
+
+        setattr(owner, attr, wrapped)
+
+
+def _instrument(clock: Clock) -> None:
+    """Time the checkpoint reads and writes the phase functions do, as ``restore`` / ``write``."""
+    from unirl_core.loop import build, phases
+
+    clock.wrap(build, "load_policy_weights", "restore")          # rollout: the version's weights
+    clock.wrap(phases, "restore_train_checkpoint", "restore")    # train: weights + optimizer state
+    clock.wrap(phases, "load_checkpoint", "restore")             # advantage (tracker) / publish (manifest)
+    clock.wrap(phases, "save_train_checkpoint", "write")         # train: the new version
+
+
+def _spec(state: Path) -> dict:
+    return json.loads((state / "spec.json").read_text())
+
+
+def _config(spec: dict):
+    from unirl_core.config import load_recipe
+
+    return load_recipe(spec["recipe"], spec["overrides"])
+
+
+def _ref(path: Path):
+    from unirl_core.checkpoint import CheckpointRef
+
+    return CheckpointRef(**json.loads(path.read_text()))
+
+
+def _save_ref(ref, path: Path) -> None:
+    import dataclasses
+
+    path.write_text(json.dumps(dataclasses.asdict(ref)))
+
+
+# ---- GPU presets: shaped random-init models loaded from a local safetensors file
+
+def _construct(spec: dict):
+    """The model of the preset's shape on the device, random init with a fixed seed."""
+    import torch
+
+    device, layers = spec["device"], spec.get("layers")
+    torch.manual_seed(0)
+    if spec["shaped"] == "sd35m":
+        from bench_diffusion_rollout import SD35M
+        from diffusers import SD3Transformer2DModel
+
+        shape = dict(SD35M)
+        if layers:
+            shape.update(num_layers=layers, dual_attention_layers=tuple(range(min(13, layers))))
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # as bench_diffusion_rollout.build: init straight in bf16
+        try:
+            with torch.device(device):
+                return SD3Transformer2DModel(**shape)
+        finally:
+            torch.set_default_dtype(prev)
+    from bench_ar_rollout import QWEN3_06B
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(QWEN3_06B)
+    if layers:
+        shape.update(num_hidden_layers=layers)
+    cfg = Qwen3Config(**shape, pad_token_id=151_643, eos_token_id=151_645, bos_token_id=151_643)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg)
+    return model.to(torch.bfloat16).eval()
+
+
+def _fake_encode(bundle, prompts):
+    """Seeded random conditions of SD3.5's shapes (CLIP 77 + T5 256 tokens x 4096, pooled 2048) per prompt."""
+    import zlib
+
+    import torch
+
+    out = []
+    for p in prompts:
+        g = torch.Generator().manual_seed(zlib.crc32(p.encode()))
+        out.append({"prompt_embeds": torch.randn(333, 4096, generator=g).to(bundle.device, bundle.dtype),
+                    "pooled_prompt_embeds": torch.randn(2048, generator=g).to(bundle.device, bundle.dtype)})
+    return out
+
+
+def _fake_decode_png(bundle, latents):
+    """A 512 px PNG per latent (3 latent channels upsampled x8) in place of the VAE decode."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    img = torch.nn.functional.interpolate(latents[:, :3].float(), scale_factor=bundle.vae_scale_factor)
+    arr = ((img.clamp(-2, 2) / 4 + 0.5) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    out = []
+    for a in arr:
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def _patch_shaped(spec: dict, state: Path, clock: Clock) -> None:
+    """Replace ``build.fresh_bundle`` by construct + safetensors load of the preset's weights."""
+    import types
+
+    from safetensors.torch import load_model
+
+    from unirl_core.loop import build
+
+    weights = state / "model-init.safetensors"
+
+    def fresh_bundle(cfg):
+        module = clock.timed("build.construct", _construct, spec)
+        clock.timed("build.load", load_model, module, str(weights), device=spec["device"])
+        if spec["shaped"] == "sd35m":
+            from unirl_core.models.diffusion import DiffusionBundle
+
+            bundle = DiffusionBundle.from_transformer(module, family="sd3", config=cfg.diffusion.model)
+            bundle.encode_text = types.MethodType(_fake_encode, bundle)
+            bundle.decode_png = types.MethodType(_fake_decode_png, bundle)
+            return bundle
+        from bench_ar_rollout import _word_tokenizer
+
+        from unirl_core.models.lm import LMBundle
+
+        tok = clock.timed("build.tokenizer", _word_tokenizer, module.config.vocab_size, 151_645, 151_643)
+        module.generation_config.eos_token_id = 151_645
+        module.generation_config.pad_token_id = 151_643
+        return LMBundle(module, tok, config=cfg.lm.model)
+
+    build.fresh_bundle = fresh_bundle
+
+
+_STANDIN_TENSORS: list = []  # stand-in components stay resident, as a pipeline's encoders would
+
+
+def _load_standin(spec: dict, state: Path, phase: str, clock: Clock) -> None:
+    path = state / f"standin-{phase}.safetensors"
+    if phase in spec.get("standins", {}) and path.exists():
+        from safetensors.torch import load_file
+
+        _STANDIN_TENSORS.append(clock.timed(f"build.standin_{phase}", load_file, str(path), device=spec["device"]))
+
+
+def _write_standin(path: Path, nbytes: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    chunk = 1 << 30
+    tensors, left, i = {}, nbytes, 0
+    while left > 0:
+        n = min(chunk, left)
+        tensors[f"blob_{i:03d}"] = torch.zeros(n, dtype=torch.uint8)
+        left, i = left - n, i + 1
+    save_file(tensors, str(path))
+
+
+# ---- the workers
+
+def _imports(spec: dict, clock: Clock) -> None:
+    try:
+        clock.timed("flytekit", __import__, "flytekit")
+    except ImportError:
+        pass
+    t0 = time.perf_counter()
+    import torch
+
+    import unirl_core.config
+    import unirl_core.io
+    import unirl_core.loop.build
+    import unirl_core.loop.phases  # noqa: F401
+
+    __import__("diffusers" if spec["family"] == "diffusion" else "transformers")
+    clock.add("import", time.perf_counter() - t0)
+    if spec["device"] == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def _setup_worker(state: Path) -> dict:
+    """Step-0 version, step 1 in-process (version 1 with a real optimizer state), version 0 dropped."""
+    import logging
+
+    t0 = time.perf_counter()
+    spec = _spec(state)
+    clock = Clock(spec["device"])
+    _imports(spec, clock)
+    logging.getLogger("unirl.progress").disabled = True
+    if spec.get("shaped"):
+        from safetensors.torch import save_model
+
+        module = _construct(spec)
+        save_model(module, str(state / "model-init.safetensors"))
+        del module
+        for phase, nbytes in spec.get("standins", {}).items():
+            _write_standin(state / f"standin-{phase}.safetensors", int(nbytes * spec.get("standin_scale", 1.0)))
+        _patch_shaped(spec, state, clock)
+    from unirl_core.checkpoint import CheckpointStore
+    from unirl_core.loop import phases
+
+    cfg = _config(spec)
+    v0 = phases.init_run(cfg, resume_from="never")
+    metrics, v1 = _inprocess_step(cfg, v0, 1, Clock(spec["device"]), None)
+    _save_ref(v1, state / "v1.json")
+    CheckpointStore(cfg.checkpoint.root, cfg.name, keep_last=1).apply_retention()  # drop version 0 (disk)
+    return {"setup_s": time.perf_counter() - t0, "step1_metrics": metrics}
+
+
+def _inprocess_step(cfg, ckpt, step: int, clock: Clock, per_phase: dict | None):
+    """One step as ``run_local`` runs it: the phase functions chained in this process, batch in memory."""
+    from unirl_core.loop import build, phases
+    from unirl_core.loop.metrics import merge_shard_metrics
+    from unirl_core.types import SampleBatch
+
+    out: dict[str, dict[str, float]] = {}
+
+    def run(name, fn, *a, **kw):
+        clock.t = {}
+        clock.sync()
+        t0 = time.perf_counter()
+        if name == "train":
+            clock.timed("build", build.trainer, cfg)  # cached after the first step
+        result = fn(*a, **kw)
+        clock.sync()
+        total = time.perf_counter() - t0
+        t = dict(clock.t)
+        t["compute"] = total - sum(v for k, v in t.items() if "." not in k)
+        t["total"] = total
+        out[name] = t
+        return result
+
+    metrics: dict[str, float] = {}
+    b, m = run("rollout", phases.rollout_phase, cfg, ckpt, step=step, shard=0, num_shards=1)
+    metrics.update(merge_shard_metrics([m]))
+    batch = SampleBatch.concat([b])
+    batch, m = run("reward", phases.reward_phase, cfg, batch)
+    metrics.update(m)
+    batch, m = run("advantage", phases.advantage_phase, cfg, batch, ckpt)
+    metrics.update(m)
+    new, m = run("train", phases.train_phase, cfg, batch, ckpt, step=step)
+    metrics.update(m)
+    run("publish", phases.publish_phase, cfg, new)
+    if per_phase is not None:
+        per_phase.update(out)
+    return metrics, new
+
+
+def _warm_worker(state: Path, repeats: int) -> dict:
+    """Build, warm up with step k, then time step k ``repeats`` times in this process."""
+    import logging
+
+    spec = _spec(state)
+    clock = Clock(spec["device"])
+    _imports(spec, clock)
+    logging.getLogger("unirl.progress").disabled = True
+    _instrument(clock)
+    if spec.get("shaped"):
+        _patch_shaped(spec, state, clock)
+    cfg = _config(spec)
+    v1 = _ref(state / "v1.json")
+    t0 = time.perf_counter()
+    first: dict = {}
+    if spec.get("shaped"):
+        for phase in ("rollout", "reward"):  # the pipeline's encoders / reward model, resident from now on
+            _load_standin(spec, state, phase, clock)
+    _inprocess_step(cfg, v1, STEP, clock, first)
+    warmup_s = time.perf_counter() - t0
+    steps, metrics = [], {}
+    for _ in range(repeats):
+        per: dict = {}
+        metrics, new = _inprocess_step(cfg, v1, STEP, clock, per)
+        steps.append(per)
+    return {"warmup_step_s": warmup_s, "warmup_phases": first, "steps": steps, "metrics": metrics,
+            "version_bytes": _tree_bytes(Path(new.uri))}
+
+
+def _phase_worker(phase: str, state: Path) -> dict:
+    """One phase as a pod runs it: fresh process, build, restore, read input, run, write output."""
+    import logging
+
+    spec = _spec(state)
+    clock = Clock(spec["device"])
+    _imports(spec, clock)
+    logging.getLogger("unirl.progress").disabled = True
+    _instrument(clock)
+    from unirl_core.io import read_batch, write_batch
+    from unirl_core.loop import build, phases
+
+    t0 = time.perf_counter()
+    if spec.get("shaped"):
+        _patch_shaped(spec, state, clock)
+    cfg = _config(spec)
+    v1 = _ref(state / "v1.json")
+    if phase == "rollout":
+        build.bundle(cfg)
+        build.dataset(cfg)
+    elif phase == "reward":
+        build.reward_service(cfg)
+    elif phase == "train":
+        build.trainer(cfg)
+    elif phase == "publish":
+        build.store(cfg)
+    _load_standin(spec, state, phase, clock)
+    clock.sync()
+    clock.add("build", time.perf_counter() - t0)  # includes the build.* sub-components
+    pods = state / "pods"
+    inputs = {"reward": "rollout", "advantage": "reward", "train": "advantage"}
+    batch = clock.timed("read", _read_input, read_batch, pods / f"{inputs[phase]}.arrow") if phase in inputs else None
+    before = dict(clock.t)
+    t1 = time.perf_counter()
+    if phase == "rollout":
+        out, metrics = phases.rollout_phase(cfg, v1, step=STEP, shard=0, num_shards=1)
+    elif phase == "reward":
+        out, metrics = phases.reward_phase(cfg, batch)
+    elif phase == "advantage":
+        out, metrics = phases.advantage_phase(cfg, batch, v1)
+    elif phase == "train":
+        out, metrics = phases.train_phase(cfg, batch, v1, step=STEP)
+    else:
+        out, metrics = phases.publish_phase(cfg, _ref(pods / "v2.json")), {}
+    clock.sync()
+    inside = sum(clock.t.get(k, 0.0) - before.get(k, 0.0) for k in ("restore", "write"))
+    clock.add("compute", time.perf_counter() - t1 - inside)
+    written = 0
+    if phase in ("rollout", "reward", "advantage"):
+        path = pods / f"{phase}.arrow"
+        clock.timed("write", _write_hashed, write_batch, out, path)
+        written = path.stat().st_size
+    elif phase == "train":
+        t2 = time.perf_counter()
+        _save_ref(out, pods / "v2.json")
+        clock.add("write", time.perf_counter() - t2)
+        written = _tree_bytes(Path(out.uri))
+    return {"phase": phase, "t": clock.t, "metrics": {k: float(v) for k, v in metrics.items()
+                                                      if isinstance(v, (int, float))}, "bytes_written": written}
+
+
+def _read_input(read_batch, path: Path):
+    """The whole file read once (a pod downloads its input blob), then mapped by ``read_batch``."""
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+    return read_batch(path)
+
+
+def _write_hashed(write_batch, batch, path: Path) -> str:
+    """Arrow IPC file + sha256 of it: what the Flyte ``HashedSampleBatch`` type does before uploading."""
+    import hashlib
+
+    write_batch(batch, path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def worker_main(args) -> None:
+    state = Path(args.state)
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(HERE))
+    if args.worker == "setup":
+        result = _setup_worker(state)
+    elif args.worker == "warm":
+        result = _warm_worker(state, args.warm_repeats)
+    else:
+        result = _phase_worker(args.worker, state)
+    result["t0_wall"] = _T0_WALL
+    result["end_wall"] = time.time()
+    sys.stdout.write(MARK + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+# =============================================================================================== parent side
+
+def _evict(paths: list[Path]) -> None:
+    """Drop files from the page cache (fsync, then POSIX_FADV_DONTNEED): best effort, no privileges needed."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for root in paths:
+        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+        for f in files:
+            try:
+                fd = os.open(f, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def _spawn(worker: str, state: Path, extra: list[str] = ()) -> tuple[dict, float, float]:
+    """Run a worker process; returns its report, the spawn wall time and the exit wall time."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--state", str(state), *extra]
+    spawn = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), check=False)
+    end = time.time()
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"worker {worker} failed (exit {proc.returncode})")
+    return json.loads(lines[-1][len(MARK):]), spawn, end
+
+
+def _pods_round(state: Path, cold: bool) -> dict:
+    pods = state / "pods"
+    shutil.rmtree(pods, ignore_errors=True)
+    pods.mkdir()
+    out: dict = {"phases": {}, "metrics": {}}
+    ckpt_dir = state / "ckpt"
+    for phase in PHASES:
+        if cold:
+            _evict([ckpt_dir, pods, *state.glob("*.safetensors")])
+        r, spawn, end = _spawn(phase, state)
+        t = {k: v for k, v in r["t"].items()}
+        comps = {c: t.get(c, 0.0) for c in COMPONENTS}
+        comps["start"] = r["t0_wall"] - spawn
+        comps["exit"] = end - r["end_wall"]
+        comps["total"] = end - spawn
+        comps.update({k: v for k, v in t.items() if "." in k})  # build.* sub-components
+        comps["bytes_written"] = r["bytes_written"]
+        out["phases"][phase] = comps
+        out["metrics"].update(r["metrics"])
+    out["total"] = sum(p["total"] for p in out["phases"].values())
+    out["bytes_written"] = sum(p["bytes_written"] for p in out["phases"].values())
+    out["arrow_bytes"] = {p: out["phases"][p]["bytes_written"] for p in ("rollout", "reward", "advantage")}
+    return out
+
+
+def _median_components(rounds: list[dict]) -> dict:
+    """Component-wise medians per phase over rounds (each round: phase -> component -> seconds)."""
+    med = {}
+    for phase in PHASES:
+        keys = [k for k in rounds[0][phase] if isinstance(rounds[0][phase][k], float)]
+        med[phase] = {k: statistics.median(r[phase].get(k, 0.0) for r in rounds) for k in keys}
+    return med
+
+
+def _same_result(a: dict, b: dict) -> dict:
+    """Every non-timing metric of the two modes' step k (same version, same seeds: equal on CPU)."""
+    timing = ("time", "seconds", "_s", "per_s")
+    keys = sorted(k for k in set(a) & set(b) if not any(t in k for t in timing))
+    diffs = {k: abs(a[k] - b[k]) for k in keys if a[k] == a[k] and b[k] == b[k]}
+    worst = max(diffs, key=diffs.get) if diffs else None
+    return {"keys_compared": len(keys), "max_abs_diff": diffs[worst] if worst else 0.0, "worst_key": worst}
+
+
+def run_preset(name: str, args) -> None:
+    from common import report
+
+    p = dict(PRESETS[name])
+    device = args.device or p["device"]
+    rounds = args.rounds or p["rounds"]
+    warm_repeats = args.warm_repeats or p["warm_repeats"]
+    family = "diffusion" if "flow" in p["recipe"] else "lm"
+    overrides = list(p["overrides"])
+    if p.get("shaped") == "sd35m":
+        overrides.append(f"diffusion.model.device={device}")
+    if args.height and family == "diffusion":
+        overrides += [f"diffusion.sampling.height={args.height}", f"diffusion.sampling.width={args.height}"]
+    if args.new_tokens and family == "lm":
+        overrides.append(f"lm.sampling.max_new_tokens={args.new_tokens}")
+    if args.prompts:
+        overrides.append(f"data.prompts_per_step={args.prompts}")
+    if args.samples:
+        overrides.append(f"data.samples_per_prompt={args.samples}")
+        if p.get("shaped") == "sd35m":  # the stored log-probs are exact over the engine's slices
+            mb = min(8, args.samples * (args.prompts or 2))
+            overrides += [f"train.micro_batch_size={mb}", f"diffusion.engine.forward_batch_size={mb}"]
+        elif p.get("shaped"):
+            mb = min(16, args.samples * (args.prompts or 8))
+            overrides += [f"train.micro_batch_size={mb}", f"lm.engine.forward_batch_size={mb}"]
+    overrides += list(args.override)
+    smoke = bool(args.smoke or args.layers or args.height or args.standin_scale is not None)
+    base = Path(args.root) if args.root else None
+    state = Path(tempfile.mkdtemp(prefix="unirl-stepcost-", dir=base))
+    overrides += [f"checkpoint.root={state / 'ckpt'}", f"name={RUN}", "checkpoint.keep_last=2"]
+    spec = {"preset": name, "recipe": p["recipe"], "overrides": overrides, "device": device, "family": family,
+            "shaped": p.get("shaped"), "standins": p.get("standins", {}), "layers": args.layers,
+            "standin_scale": args.standin_scale if args.standin_scale is not None else 1.0}
+    (state / "spec.json").write_text(json.dumps(spec, indent=1))
+    try:
+        print(f"[{name}] setup (step-0 version, step 1 in-process) in {state}", flush=True)
+        setup, _, _ = _spawn("setup", state)
+        warm_rounds, pods_rounds, ratios, warm_info = [], [], [], None
+        for r in range(rounds):
+            w, _, _ = _spawn("warm", state, ["--warm-repeats", str(warm_repeats)])
+            steps = [{ph: s[ph] for ph in PHASES} for s in w["steps"]]
+            wr = {ph: {k: statistics.median(s[ph].get(k, 0.0) for s in steps) for k in steps[0][ph]} for ph in PHASES}
+            warm_total = statistics.median(sum(s[ph]["total"] for ph in PHASES) for s in steps)
+            pr = _pods_round(state, args.cold_cache)
+            pods_rounds.append(pr)
+            warm_rounds.append(wr)
+            ratios.append(pr["total"] / warm_total)
+            warm_info = w
+            print(f"[{name}] round {r + 1}/{rounds}: pods step {pr['total']:.2f} s, warm step {warm_total:.2f} s, "
+                  f"ratio {ratios[-1]:.1f}x", flush=True)
+        pods_med = _median_components([pr["phases"] for pr in pods_rounds])
+        warm_med = _median_components(warm_rounds)
+        check = _same_result(pods_rounds[-1]["metrics"], warm_info["metrics"])
+        version_bytes = warm_info["version_bytes"]
+        arrow = pods_rounds[-1]["arrow_bytes"]
+    finally:
+        if not args.keep:
+            shutil.rmtree(state, ignore_errors=True)
+    rows = []
+    fmt = lambda x: f"{x:.3f}" if x < 10 else f"{x:.1f}"
+    for ph in PHASES:
+        pm, wm = pods_med[ph], warm_med[ph]
+        rows.append([ph, "pods", *[fmt(pm.get(c, 0.0)) for c in COMPONENTS], fmt(pm["total"]),
+                     f"{pm['total'] / max(wm['total'], 1e-9):.1f}x"])
+        rows.append(["", "warm", *[fmt(wm.get(c, 0.0)) if c in wm else "-" for c in COMPONENTS],
+                     fmt(wm["total"]), ""])
+    pods_step = statistics.median(pr["total"] for pr in pods_rounds)
+    warm_step = statistics.median(sum(w[ph]["total"] for ph in PHASES) for w in warm_rounds)
+    tot = lambda med, c: sum(med[ph].get(c, 0.0) for ph in PHASES)
+    rows.append(["step", "pods", *[fmt(tot(pods_med, c)) for c in COMPONENTS], fmt(pods_step),
+                 f"{statistics.median(ratios):.1f}x"])
+    rows.append(["", "warm", *[fmt(tot(warm_med, c)) if any(c in warm_med[ph] for ph in PHASES) else "-"
+                               for c in COMPONENTS],
+                 fmt(warm_step), ""])
+    pods_bytes = sum(arrow.values()) + version_bytes
+    mb = lambda n: f"{n / 1e3:.0f} kB" if n < 1e6 else f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
+    header = ["phase", "mode", *COMPONENTS, "total s", "pods/warm"]
+    sub = {ph: pods_med[ph] for ph in PHASES}
+    data = {"preset": name, "recipe": p["recipe"], "overrides": [o for o in overrides if not o.startswith(
+        ("checkpoint.root=", "name="))], "device": device, "step": STEP, "rounds": rounds,
+            "warm_repeats": warm_repeats, "cold_cache": args.cold_cache, "smoke": smoke,
+            "pods_step_s": pods_step, "warm_step_s": warm_step, "ratio_pods_over_warm": statistics.median(ratios),
+            "ratios_per_round": ratios, "pods_median": sub, "warm_median": warm_med,
+            "bytes_written_per_step": {"pods": pods_bytes, "warm": version_bytes, "arrow": arrow,
+                                       "checkpoint_version": version_bytes},
+            "same_result_check": check, "setup": {"setup_s": setup["setup_s"]},
+            "warm_first_step_s": warm_info["warmup_step_s"], "raw": {"pods": pods_rounds, "warm": warm_rounds}}
+    subs = sorted({k for ph in PHASES for k in pods_med[ph] if "." in k})
+    sub_note = ("; sub-components of build (pods, medians): " + ", ".join(
+        f"{ph} {k.split('.', 1)[1]} {pods_med[ph][k]:.2f} s" for ph in PHASES for k in subs if k in pods_med[ph])
+                ) if subs else ""
+    notes = (f"Step {STEP} of `{p['recipe']}`{' (' + name + ' shape)' if p.get('shaped') else ''} on {device}: "
+             f"pods = one fresh `python` process per phase (as a Flyte pod), warm = the same phase functions in one "
+             f"process after a warm-up step (`run_local`). Medians over {rounds} round(s) (warm: {warm_repeats} "
+             f"step(s) per round); ratio = median of per-round pods/warm step wall. Components: start = interpreter "
+             "start, flytekit = `import flytekit` (where installed), import = torch + unirl_core + model library, "
+             "build = config + models/services (+ stand-ins), restore = checkpoint reads inside the phase, read/write = "
+             "Arrow IPC (+ sha256, as the Flyte type) or checkpoint version, compute = phase function minus its "
+             "checkpoint IO, exit = report -> process exit. Bytes written to the artifact store per step: pods "
+             f"{mb(pods_bytes)} (Arrow {', '.join(f'{k} {mb(v)}' for k, v in arrow.items())}; checkpoint version "
+             f"{mb(version_bytes)}), warm {mb(version_bytes)}. The warm process's first (cold) step took "
+             f"{warm_info['warmup_step_s']:.2f} s. Same-result check pods vs warm: {check['keys_compared']} metrics, "
+             f"max abs diff {check['max_abs_diff']:.3g}. Page cache {'evicted' if args.cold_cache else 'kept'} "
+             "before each pod (best effort). Not modelled: pod scheduling / image pull / container start, "
+             "flytekit literal conversion and blob upload/download (see bench_orchestration), the join_shards and "
+             f"report tasks{sub_note}.")
+    suffix = "_smoke" if smoke else ""
+    report(f"bench_step_cost_{name}_{device.split(':')[0]}{suffix}",
+           f"Step cost by component: fresh process per phase (pods) vs warm in-process loop ({name}, {device})",
+           header, rows, data, notes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=["tiny-grpo", "tiny-flow-grpo"])
+    ap.add_argument("--device", default=None, help="default: the preset's (cpu for tiny-*, cuda otherwise)")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--warm-repeats", type=int, default=None)
+    ap.add_argument("--root", default=None, help="folder for the state dir (checkpoints, Arrow files, weights)")
+    ap.add_argument("--keep", action="store_true", help="keep the state dir")
+    ap.add_argument("--cold-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="evict model / checkpoint / Arrow files from the page cache before each pod")
+    ap.add_argument("--smoke", action="store_true", help="GPU presets on CPU with tiny shapes (not a result)")
+    ap.add_argument("--layers", type=int, default=None, help="shaped presets: fewer layers (smoke)")
+    ap.add_argument("--height", type=int, default=None, help="diffusion: image size (smoke)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="lm: max new tokens")
+    ap.add_argument("--prompts", type=int, default=None, help="data.prompts_per_step")
+    ap.add_argument("--samples", type=int, default=None, help="data.samples_per_prompt")
+    ap.add_argument("--standin-scale", type=float, default=None, help="scale the stand-in file sizes (smoke)")
+    ap.add_argument("--override", action="append", default=[], help="extra recipe override a.b=value")
+    ap.add_argument("--worker", choices=("setup", "warm", *PHASES), help=argparse.SUPPRESS)
+    ap.add_argument("--state", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker_main(args)
+        return
+    if args.smoke:  # tiny shapes of the GPU presets, on CPU
+        args.device = args.device or "cpu"
+        args.layers = args.layers or 1
+        args.height = args.height or 64
+        args.new_tokens = args.new_tokens or 8
+        args.prompts = args.prompts or 1
+        args.samples = args.samples or 4
+        args.standin_scale = 1e-3 if args.standin_scale is None else args.standin_scale
+        args.rounds = args.rounds or 1
+        args.warm_repeats = args.warm_repeats or 1
+    sys.path.insert(0, str(HERE))
+    for name in args.preset:
+        if (args.device or PRESETS[name]["device"]) == "cpu":  # workers inherit it: one thread on a shared box
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            os.environ.setdefault("MKL_NUM_THREADS", "1")
+        run_preset(name, args)
+
+
+if __name__ == "__main__":
+    main()

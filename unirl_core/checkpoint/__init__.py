@@ -7,9 +7,10 @@ from unirl_core.checkpoint.store import (
     CheckpointStore,
     LoadedCheckpoint,
     load_checkpoint,
+    load_manifest,
     load_version_json,
     load_weights,
 )
 
 __all__ = ["SCHEMA_VERSION", "CheckpointRef", "CheckpointStore", "LoadedCheckpoint", "Manifest", "load_checkpoint",
-           "load_version_json", "load_weights", "restore_train_checkpoint", "save_train_checkpoint", "step_dirname"]
+           "load_manifest", "load_version_json", "load_weights", "restore_train_checkpoint", "save_train_checkpoint", "step_dirname"]

@@ -289,6 +289,11 @@ def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | 
         extra=json.loads(extra_blob) if extra_blob is not None else {})
 
 
+def load_manifest(ref: CheckpointRef, *, storage_options: dict[str, object] | None = None) -> Manifest:
+    """A version's manifest alone (file names, sizes, sha256, step, policy version): no weights are read."""
+    return _open_version(ref, storage_options)[1]
+
+
 def load_version_json(ref: CheckpointRef, name: str, *,
                       storage_options: dict[str, object] | None = None) -> object | None:
     """One JSON file of a version (``config.json``, ``extra.json``), checksum-verified, without reading its

@@ -19,6 +19,8 @@ from unirl_core.advantage.tracker import PerPromptStatTracker
 from unirl_core.checkpoint import (
     CheckpointRef,
     load_checkpoint,
+    load_manifest,
+    load_version_json,
     restore_train_checkpoint,
     save_train_checkpoint,
 )
@@ -288,7 +290,7 @@ def advantage_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) -> 
     the batch metadata for the train phase to checkpoint."""
     tracker = None
     if cfg.tracker is not None:
-        extra = load_checkpoint(ckpt, storage_options=cfg.checkpoint.storage_options, train_state=False).extra
+        extra = load_version_json(ckpt, "extra.json", storage_options=cfg.checkpoint.storage_options) or {}
         state = extra.get("tracker")
         tracker = (PerPromptStatTracker.from_state_dict(state, cfg.tracker) if state
                    else PerPromptStatTracker(cfg.tracker))
@@ -353,7 +355,7 @@ def publish_phase(cfg: RunConfig, ckpt: CheckpointRef) -> dict:
         store.publish(ckpt)
     if world > 1:
         torch.distributed.barrier()
-    manifest = load_checkpoint(ckpt, storage_options=cfg.checkpoint.storage_options, train_state=False).manifest
+    manifest = load_manifest(ckpt, storage_options=cfg.checkpoint.storage_options)  # no weights read
     published = {"uri": ckpt.uri, "step": ckpt.step, "policy_version": ckpt.policy_version,
                  "files": {name: dict(info) for name, info in manifest.files.items()},
                  "bytes": sum(int(info["bytes"]) for info in manifest.files.values())}

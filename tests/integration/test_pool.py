@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -20,6 +22,7 @@ from unirl_core.errors import ConfigError, PoolActorDied, TransientError
 from unirl_core.loop import phases
 from unirl_core.loop.local import run_local
 
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # this module's head too: loopback only
 ray = pytest.importorskip("ray")
 from unirl_core.pool import cluster
 
@@ -45,7 +48,7 @@ def time_limit():
 def local_ray():
     """One local Ray head for the module; the pools attach to it (``pool.address`` unset, Ray initialised)."""
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"ray head started in {time.perf_counter() - t0:.1f} s")
     yield
     cluster.close_pool()
@@ -152,6 +155,29 @@ def test_a_call_past_its_timeout_kills_the_actor_with_a_transient_error(tmp_path
         phases.rollout_phase(cfg, ckpt, step=1)
     assert "engine-0" not in cluster.current_pool().live
     assert issubclass(PoolActorDied, TransientError)  # Flyte retries both (tasks.common.is_transient)
+
+
+SELF_STARTED = r"""
+import sys, ray
+from unirl_core.config import load_recipe
+from unirl_core.loop.local import run_local
+hist = run_local(load_recipe("tiny-grpo", sys.argv[1:]))
+print("GCS", ray.get_runtime_context().gcs_address, hist[-1]["step"], flush=True)
+"""
+
+
+def test_pool_starts_a_local_head_and_stops_it_at_exit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    args = [*SMALL["tiny-grpo"], "loop.total_steps=1", f"checkpoint.root={tmp_path}", *POOL]
+    res = subprocess.run([sys.executable, "-c", SELF_STARTED, *args], capture_output=True, text=True, timeout=100,
+                         env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    gcs = res.stdout.split("GCS ")[1].split()
+    host, port = gcs[0].rsplit(":", 1)
+    assert host == "127.0.0.1" and gcs[1] == "1.0"
+    assert gcs[0] != ray.get_runtime_context().gcs_address  # its own head, not this module's
+    with pytest.raises(ConfigError, match="pool.address"):  # gone with the process
+        cluster.probe_address(gcs[0], 2.0)
 
 
 def _free_port() -> int:

@@ -12,7 +12,9 @@ import atexit
 import hashlib
 import json
 import logging
+import os
 import socket
+import sys
 from dataclasses import dataclass
 
 from unirl_core.config.loader import to_dict
@@ -66,11 +68,21 @@ def probe_address(address: str, timeout_s: float) -> None:
                           "local head") from None
 
 
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Read when ``ray`` is imported: "0" makes a head bind 127.0.0.1 only. Otherwise Ray resolves 127.0.0.1 to the
+machine's routable address and its GCS and raylet listen on every interface (token auth still guards them)."""
+
+
+def _ray_connected() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 def _connect(pcfg: PoolConfig) -> bool:
     """Connect this process to Ray; True when it started a local head (stopped at interpreter exit)."""
-    import ray
-
     if pcfg.address is not None:
+        import ray
+
         probe_address(pcfg.address, pcfg.connect_timeout_s)
         if not ray.is_initialized():
             ray.init(address=pcfg.address, log_to_driver=False)
@@ -81,10 +93,15 @@ def _connect(pcfg: PoolConfig) -> bool:
                               f"({connected})", "leave pool.address unset to use it, or run the pool from a "
                               "process that is not connected to another Ray cluster")
         return False
-    if ray.is_initialized():
+    if _ray_connected():
         return False
-    log.info("starting a local Ray head on 127.0.0.1 for the pool")
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    if "ray" not in sys.modules:
+        os.environ.setdefault(LOOPBACK_ENV, "0")
+    import ray
+
+    # "local": a head of our own even when another Ray runs on this machine (None would attach to RAY_ADDRESS)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    log.info("started a local Ray head for the pool at %s", ray.get_runtime_context().gcs_address)
     atexit.register(ray.shutdown)
     return True
 
@@ -250,10 +267,8 @@ class Pool:
     def get(cfg: RunConfig) -> Pool:
         """The process's pool for ``cfg`` (another config closes the previous pool first)."""
         global _POOL
-        import ray
-
         key = pool_key(cfg)
-        if _POOL is not None and not ray.is_initialized():
+        if _POOL is not None and not _ray_connected():
             _POOL = None  # Ray was shut down under it: its actors are gone
         if _POOL is not None and _POOL.key == key:
             return _POOL

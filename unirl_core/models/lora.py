@@ -54,6 +54,7 @@ def apply_lora(module: nn.Module, *, rank: int, alpha: float, target_modules: Se
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                      init_lora_weights=True)
     inject_adapter_in_model(cfg, module, adapter_name=ADAPTER_NAME)
+    module.__dict__.pop(_LAYERS, None)  # lora_layers() must find the new layers
     for name, p in module.named_parameters():
         p.requires_grad_("lora_" in name)
     return module
@@ -98,12 +99,25 @@ def load_lora_state_dict(module: nn.Module, sd: dict[str, Tensor]) -> None:
             dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
 
 
+_LAYERS = "_unirl_lora_layers"
+
+
+def lora_layers(module: nn.Module) -> list[nn.Module]:
+    """The peft LoRA layers of ``module``, found once and remembered on it (a reference forward per
+    denoising step would otherwise walk every sub-module of a large model each time)."""
+    from peft.tuners.lora import LoraLayer
+
+    cached = module.__dict__.get(_LAYERS)
+    if cached is None:
+        cached = [m for m in module.modules() if isinstance(m, LoraLayer)]
+        object.__setattr__(module, _LAYERS, cached)
+    return cached
+
+
 @contextmanager
 def lora_disabled(module: nn.Module) -> Iterator[None]:
     """Within this context the peft LoRA layers of ``module`` are bypassed (the base model runs)."""
-    from peft.tuners.lora import LoraLayer
-
-    layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
+    layers = lora_layers(module)
     previous = [m.disable_adapters for m in layers]
     # Flip peft's flag directly: enable_adapters() also rewrites requires_grad, which would
     # silently unfreeze or freeze adapter weights the optimizer owns.

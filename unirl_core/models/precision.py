@@ -25,6 +25,9 @@ import torch
 from torch import nn
 
 
+_ACTIVE = "_unirl_parameters_as_active"
+
+
 @contextmanager
 def parameters_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     """Within this context every floating parameter of ``module`` reads as a cast to ``dtype``.
@@ -34,8 +37,14 @@ def parameters_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     nothing is swapped when all are. Re-entrant: an inner context over the same module sees the casts
     of the outer one and swaps nothing.
     """
+    if getattr(module, _ACTIVE, False):
+        # nested inside a context over the same module (e.g. the backend's around every velocity call):
+        # the casts are in place; skip walking a model of thousands of sub-modules again
+        yield
+        return
     casts: dict[int, torch.Tensor] = {}
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    object.__setattr__(module, _ACTIVE, True)
     try:
         for sub in module.modules():
             for name, p in list(sub._parameters.items()):
@@ -52,6 +61,7 @@ def parameters_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     finally:
         for sub, name, p in reversed(swapped):
             sub._parameters[name] = p
+        object.__setattr__(module, _ACTIVE, False)
 
 
 def upcast_trainable(module: nn.Module) -> int:

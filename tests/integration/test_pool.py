@@ -23,7 +23,7 @@ from unirl_core.loop import phases
 from unirl_core.loop.local import run_local
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # this module's head too: loopback only
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (the pool extra; scripts/install.sh installs it: a missing ray must fail, not skip)
 from unirl_core.pool import cluster
 
 pytestmark = pytest.mark.integration

@@ -4,8 +4,16 @@ Why three: rollout pods need the model stack (diffusers/transformers) but not th
 reward pods need the scorers; train pods need the model stack plus the PyTorch-Elastic plugin.
 Local runs ignore ImageSpecs entirely (flytekit runs everything in this Python process).
 
-The registry comes from ``UNIRL_IMAGE_REGISTRY`` (e.g. ``ghcr.io/my-org``) so a cluster user pushes to
-their own registry without editing code; without it the images carry no registry prefix.
+Which image a task gets is decided when it is serialized (``pyflyte package / register / run --remote``):
+
+1. ``--image <role>=IMG`` (role: ``rollout``, ``reward``, ``train``; or an ``images:`` entry of that name in
+   the Flyte config file): that role's tasks run IMG;
+2. else ``--image IMG`` (pyflyte's default image): every task runs IMG;
+3. else (pyflyte fell back to flytekit's own default image): the role's ImageSpec below, built by flytekit
+   when missing. Its registry comes from ``UNIRL_IMAGE_REGISTRY`` (e.g. ``ghcr.io/my-org``).
+
+An image given with ``--image`` must hold every dependency of the roles it serves (one image with the
+``[project]`` dependencies of pyproject.toml serves all three).
 """
 
 from __future__ import annotations
@@ -13,8 +21,13 @@ from __future__ import annotations
 import os
 
 from flytekit import ImageSpec
+from flytekit.configuration import ImageConfig
+from flytekit.configuration.default_images import DefaultImages
+from flytekit.core.context_manager import FlyteContextManager
+from flytekit.image_spec.image_spec import _F_IMG_ID
 
 REGISTRY_ENV = "UNIRL_IMAGE_REGISTRY"
+ROLES = ("rollout", "reward", "train")
 CUDA_BASE = "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04"
 PYTHON = "3.11"
 
@@ -37,17 +50,67 @@ _REWARD = ["rapidocr>=3.0", "onnxruntime-gpu>=1.17", "math-verify[antlr4_13_2]>=
            "uvicorn>=0.29", "httpx>=0.27"]
 
 
-def _spec(name: str, packages: list[str], apt: list[str] | None = None) -> ImageSpec:
-    return ImageSpec(
+def given_image(cfg: ImageConfig | None, role: str) -> str | None:
+    """The image named for ``role`` at serialization (``--image role=IMG``, else an explicit ``--image IMG``),
+    or None when the role's ImageSpec decides. flytekit fills the default image with its own
+    ``cr.flyte.org/flyteorg/flytekit:py3.x-<version>`` when no ``--image`` is given: that one does not count."""
+    if cfg is None:
+        return None
+    for img in cfg.images or []:
+        if img.name == role:
+            return img.full
+    default = cfg.default_image
+    if default is not None and default.full != DefaultImages.default_image():
+        return default.full
+    return None
+
+
+class RoleImage(ImageSpec):
+    """An ImageSpec that gives way to an image passed at serialization (see the module docstring).
+
+    No new dataclass field: the spec's ``id`` (the hash baked into a built image as ``_F_IMG_ID``) stays
+    that of a plain ImageSpec with the same settings."""
+
+    @property
+    def role(self) -> str:
+        return self.name.removeprefix("unirl-")
+
+    def given(self) -> str | None:
+        settings = FlyteContextManager.current_context().serialization_settings
+        return given_image(settings.image_config if settings else None, self.role)
+
+    def image_name(self) -> str:
+        return self.given() or super().image_name()
+
+    def exist(self) -> bool | None:
+        # flytekit asks before building: an image given with --image is never built from this spec
+        return True if self.given() else super().exist()
+
+    def is_container(self) -> bool:
+        """False only in a pod of *another* of our role images (the guarded imports are then skipped); True
+        locally, at registration and in any image given with ``--image`` (no ``_F_IMG_ID``, or a foreign one)."""
+        current = os.environ.get(_F_IMG_ID)
+        if current is None or current not in {s.id for s in (rollout_image, reward_image, train_image)}:
+            return True
+        return super().is_container()
+
+
+def _spec(name: str, packages: list[str], apt: list[str] | None = None) -> RoleImage:
+    registry = os.environ.get(REGISTRY_ENV) or None
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if registry:
+        # baked into the image so a pod recomputes the same spec (and id) as the registering machine
+        env[REGISTRY_ENV] = registry
+    return RoleImage(
         name=f"unirl-{name}",
         base_image=CUDA_BASE,
         python_version=PYTHON,
         packages=packages,
         apt_packages=apt,
         pip_extra_index_url=[TORCH_INDEX],
-        registry=os.environ.get(REGISTRY_ENV) or None,
+        registry=registry,
         # the project source (unirl_core, tasks, workflows, images) travels with fast register / the package
-        env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        env=env,
     )
 
 

@@ -16,11 +16,16 @@ from google.protobuf.json_format import MessageToDict
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _package(tmp: Path) -> dict[str, bytes]:
+IMAGE = "ghcr.io/example/unirl:dev"
+
+
+def _package(tmp: Path, images: tuple[str, ...] = (IMAGE,)) -> dict[str, bytes]:
     out = tmp / "pkg.tgz"
     env = {**os.environ, "UNIRL_ACCELERATOR": "h200", "PYTHONPATH": str(REPO)}
+    env.pop("UNIRL_IMAGE_REGISTRY", None)
     pyflyte = Path(sys.executable).with_name("pyflyte")
-    proc = subprocess.run([str(pyflyte), "--pkgs", "workflows", "package", "--image", "ghcr.io/example/unirl:dev",
+    flags = [a for img in images for a in ("--image", img)]
+    proc = subprocess.run([str(pyflyte), "--pkgs", "workflows", "package", *flags,
                            "-f", "-o", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     with tarfile.open(out) as tar:
@@ -30,10 +35,8 @@ def _package(tmp: Path) -> dict[str, bytes]:
 pytestmark = pytest.mark.slow  # one pyflyte subprocess, ~20 s on 2 busy cores
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> dict[str, dict]:
+def _decode(files: dict[str, bytes]) -> dict[str, dict]:
     """Entity name -> decoded spec. Files end in _1 (task), _2 (workflow) or _3 (launch plan)."""
-    files = _package(tmp_path_factory.mktemp("pkg"))
     out: dict[str, dict] = {}
     for name, data in files.items():
         kind = name.rsplit("_", 1)[1].removesuffix(".pb")
@@ -42,6 +45,12 @@ def package(tmp_path_factory) -> dict[str, dict]:
         key = name.split("_", 1)[1].rsplit("_", 1)[0] + f"#{kind}"
         out[key] = MessageToDict(msg)
     return out
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> dict[str, dict]:
+    """Packaged with ``--image ghcr.io/example/unirl:dev``."""
+    return _decode(_package(tmp_path_factory.mktemp("pkg")))
 
 
 def _task(package, name):
@@ -66,9 +75,8 @@ def test_retries_timeouts_cache_and_images(package):
     roll = _task(package, "tasks.rollout.rollout_task")
     assert roll["metadata"]["retries"]["retries"] == 2 and roll["metadata"]["timeout"] == "7200s"
     assert roll["metadata"]["discoverable"] and roll["metadata"]["discoveryVersion"]
-    assert roll["container"]["image"].startswith("unirl-rollout:")
     reward = _task(package, "tasks.reward.reward_task")
-    assert reward["metadata"]["retries"]["retries"] == 3 and reward["container"]["image"].startswith("unirl-reward:")
+    assert reward["metadata"]["retries"]["retries"] == 3
     # side-effecting tasks are never cached
     for name in ("tasks.train.train_task", "tasks.publish.publish_task"):
         assert not _task(package, name)["metadata"].get("discoverable"), name
@@ -102,3 +110,24 @@ def test_launch_plans_schedule_and_resume_latest(package):
     assert lps["qwen3_math_every_6h"]["spec"]["entityMetadata"]["schedule"]["rate"] == {"value": 6, "unit": "HOUR"}
     fixed = lps["nightly_sd35m_pickscore"]["spec"]["fixedInputs"]["literals"]
     assert fixed["resume"]["scalar"]["primitive"]["stringValue"] == "latest"
+
+
+def _images(package) -> dict[str, str]:
+    return {k.split("#")[0]: v["template"]["container"]["image"] for k, v in package.items() if k.endswith("#1")}
+
+
+def test_the_image_given_with_dash_dash_image_runs_every_task(package):
+    images = _images(package)
+    assert len(images) >= 15 and "tasks.train.train_elastic_2x8" in images  # incl. the PyTorchJob and the map task
+    assert set(images.values()) == {IMAGE}, images
+
+
+def test_a_named_role_image_overrides_its_role_and_the_image_specs_stay_the_default(tmp_path):
+    images = _images(_decode(_package(tmp_path, ("rollout=ghcr.io/example/rollout:7",))))
+    rollout = {k for k in images if k.startswith("tasks.rollout.rollout_task") or "map_rollout_task" in k}
+    assert len(rollout) == 2
+    assert {images[k] for k in rollout} == {"ghcr.io/example/rollout:7"}
+    # no default --image: the other roles keep their ImageSpec (built by flytekit when missing)
+    assert images["tasks.reward.reward_task"].startswith("unirl-reward:")
+    assert images["tasks.train.train_task"].startswith("unirl-train:")
+    assert images["workflows.grpo.grpo_chunk"].startswith("unirl-train:")

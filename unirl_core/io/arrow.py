@@ -79,16 +79,41 @@ def _map_rows(col: pa.ChunkedArray) -> list[dict]:
     return [dict(v) if v is not None else {} for v in col.to_pylist()]
 
 
-def table_to_batch(table: pa.Table, *, source: str = "<table>", reader: TensorReader | None = None) -> SampleBatch:
-    """Decode a table written by ``batch_to_table``; tensors view ``reader``'s mapped file where possible."""
+_PY_COLUMNS = ("sample_id", "group_id", "part_index", "kind", "parent", "prompt", "image", "sampling",
+               "finish_reason", "media", "text", "reward", "valid", "advantage", "policy_version")
+
+
+def _decode(source: str, column: str, fn):
+    """Run ``fn``; any failure but a SchemaError becomes a SchemaError naming the file and ``column``."""
+    try:
+        return fn()
+    except SchemaError:
+        raise
+    except Exception as e:  # a damaged value must never escape as an untyped error
+        raise SchemaError(f"{source}: column '{column}' cannot be decoded ({type(e).__name__}: {e}); the file is "
+                          "damaged or was not written by unirl_core.io.write_batch - re-write it") from e
+
+
+def table_to_batch(table: pa.Table, *, source: str = "<table>", reader: TensorReader | None = None,
+                   validate: bool = True) -> SampleBatch:
+    """Decode a table written by ``batch_to_table``; tensors view ``reader``'s mapped file where possible.
+
+    ``validate`` runs Arrow's full validation (offsets, UTF-8, null counts) first, so no row is read
+    out of bounds; pass False only for a table that was just validated.
+    """
     meta = check_schema(table.schema, source)
+    if validate:
+        try:
+            table.validate(full=True)
+        except (pa.ArrowException, ValueError) as e:
+            raise SchemaError(f"{source}: the Arrow data fails validation ({e}); the file is damaged") from e
     reader = reader or TensorReader(source, None)
-    py = {name: table.column(name).to_pylist() for name in
-          ("sample_id", "group_id", "part_index", "kind", "parent", "prompt", "image", "sampling",
-           "finish_reason", "media", "text", "reward", "valid", "advantage", "policy_version")}
-    targets, rewards = _map_rows(table.column("targets")), _map_rows(table.column("rewards"))
-    tensors = {name: reader.column(table.column(name), name) for name in SEGMENT_TENSORS}
-    conditions = _read_conditions(table.column("conditions"), reader)
+    py = {name: _decode(source, name, table.column(name).to_pylist) for name in _PY_COLUMNS}
+    targets = _decode(source, "targets", lambda: _map_rows(table.column("targets")))
+    rewards = _decode(source, "rewards", lambda: _map_rows(table.column("rewards")))
+    tensors = {name: _decode(source, name, lambda name=name: reader.column(table.column(name), name))
+               for name in SEGMENT_TENSORS}
+    conditions = _decode(source, "conditions", lambda: _read_conditions(table.column("conditions"), reader))
     sampling_memo: dict[str | None, object] = {}  # rows of one batch usually share one JSON string
     samples: list[Sample] = []
     current: list[Part] = []
@@ -99,6 +124,9 @@ def table_to_batch(table: pa.Table, *, source: str = "<table>", reader: TensorRe
             raise
         except UniRLError as e:
             raise SchemaError(f"{source}: row {r} (sample {py['sample_id'][r]!r}) violates an invariant: {e}") from e
+        except Exception as e:  # e.g. a damaged value of a type the Part constructor rejects
+            raise SchemaError(f"{source}: row {r} (sample {py['sample_id'][r]!r}) cannot be decoded "
+                              f"({type(e).__name__}: {e}); the file is damaged - re-write it") from e
         if py["part_index"][r] == 0 and current:
             samples.append(_sample(current, source))
             current = []
@@ -150,7 +178,7 @@ def _part(r, py, targets, rewards, tensors, conditions, source, sampling_memo) -
 
 
 def _sampling(text: str | None, source: str, row: int, memo: dict):
-    if text not in memo:
+    if text not in memo:  # sampling_from_json wraps its own failures (column 'sampling')
         memo[text] = sampling_from_json(text, source, row)  # frozen dataclass: safe to share
     return memo[text]
 

@@ -1,22 +1,34 @@
 """The versioned Arrow schema of a SampleBatch: one row per Part, in sample order.
 
-Bump ``SCHEMA_VERSION`` on any change readers must know about; readers refuse other versions.
+Bump ``SCHEMA_VERSION`` on any change readers must know about; readers refuse versions they do not list
+in ``READABLE_VERSIONS``.
+
+Version 2 (current) = version 1 + per-column checksums in the ``unirl.checksums`` schema metadata
+(``unirl_core.io.integrity``). Version 1 files still read, unverified, with a logged warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pyarrow as pa
 
-from unirl_core.errors import SchemaError
+from unirl_core.errors import SchemaError, UniRLError
+from unirl_core.io.integrity import META_CHECKSUMS
 from unirl_core.io.tensors import TENSOR_TYPE
 from unirl_core.types import ARSamplingParams, DiffusionSamplingParams, SamplingParams
 
-SCHEMA_VERSION = 1
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = ("1", "2")
 META_VERSION = b"unirl.schema_version"
 META_BATCH = b"unirl.batch_metadata"
+CHECKSUMMED_META = (META_VERSION, META_BATCH)
+"""Schema metadata entries covered by the ``metadata`` checksum."""
+_KNOWN_META = (META_VERSION, META_BATCH, META_CHECKSUMS)
 
 # Segment tensors: column name -> (segment kind, attribute)
 SEGMENT_TENSORS: dict[str, tuple[str, str]] = {
@@ -67,10 +79,14 @@ def check_schema(schema: pa.Schema, source: str) -> dict[str, str]:
     if META_VERSION not in meta:
         raise SchemaError(f"{source}: no '{META_VERSION.decode()}' in the schema metadata; this Arrow file was "
                           "not written by unirl_core.io.write_batch")
-    version = meta[META_VERSION].decode()
-    if version != str(SCHEMA_VERSION):
-        raise SchemaError(f"{source}: schema_version={version}, this reader supports {SCHEMA_VERSION}; "
+    version = meta[META_VERSION].decode(errors="replace")
+    if version not in READABLE_VERSIONS:
+        raise SchemaError(f"{source}: schema_version={version}, this reader supports {', '.join(READABLE_VERSIONS)}; "
                           "re-write the batch with the matching unirl_core version")
+    unknown = [k for k in meta if k.startswith(b"unirl.") and k not in _KNOWN_META]
+    if unknown:
+        raise SchemaError(f"{source}: unknown schema metadata key {unknown[0]!r} (known: "
+                          f"{[k.decode() for k in _KNOWN_META]}); the file is damaged or from a newer unirl_core")
     for f in FIELDS:
         if f.name not in schema.names:
             raise SchemaError(f"{source}: column '{f.name}' is missing (schema_version {version})")
@@ -107,6 +123,8 @@ def sampling_from_json(text: str | None, source: str, row: int) -> SamplingParam
         if kind == "ar":
             d["stop"] = tuple(d["stop"])
             return ARSamplingParams(**d)
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise SchemaError(f"{source}: column 'sampling' row {row} cannot be decoded ({e})") from e
+    except UniRLError:
+        raise  # a sampling field out of range: the caller names the row
+    except Exception as e:  # damaged JSON of any shape
+        raise SchemaError(f"{source}: column 'sampling' row {row} cannot be decoded ({type(e).__name__}: {e})") from e
     raise SchemaError(f"{source}: column 'sampling' row {row} has kind {kind!r}, expected 'diffusion' or 'ar'")

@@ -1,4 +1,4 @@
-"""Report: per-step artifacts in the run directory, the HTML run report, and the progress line."""
+"""Report: per-step artifacts in the run directory, the HTML run report, TensorBoard scalars, the progress line."""
 
 from __future__ import annotations
 
@@ -12,12 +12,22 @@ from unirl_core.config import RunConfig
 from unirl_core.loop.local import progress_line
 from unirl_core.report.phase_html import advantage_html, publish_html, reward_html, rollout_html, train_html
 from unirl_core.report.run_report import RunReport, StepRecord, step_seconds
+from unirl_core.report.tensorboard import ScalarLog
 from unirl_core.types import SampleBatch
 
 
 def run_report(cfg: RunConfig) -> RunReport:
     """The run directory's report under the checkpoint root: ``<root>/<run>/report``."""
     return RunReport(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}", storage_options=cfg.checkpoint.storage_options)
+
+
+def write_scalars(cfg: RunConfig, step: int, metrics: dict[str, float]) -> None:
+    """Step ``step``'s metrics as TensorBoard scalars in ``<root>/<run>/tensorboard`` (unless
+    ``report.tensorboard`` is off); one event file per report task, TensorBoard reads them all as one run."""
+    if cfg.report.tensorboard:
+        with ScalarLog(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}",
+                       storage_options=cfg.checkpoint.storage_options) as scalars:
+            scalars.log(step, metrics)
 
 
 def progress(records: list[StepRecord], rec: StepRecord, total: int, session: str) -> str:
@@ -35,7 +45,8 @@ def progress(records: list[StepRecord], rec: StepRecord, total: int, session: st
 def report_task(cfg: RunConfig, session: str, step: int, batch: SampleBatch, rollout: dict[str, float],
                 reward: dict[str, float], advantage: dict[str, float], train: dict[str, float],
                 published: str) -> int:
-    """Write step ``step`` into the run report, re-render ``index.html`` and log the progress line.
+    """Write step ``step`` into the run report, re-render ``index.html``, add its TensorBoard scalars and log the
+    progress line.
 
     Returns ``step`` so the workflow can order the reports of consecutive steps (one writer of index.html)."""
     info = json.loads(published)
@@ -46,5 +57,6 @@ def report_task(cfg: RunConfig, session: str, step: int, batch: SampleBatch, rol
     report = run_report(cfg)
     rec = report.record_step(step, metrics=metrics, batch=batch, pages=pages, session=session)
     report.render(title=f"run {cfg.name}")
+    write_scalars(cfg, step, rec.metrics)
     progress_logger().info(progress(report.steps(), rec, cfg.loop.total_steps, session))
     return step

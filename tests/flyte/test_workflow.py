@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.flyte.conftest import tiny_overrides
 from unirl_core.checkpoint import CheckpointRef, load_weights
@@ -68,6 +69,12 @@ def test_tiny_recipe_end_to_end(tmp_path, run_name, progress_lines, recipe, extr
         grid = (folder / "grid.html").read_text()
         assert ("<img" in grid) == (recipe == "tiny-flow-grpo")
     assert json.loads((report / "config.json").read_text())["name"] == run_name
+    acc = EventAccumulator(str(run / "tensorboard"))  # the report task's TensorBoard scalars, one file per step
+    acc.Reload()
+    for key in ("reward/mean", "train/loss"):
+        assert [(e.step, e.value) for e in acc.Scalars(key)] == [
+            (s, pytest.approx(json.loads((report / f"step-{s:08d}" / "metrics.json").read_text())["metrics"][key]))
+            for s in (1, 2)]
 
 
 def test_interrupted_run_resumes_with_nothing_lost(tmp_path, run_name, monkeypatch):

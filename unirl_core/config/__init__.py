@@ -9,9 +9,10 @@ from unirl_core.config.run import (
     DiffusionSection,
     LMSection,
     LoopConfig,
+    ReportConfig,
     RunConfig,
 )
 
 __all__ = ["CheckpointConfig", "DataConfig", "DiffusionSamplingConfig", "DiffusionSection", "LMSection",
-           "LoopConfig", "RunConfig", "apply_overrides", "from_dict", "load_recipe", "load_recipe_dict",
-           "recipe_names", "recipe_path", "to_dict"]
+           "LoopConfig", "ReportConfig", "RunConfig", "apply_overrides", "from_dict", "load_recipe",
+           "load_recipe_dict", "recipe_names", "recipe_path", "to_dict"]

@@ -186,6 +186,19 @@ class LoopConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReportConfig:
+    """What a run shows besides checkpoints and the HTML run report (none of it changes what a step computes)."""
+
+    tensorboard: bool = True
+    """Write every step's metrics as TensorBoard scalars to ``<checkpoint.root>/<name>/tensorboard``
+    (``tensorboard --logdir`` that folder); False writes none."""
+    progress: bool = True
+    """``run_local``: print each step's progress line, and what the first step's long phases do (model
+    build, checkpoint restore, engine start), to stderr; False leaves them to logging at INFO only.
+    ``run_local(..., progress=...)`` overrides it. The Flyte tasks always log the progress line."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """One run: which family, its model/sampling/loss section, data, reward, advantage, train, checkpoints."""
 
@@ -207,6 +220,8 @@ class RunConfig:
     loop: LoopConfig = field(default_factory=LoopConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     """Where the phases execute: ``pods`` (default) or a Ray ``pool`` of warm actors (``unirl_core/pool``)."""
+    report: ReportConfig = field(default_factory=ReportConfig)
+    """TensorBoard scalars and progress lines; never compared on resume."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

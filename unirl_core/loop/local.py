@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from unirl_core.loop.phases import (
     rollout_phase,
     train_phase,
 )
+from unirl_core.report.tensorboard import ScalarLog
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
@@ -38,23 +40,80 @@ def progress_line(step: int, total: int, metrics: dict, step_seconds: float, eta
 
 
 def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None = None,
-              on_step: StepCallback | None = None) -> list[dict]:
+              on_step: StepCallback | None = None, progress: bool | None = None) -> list[dict]:
     """Run ``cfg.loop.total_steps`` (from the resume point) in this process; returns per-step metrics,
     each with ``time/<phase>`` seconds spent inside phase compute.
 
     ``resume_from`` / ``fork_as``: as in ``init_run`` (with ``fork_as`` the steps train the new run).
+    ``progress``: print each step's progress line (the one the Flyte report task logs) and, once, what the
+    long phases of the first step do (model build, checkpoint restore, engine start) to stderr; None follows
+    ``cfg.report.progress``. Either way they are logged at INFO on this module's logger.
+    With ``cfg.report.tensorboard`` every step's metrics also go to ``<checkpoint.root>/<run>/tensorboard``.
     Ctrl-C: says at WARNING and on stderr which version was published last and the call that resumes,
     then re-raises the KeyboardInterrupt."""
+    show = cfg.report.progress if progress is None else progress
     try:
+        _say(f"run {cfg.name}: opening it (resume_from={resume_from!r}{f', fork_as={fork_as!r}' if fork_as else ''}"
+             f"; an empty run builds model {_model_name(cfg)} for its step-0 version) ...", show)
         ckpt = init_run(cfg, resume_from=resume_from, fork_as=fork_as)
-        return _run_steps(resume.forked_config(cfg, fork_as), ckpt, on_step)
+        return _run_steps(resume.forked_config(cfg, fork_as), ckpt, on_step, show)
     except KeyboardInterrupt:
         resume.tell(resume.interrupted_message(resume.forked_config(cfg, fork_as),
                                                resume.library_resume_command(cfg, resume_from, fork_as)))
         raise
 
 
-def _run_steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None) -> list[dict]:
+def _say(message: str, show: bool) -> None:
+    """INFO on this module's logger, and a line on stderr when ``show``."""
+    log.info(message)
+    if show:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _model_name(cfg: RunConfig) -> str:
+    model = cfg.section.model
+    return str(getattr(model, "model", None) or getattr(model, "source", "?"))
+
+
+def first_step_notes(cfg: RunConfig, ckpt: CheckpointRef) -> list[str]:
+    """What the first step of this process spends long on before its own work: one line per phase setup."""
+    if ckpt.step >= cfg.loop.total_steps:
+        return []
+    notes = []
+    if cfg.pool.execution == "pool":
+        notes.append("starting the Ray pool's actors (engine, reward, trainer; each builds its model) ...")
+    else:
+        notes.append(f"building model {_model_name(cfg)} (rollout copy and trainer copy, once per process) ...")
+        notes.append(f"restoring checkpoint step {ckpt.step} ({ckpt.uri}) into the rollout model and the trainer "
+                     "...")
+    if cfg.family == "lm" and cfg.lm.dedicated is not None:
+        kind = cfg.lm.deployment.engine
+        if kind == "sglang":
+            notes.append(f"attaching to the SGLang server at {cfg.lm.sglang.base_url} ...")
+        else:
+            notes.append(f"starting the {kind} engine ({cfg.lm.deployment.mode}; loads the model, can take "
+                         "minutes) ...")
+    return [f"step {ckpt.step + 1}/{cfg.loop.total_steps}: {n}" for n in notes]
+
+
+def _run_steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool) -> list[dict]:
+    total = cfg.loop.total_steps
+    for note in first_step_notes(cfg, ckpt):
+        _say(note, show)
+    scalars = None
+    if cfg.report.tensorboard and ckpt.step < total:
+        scalars = ScalarLog(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}",
+                            storage_options=cfg.checkpoint.storage_options)
+        log.info("TensorBoard scalars: tensorboard --logdir %s", scalars.uri)
+    try:
+        return _steps(cfg, ckpt, on_step, show, scalars)
+    finally:
+        if scalars is not None:
+            scalars.close()
+
+
+def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool,
+           scalars: ScalarLog | None) -> list[dict]:
     total = cfg.loop.total_steps
     shards = cfg.loop.rollout_shards
     history: list[dict] = []
@@ -91,7 +150,9 @@ def _run_steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
         history.append(metrics)
         done = len(history)
         eta = (time.perf_counter() - started) / done * (total - step)
-        log.info(progress_line(step, total, metrics, step_seconds, eta))
+        if scalars is not None:
+            scalars.log(step, metrics)
+        _say(progress_line(step, total, metrics, step_seconds, eta), show)
         if on_step is not None:
             on_step(metrics, batch)
     return history

@@ -15,7 +15,8 @@ run's config with it key by key (dotted paths) and sorts every difference by :da
   model section, ``train.weights_scope``, ``train.ema_decay``, ``train.seed``). Refused; start a new run.
 
 Keys a rule does not list fall under their longest listed prefix; a key under no prefix is ``fork``.
-``name``, ``checkpoint.root`` and ``checkpoint.storage_options`` say where the run lives and are not compared.
+``name``, ``checkpoint.root`` and ``checkpoint.storage_options`` say where the run lives and are not compared;
+nor is ``report`` (what the run shows).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ RESUME_RULES: dict[str, Rule] = {
     "lm.sglang": "apply",
     "lm.logp_check": "apply",
     "pool": "apply",  # where the phases execute, not what they compute
+    "report": "ignore",  # what the run shows (TensorBoard scalars, progress lines), not what it trains
 }
 """Dotted config prefix -> what a resume may do when the value differs from the version's config."""
 

@@ -7,10 +7,12 @@ into one CRC-32 per stream, and hashes the streams together. The same table ther
 same checksum however it is chunked or sliced: in memory before ``write_batch`` writes it, and
 after ``read_batch`` maps it back. Any changed value, length, null or tensor byte changes it.
 
-CRC-32 (zlib, the stdlib) detects every single-byte change and every burst of up to 32 bits with
-certainty, and random damage with probability 1 - 2**-32 per column; it is a damage check, not a
-defense against someone forging a file. It was the fastest stdlib choice measured
-(benchmarks/bench_arrow_io.py: ~4 GB/s vs sha256 ~1.8, blake2b ~0.9 on one core).
+Algorithm (named in the metadata, so a reader uses the writer's): XXH3-64 when the ``xxhash``
+package is importable (~20 GB/s on one core), else CRC-32 from zlib (stdlib, ~2-4 GB/s; sha256
+measured ~1.8, blake2b ~0.9). Both detect every single-byte change (CRC-32 with certainty) and
+random damage with probability 1 - 2**-32 or better per column; a damage check, not a defense
+against someone forging a file. A reader without ``xxhash`` refuses to verify an XXH3 file with a
+``SchemaError`` saying so (install ``xxhash`` or read with ``verify=False``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,15 @@ import pyarrow as pa
 
 from unirl_core.errors import SchemaError
 
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - depends on the environment
+    xxhash = None
+
 META_CHECKSUMS = b"unirl.checksums"
-ALGO = "crc32"
+ALGOS = ("xxh3_64", "crc32")
+ALGO = "xxh3_64" if xxhash is not None else "crc32"
+"""The algorithm ``write_batch`` uses."""
 VERIFY_ENV = "UNIRL_IO_VERIFY"
 """Set to ``0`` (or ``false``/``no``/``off``) to make ``read_batch`` skip checksums by default."""
 
@@ -42,18 +51,30 @@ def verify_default() -> bool:
 
 
 class _Streams:
-    """One running CRC-32 per component path of a column."""
+    """One running hash per component path of a column."""
 
-    def __init__(self) -> None:
+    def __init__(self, algo: str) -> None:
+        self.algo = algo
         self.crc: dict[str, int] = {}
+        self.xxh: dict[str, object] = {}
 
     def feed(self, path: str, data) -> None:
-        if len(data):  # an empty feed leaves no trace: zero chunks and one empty chunk hash alike
+        if not len(data):  # an empty feed leaves no trace: zero chunks and one empty chunk hash alike
+            return
+        if self.algo == "crc32":
             self.crc[path] = zlib.crc32(data, self.crc.get(path, 0))
+        else:
+            h = self.xxh.get(path)
+            if h is None:
+                h = self.xxh[path] = xxhash.xxh3_64()
+            h.update(data)
 
     def digest(self) -> str:
-        text = ";".join(f"{p}={c:08x}" for p, c in sorted(self.crc.items()))
-        return f"{zlib.crc32(text.encode()):08x}"
+        if self.algo == "crc32":
+            text = ";".join(f"{p}={c:08x}" for p, c in sorted(self.crc.items()))
+            return f"{zlib.crc32(text.encode()):08x}"
+        text = ";".join(f"{p}={h.hexdigest()}" for p, h in sorted(self.xxh.items()))
+        return xxhash.xxh3_64_hexdigest(text.encode())
 
 
 _FIXED = {pa.int8(): 1, pa.int16(): 2, pa.int32(): 4, pa.int64(): 8, pa.uint8(): 1, pa.float16(): 2,
@@ -102,24 +123,26 @@ def _add(streams: _Streams, arr: pa.Array, path: str) -> None:
         raise SchemaError(f"column type {t} has no checksum rule; add one to unirl_core.io.integrity")
 
 
-def column_checksum(col: pa.ChunkedArray | pa.Array) -> str:
-    """The hex CRC-32 of a column's logical content (independent of chunking and slicing)."""
-    streams = _Streams()
+def column_checksum(col: pa.ChunkedArray | pa.Array, algo: str | None = None) -> str:
+    """The hex digest of a column's logical content (independent of chunking and slicing)."""
+    streams = _Streams(algo or ALGO)
     for chunk in (col.chunks if isinstance(col, pa.ChunkedArray) else [col]):
         _add(streams, chunk, "")
     return streams.digest()
 
 
-def metadata_checksum(meta: dict[bytes, bytes], keys: tuple[bytes, ...]) -> str:
-    text = b"\x00".join(k + b"=" + meta.get(k, b"") for k in keys)
-    return f"{zlib.crc32(text):08x}"
+def metadata_checksum(meta: dict[bytes, bytes], keys: tuple[bytes, ...], algo: str) -> str:
+    streams = _Streams(algo)
+    streams.feed("meta", b"\x00".join(k + b"=" + meta.get(k, b"") for k in keys))
+    return streams.digest()
 
 
-def table_checksums(table: pa.Table, meta_keys: tuple[bytes, ...]) -> bytes:
+def table_checksums(table: pa.Table, meta_keys: tuple[bytes, ...], algo: str | None = None) -> bytes:
     """The ``unirl.checksums`` metadata value for ``table`` (JSON: algorithm, per column, schema metadata)."""
+    algo = algo or ALGO
     meta = table.schema.metadata or {}
-    doc = {"algo": ALGO, "columns": {name: column_checksum(table.column(name)) for name in table.column_names},
-           "metadata": metadata_checksum(meta, meta_keys)}
+    doc = {"algo": algo, "columns": {name: column_checksum(table.column(name), algo) for name in table.column_names},
+           "metadata": metadata_checksum(meta, meta_keys, algo)}
     return json.dumps(doc, sort_keys=True).encode()
 
 
@@ -134,17 +157,20 @@ def verify_checksums(table: pa.Table, raw: bytes, meta_keys: tuple[bytes, ...], 
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise SchemaError(f"{source}: schema metadata '{key}' cannot be decoded ({e}); the file is damaged - "
                           "re-write it, or read it with verify=False to skip checksums") from e
-    if algo != ALGO:
-        raise SchemaError(f"{source}: schema metadata '{key}' names algorithm {algo!r}, expected {ALGO!r}; "
+    if algo not in ALGOS:
+        raise SchemaError(f"{source}: schema metadata '{key}' names algorithm {algo!r}, expected one of {ALGOS}; "
                           "the file is damaged or from a newer unirl_core - re-write it with this version")
-    if metadata_checksum(table.schema.metadata or {}, meta_keys) != meta_sum:
+    if algo == "xxh3_64" and xxhash is None:
+        raise SchemaError(f"{source}: the checksums are XXH3 ('{key}' algo={algo!r}) and the 'xxhash' package is "
+                          "not installed; pip install xxhash to verify, or read with verify=False (unverified)")
+    if metadata_checksum(table.schema.metadata or {}, meta_keys, algo) != meta_sum:
         raise SchemaError(f"{source}: the schema metadata (schema version, batch metadata) fails its checksum "
                           f"(stored {meta_sum!r}); the file is damaged - re-write it from its producer")
     for name in table.column_names:
         if name not in columns:
             raise SchemaError(f"{source}: column '{name}' has no checksum in '{key}'; the file is damaged - "
                               "re-write it from its producer")
-        got = column_checksum(table.column(name))
+        got = column_checksum(table.column(name), algo)
         if got != columns[name]:
             raise SchemaError(f"{source}: column '{name}' fails its checksum (stored {columns[name]!r}, read "
                               f"{got!r}); the file is damaged - re-write it from its producer")

@@ -37,7 +37,8 @@ def write_batch(batch: SampleBatch, path: str | os.PathLike, *, compression: Com
     The bytes go to a temporary name in the same folder and are renamed into place, so a crash leaves
     either the previous file or none, never a half file. ``fsync`` also survives power loss.
     Every column's checksum goes into the schema metadata (``unirl.checksums``) for ``read_batch``
-    to verify; computing them reads every byte of the batch once (CRC-32, ~4 GB/s on one core).
+    to verify; computing them reads every byte of the batch once (XXH3 ~20 GB/s with ``xxhash``
+    installed, else CRC-32 ~2-4 GB/s, on one core).
     Compressed files cannot be read without copying.
     """
     if compression not in _COMPRESSIONS:
@@ -77,7 +78,7 @@ def read_batch(path: str | os.PathLike, *, memory_map: bool = True, verify: bool
     ``verify`` (default: on, unless the environment sets ``UNIRL_IO_VERIFY=0``) every column is also
     checked against the checksum ``write_batch`` stored, so a changed byte anywhere - tensor bytes
     included - raises ``SchemaError`` naming the column. Verifying reads every byte of the file once
-    (the mapping is pre-faulted); ``verify=False`` keeps the read lazy (tensors fault in when touched)
+    (faulting in every page of the mapping); ``verify=False`` keeps the read lazy (tensors fault in when touched)
     for trusted local files. Files without checksums (schema version 1, or tables written by other
     means) read unverified with a logged warning.
 
@@ -95,9 +96,8 @@ def read_batch(path: str | os.PathLike, *, memory_map: bool = True, verify: bool
     mapped = None
     with open(path, "rb") as f:
         if memory_map:
-            # copy-on-write (MAP_PRIVATE); when every byte is about to be hashed, fault the pages in at once
-            flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if verify else 0)
-            mapped = memoryview(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+            # copy-on-write; no MAP_POPULATE: on a private writable map it copies every page (measured 2x slower)
+            mapped = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
             buf = pa.py_buffer(mapped)
         else:
             buf = pa.py_buffer(f.read())

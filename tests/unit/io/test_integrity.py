@@ -10,7 +10,7 @@ import torch
 from tests.unit.io.test_bad_input import _rewrite, diffusion_batch
 from tests.unit.io.test_roundtrip import assert_same
 from unirl_core.errors import SchemaError
-from unirl_core.io import batch_to_table, read_batch, write_batch
+from unirl_core.io import batch_to_table, integrity, read_batch, write_batch
 from unirl_core.io.integrity import META_CHECKSUMS, column_checksum, verify_default
 from unirl_core.io.schema import META_BATCH, META_VERSION
 
@@ -21,7 +21,16 @@ def _big_batch():
     return b
 
 
-def test_checksums_are_independent_of_chunking_and_slicing():
+@pytest.fixture(params=["xxh3_64", "crc32"])
+def algo(request, monkeypatch):
+    """Run with each checksum algorithm the writer may pick (XXH3 needs the optional xxhash package)."""
+    if request.param == "xxh3_64" and integrity.xxhash is None:
+        pytest.skip("xxhash is not installed")
+    monkeypatch.setattr(integrity, "ALGO", request.param)
+    return request.param
+
+
+def test_checksums_are_independent_of_chunking_and_slicing(algo):
     t = batch_to_table(_big_batch())
     assert t.column("diffusion.latents").num_chunks > 1
     for name in t.column_names:
@@ -32,15 +41,28 @@ def test_checksums_are_independent_of_chunking_and_slicing():
         assert column_checksum(pieces) == column_checksum(col), name
 
 
-def test_write_stores_a_checksum_per_column(tmp_path):
+def test_xxh3_file_without_xxhash_is_refused_with_the_fix(tmp_path, monkeypatch):
+    if integrity.xxhash is None:
+        pytest.skip("xxhash is not installed")
+    monkeypatch.setattr(integrity, "ALGO", "xxh3_64")
     path = write_batch(_big_batch(), tmp_path / "b.arrow")
+    monkeypatch.setattr(integrity, "xxhash", None)
+    with pytest.raises(SchemaError, match=r"b.arrow: .*pip install xxhash.*verify=False"):
+        read_batch(path)
+    read_batch(path, verify=False)
+
+
+def test_write_stores_a_checksum_per_column(tmp_path, algo):
+    b = _big_batch()
+    path = write_batch(b, tmp_path / "b.arrow")
+    assert_same(b, read_batch(path))
     meta = pa.ipc.open_file(str(path)).schema.metadata
     assert meta[META_VERSION] == b"2"
     doc = json.loads(meta[META_CHECKSUMS])
-    assert doc["algo"] == "crc32" and set(doc["columns"]) == set(pa.ipc.open_file(str(path)).schema.names)
+    assert doc["algo"] == algo and set(doc["columns"]) == set(pa.ipc.open_file(str(path)).schema.names)
 
 
-def test_changed_value_fails_the_named_column(tmp_path):
+def test_changed_value_fails_the_named_column(tmp_path, algo):
     path = write_batch(_big_batch(), tmp_path / "b.arrow")
     t = pa.ipc.open_file(str(path)).read_all()
     idx = t.schema.get_field_index("reward")
@@ -85,7 +107,7 @@ def test_version_1_files_read_unverified_with_a_warning(tmp_path, caplog):
     assert caplog.text == ""
 
 
-def test_verify_switch_from_the_environment(tmp_path, monkeypatch):
+def test_verify_switch_from_the_environment(tmp_path, monkeypatch, algo):
     path = write_batch(_big_batch(), tmp_path / "b.arrow")
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside the big latent

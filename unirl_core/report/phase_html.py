@@ -10,6 +10,7 @@ import html
 import math
 from collections.abc import Mapping, Sequence
 
+from unirl_core.report import charts
 from unirl_core.report.preview import batch_preview_html
 from unirl_core.types import SampleBatch
 
@@ -22,10 +23,19 @@ def _num(x: object) -> str:
     return html.escape(str(x))
 
 
-def metrics_table(metrics: Mapping[str, object], title: str = "metrics") -> str:
-    """Two-column table of ``name -> value``, sorted by name."""
+def metrics_table(metrics: Mapping[str, object], title: str = "metrics", css_class: str = "metrics") -> str:
+    """Two-column table of ``name -> value``, sorted by name (``class`` = ``css_class``)."""
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{_num(v)}</td></tr>" for k, v in sorted(metrics.items()))
-    return f"<h4>{html.escape(title)}</h4>{_TABLE}<tr><th>name</th><th>value</th></tr>{rows}</table>"
+    return (f"<h4>{html.escape(title)}</h4>{_TABLE.replace('<table ', f'<table class={css_class!r} ')}"
+            f"<tr><th>name</th><th>value</th></tr>{rows}</table>")
+
+
+POLICY_STAT_WORDS = ("ratio", "clip", "kl", "logp_absdiff", "entropy")
+"""Train metrics shown under "policy statistics" (the rest: loss, grad norm, lr, counts)."""
+
+
+def _is_timing(k: str) -> bool:
+    return k.startswith("time/") or "/time_" in k or k.endswith("/seconds") or "tokens_per_s" in k
 
 
 def _stats(xs: Sequence[float]) -> dict[str, float]:
@@ -35,29 +45,21 @@ def _stats(xs: Sequence[float]) -> dict[str, float]:
     return {"n": n, "mean": mean, "std": math.sqrt(var), "min": min(xs), "max": max(xs)}
 
 
-def histogram_svg(values: Sequence[float], *, bins: int = 12, width: int = 240, height: int = 80) -> str:
-    """A bar histogram as inline SVG (a few hundred bytes)."""
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return "<svg width='0' height='0'></svg>"
-    lo, hi = min(finite), max(finite)
-    span = (hi - lo) or 1.0
-    counts = [0] * bins
-    for v in finite:
-        counts[min(int((v - lo) / span * bins), bins - 1)] += 1
-    top = max(counts)
-    bw = width / bins
-    bars = "".join(
-        f"<rect x='{i * bw:.1f}' y='{height - 14 - c / top * (height - 18):.1f}' width='{bw - 1:.1f}' "
-        f"height='{c / top * (height - 18):.1f}' fill='#4a78c2'/>" for i, c in enumerate(counts) if c)
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'>{bars}"
-            f"<text x='0' y='{height - 2}' font-size='10'>{lo:.3g}</text>"
-            f"<text x='{width}' y='{height - 2}' font-size='10' text-anchor='end'>{hi:.3g}</text></svg>")
+def histogram_svg(values: Sequence[float], *, bins: int = 12, width: int = 260, height: int = 130) -> str:
+    """A bar histogram with value and count axes as inline SVG (matplotlib, ~10 KB)."""
+    return charts.histogram_svg(values, bins=bins, width=width, height=height)
+
+
+def _split_timings(metrics: Mapping[str, float], title: str) -> str:
+    timings = {k: v for k, v in metrics.items() if _is_timing(k)}
+    rest = {k: v for k, v in metrics.items() if k not in timings}
+    return (metrics_table(rest, title) if rest else "") + (metrics_table(timings, "timings (s)", "timings")
+                                                           if timings else "")
 
 
 def rollout_html(batch: SampleBatch, metrics: Mapping[str, float]) -> str:
     """Rollout deck: the sample grid (image thumbnails or a text table) and the engine's timings."""
-    return batch_preview_html(batch, title="rollout") + metrics_table(metrics, "rollout metrics")
+    return batch_preview_html(batch, title="rollout") + _split_timings(metrics, "rollout metrics")
 
 
 def reward_html(batch: SampleBatch, metrics: Mapping[str, float]) -> str:
@@ -73,11 +75,12 @@ def reward_html(batch: SampleBatch, metrics: Mapping[str, float]) -> str:
         s = _stats(xs)
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{s['n']}</td><td>{s['mean']:.4g}</td>"
                     f"<td>{s['std']:.4g}</td><td>{s['min']:.4g}</td><td>{s['max']:.4g}</td>"
-                    f"<td>{histogram_svg(xs)}</td></tr>")
+                    f"<td class='distribution'>{histogram_svg(xs)}</td></tr>")
     invalid = sum(not p.valid for p in batch.generated)
-    return (f"<h3>reward: {len(batch)} samples, {invalid} invalid</h3>{_TABLE}<tr><th>component</th><th>n</th>"
+    return (f"<h3>reward: {len(batch)} samples, {invalid} invalid</h3>"
+            f"{_TABLE.replace('<table ', '<table class=reward-components ')}<tr><th>component</th><th>n</th>"
             "<th>mean</th><th>std</th><th>min</th><th>max</th><th>distribution</th></tr>" + "".join(rows)
-            + "</table>" + metrics_table(metrics, "reward metrics"))
+            + "</table>" + _split_timings(metrics, "reward metrics"))
 
 
 def advantage_html(batch: SampleBatch, metrics: Mapping[str, float]) -> str:
@@ -98,12 +101,18 @@ def advantage_html(batch: SampleBatch, metrics: Mapping[str, float]) -> str:
         rows.append(f"<tr><td>{html.escape(gid)}</td>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return (f"<h3>advantage: {len(batch.groups())} groups</h3>{_TABLE}<tr><th>group</th><th>samples</th>"
             "<th>reward mean</th><th>reward std</th><th>adv min</th><th>adv max</th><th>with advantage</th></tr>"
-            + "".join(rows) + "</table>" + metrics_table(metrics, "advantage metrics"))
+            + "".join(rows) + "</table>" + _split_timings(metrics, "advantage metrics"))
 
 
 def train_html(metrics: Mapping[str, float]) -> str:
-    """Train deck: loss, ratio, KL, clip fraction, grad norm and timings (whatever the backend reports)."""
-    return "<h3>train</h3>" + metrics_table(metrics, "train metrics")
+    """Train deck: policy statistics (ratio, clip fraction, KL, logp drift, entropy), the other train metrics
+    (loss, grad norm, lr) and timings, as three tables (whatever the backend reports)."""
+    stats = {k: v for k, v in metrics.items()
+             if not _is_timing(k) and any(w in k.rsplit("/", 1)[-1] for w in POLICY_STAT_WORDS)}
+    rest = {k: v for k, v in metrics.items() if k not in stats}
+    return ("<h3>train</h3>" + (metrics_table(stats, "policy statistics (ratio, clip, KL, logp drift)",
+                                              "policy-stats") if stats else "")
+            + _split_timings(rest, "train metrics"))
 
 
 def publish_html(info: Mapping[str, object]) -> str:

@@ -6,6 +6,7 @@ import base64
 import html
 import io
 
+from unirl_core.report.text import display_html
 from unirl_core.types import DiffusionSegment, Part, SampleBatch, TokenSegment
 
 THUMB_PX = 96
@@ -45,7 +46,7 @@ def batch_preview_html(batch: SampleBatch, *, max_rows: int = 64, title: str = "
         if p.media:
             out = f'<img src="{thumbnail_data_uri(p.media)}" width="{THUMB_PX}">'
         else:
-            out = html.escape((p.text or "")[:300])
+            out = display_html(p.text or "", 300)
         comps = ", ".join(f"{html.escape(k)}={v:.3g}" for k, v in p.rewards.items())
         rows.append(
             f"<tr><td>{html.escape(s.sample_id)}</td><td>{html.escape(s.group_id)}</td>"
@@ -56,7 +57,8 @@ def batch_preview_html(batch: SampleBatch, *, max_rows: int = 64, title: str = "
     meta = ", ".join(f"{html.escape(k)}={html.escape(v)}" for k, v in batch.metadata.items())
     return (f"<h3>{html.escape(title)}: {len(batch)} samples in {len(batch.groups())} groups</h3>"
             f"<p>{meta}</p>"
-            "<table border='1' cellspacing='0' cellpadding='3' style='font-family:sans-serif;font-size:12px'>"
+            f"<table class='{'sample-grid' if any(p.media for p in batch.generated) else 'conversations'}' "
+            "border='1' cellspacing='0' cellpadding='3' style='font-family:sans-serif;font-size:12px'>"
             "<tr><th>sample</th><th>group</th><th>prompt</th><th>output</th><th>reward</th><th>components</th>"
             "<th>advantage</th><th>policy</th><th>shapes</th></tr>" + "".join(rows) + "</table>"
             + (f"<p>... {more} more samples</p>" if more > 0 else ""))

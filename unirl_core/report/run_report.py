@@ -8,7 +8,11 @@ Layout under ``<checkpoint root>/<run>/report/``::
     step-00000003/grid.html        a small sample strip (thumbnails or text) embedded in the index
     step-00000003/<phase>.html     the phase pages (the same HTML the Flyte decks show)
     steps.json                     every step's record (what metrics.json holds), read to render the index
-    index.html                     reward curve (inline SVG), metric curves, per-step rows, config
+    index.html                     charts (matplotlib, inline SVG), per-step rows, spread sample strips, config
+
+Size of index.html: charts are ~10-40 KB each (at most ``charts.MAX_POINTS`` points per curve, whatever the
+run length), sample strips of at most ``STRIP_STEPS`` steps (~15-30 KB each with thumbnails), plus ~0.4 KB per
+step row: ~0.5-1 MB for a short run, ~5 MB at 10,000 steps.
 
 Why our own report: local flytekit runs write decks to random temp folders, one file per task; the run
 report collects a whole run in one page that opens from the checkpoint root, without a Flyte UI.
@@ -30,7 +34,9 @@ import fsspec
 
 from unirl_core.checkpoint.ref import parse_step_dirname, step_dirname
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.report.charts import line_chart_svg
 from unirl_core.report.preview import thumbnail_data_uri
+from unirl_core.report.text import display_html
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
@@ -38,11 +44,21 @@ log = logging.getLogger(__name__)
 REPORT_DIR = "report"
 SUMMARY = "steps.json"
 GRID_SAMPLES = 8
-INDEX_GRID_STEPS = 20  # newest steps whose sample strips are embedded in index.html (keeps it small)
+MAX_STRIP_BYTES = 48_000
+"""A strip larger than this (never written by sample_strip_html: 8 thumbnails of 64 px) is not embedded."""
+STRIP_STEPS = 12
+"""Steps whose sample strips are embedded in index.html (first, last, evenly between): bounds the page size."""
+SMOOTHING = 0.6
+"""EMA smoothing of the index's curves (None: raw curves only)."""
 REWARD_KEYS = ("reward/mean", "reward_mean", "reward/total_mean", "rewards/mean")
 RATIO_KEYS = ("train/ratio_mean", "ratio_mean", "train/ratio", "ratio")
-CURVE_METRICS = ("train/loss", "train/kl", "train/ratio_mean", "train/clip_frac", "train/grad_norm")
-"""Curves drawn besides the reward means (the rest of the metrics are in each step's metrics.json)."""
+REWARD_STAT_KEYS = ("reward/num_invalid", "reward/num_samples", "reward/seconds")
+POLICY_STATS = (("train/ratio_mean", ("train/ratio_min", "train/ratio_max")), ("train/clip_frac", ()),
+                ("train/kl", ()), ("train/logp_absdiff_mean", ("train/logp_absdiff_max",)),
+                ("rollout/decode_rescore_absdiff_max", ()))
+"""Policy statistics charts: (metric, further metrics drawn on the same axes)."""
+CURVE_METRICS = ("train/loss", "train/policy_loss", "train/grad_norm", "train/entropy")
+"""Further curves (with every ``time/*`` phase timing on one chart); all metrics are in each metrics.json."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,13 +170,17 @@ class RunReport:
                 out.append(StepRecord(**json.loads(raw)))
         return sorted(out, key=lambda r: r.step)
 
-    def render(self, title: str = "run report") -> str:
-        """(Re)write ``index.html`` from every recorded step; returns its URL."""
+    def render(self, title: str = "run report", *, smooth: float | None = SMOOTHING) -> str:
+        """(Re)write ``index.html`` from every recorded step; returns its URL.
+
+        Sample strips of ``strip_steps`` only; ``smooth``: EMA smoothing of the curves (None: off)."""
         records = self.steps()
         config = self._read("config.json")
-        grids = {r.step: (self._read(f"{step_dirname(r.step)}/grid.html") or b"").decode()
-                 for r in records[-INDEX_GRID_STEPS:]}
-        self._write("index.html", _page(title, index_body(title, records, config, grids)))
+        grids = {}
+        for s in strip_steps([r.step for r in records]):
+            raw = self._read(f"{step_dirname(s)}/grid.html") or b""
+            grids[s] = raw.decode() if len(raw) <= MAX_STRIP_BYTES else "(strip too large to embed)"
+        self._write("index.html", _page(title, index_body(title, records, config, grids, smooth=smooth)))
         return self.index_uri
 
 
@@ -194,7 +214,7 @@ def sample_strip_html(batch: SampleBatch, n: int = GRID_SAMPLES) -> str:
                          f" width='64' title='{html.escape(s.sample_id)}'><figcaption style='font-size:10px'>{r}"
                          "</figcaption></figure>")
         else:
-            cells.append(f"<tr><td>{html.escape(p.prompt[:80])}</td><td>{html.escape((p.text or '')[:120])}</td>"
+            cells.append(f"<tr><td>{html.escape(p.prompt[:80])}</td><td>{display_html(p.text or '', 120)}</td>"
                          f"<td>{r}</td></tr>")
     if cells and cells[0].startswith("<tr>"):
         return ("<table class='samples' border='1' cellspacing='0' style='font-size:11px'>"
@@ -202,42 +222,48 @@ def sample_strip_html(batch: SampleBatch, n: int = GRID_SAMPLES) -> str:
     return "<div class='samples'>" + "".join(cells) + "</div>"
 
 
-def line_chart_svg(points: list[tuple[int, float]], *, title: str, width: int = 360, height: int = 140) -> str:
-    """A polyline chart of ``(step, value)`` points with min/max labels, as inline SVG."""
-    pts = [(x, y) for x, y in points if y == y and abs(y) != float("inf")]
-    if not pts:
-        return ""
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    pad, w, h = 30, width - 40, height - 40
-
-    def sx(x: float) -> float:
-        return pad + (x - x0) / ((x1 - x0) or 1) * w
-
-    def sy(y: float) -> float:
-        return 20 + h - (y - y0) / ((y1 - y0) or 1) * h
-
-    line = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
-    dots = "".join(f"<circle cx='{sx(x):.1f}' cy='{sy(y):.1f}' r='2.5' fill='#c24a4a'/>" for x, y in pts)
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' class='curve' data-metric='{html.escape(title)}' "
-            f"width='{width}' height='{height}' style='border:1px solid #ccc;margin:4px'>"
-            f"<text x='{width / 2}' y='14' font-size='12' text-anchor='middle'>{html.escape(title)}</text>"
-            f"<polyline fill='none' stroke='#4a78c2' stroke-width='2' points='{line}'/>{dots}"
-            f"<text x='2' y='{sy(y1) + 4:.1f}' font-size='9'>{y1:.3g}</text>"
-            f"<text x='2' y='{sy(y0) + 4:.1f}' font-size='9'>{y0:.3g}</text>"
-            f"<text x='{pad}' y='{height - 4}' font-size='9'>step {x0}</text>"
-            f"<text x='{pad + w}' y='{height - 4}' font-size='9' text-anchor='end'>step {x1}</text></svg>")
+def strip_steps(steps: list[int], k: int = STRIP_STEPS) -> list[int]:
+    """At most ``k`` of ``steps`` (sorted) for the index's sample strips: the first, the last and evenly spaced
+    steps between, so the strips show how the samples change over the whole run."""
+    steps = sorted(steps)
+    if len(steps) <= k:
+        return steps
+    return sorted({steps[round(i * (len(steps) - 1) / (k - 1))] for i in range(k)})
 
 
-def index_body(title: str, records: list[StepRecord], config: bytes | None, grids: Mapping[int, str]) -> str:
-    """Body of ``index.html``: curves, one row per step (metrics, samples, page links), the config."""
-    names = sorted({k for r in records for k in r.metrics
-                    if k in CURVE_METRICS or (k.startswith("reward/") and k.endswith("mean"))})
+def _chart_groups(records: list[StepRecord], smooth: float | None) -> list[tuple[str, list[str]]]:
+    """(section title, charts) of the index: reward and its components, eval, policy statistics, loss, time."""
+    present = sorted({k for r in records for k in r.metrics})
+
+    def pts(k: str) -> list[tuple[int, float]]:
+        return [(r.step, r.metrics[k]) for r in records if k in r.metrics]
+
+    def chart(k: str, series: tuple[str, ...] = (), **kw) -> str:
+        extra = {s: pts(s) for s in series if s in present}
+        return line_chart_svg(pts(k), title=k, smooth=smooth, series=extra or None, **kw)
+
+    reward_key = next((k for k in REWARD_KEYS if k in present), None)
+    comps = [k for k in present if k.startswith("reward/") and k != reward_key
+             and (k.endswith("/mean") or k.count("/") == 1) and k not in REWARD_STAT_KEYS]
+    evals = [k for k in present if k.startswith("eval/")]
+    stats = [chart(k, series) for k, series in POLICY_STATS if k in present]
+    other = [chart(k) for k in CURVE_METRICS if k in present]
+    times = sorted(k for k in present if k.startswith("time/"))
+    if times:
+        other.append(line_chart_svg(pts(times[0]), title="time per phase", label=times[0], smooth=None,
+                                    series={k: pts(k) for k in times[1:]} or None, ylabel="seconds"))
+    groups = [("reward", ([chart(reward_key)] if reward_key else []) + [chart(k) for k in comps]),
+              ("eval", [chart(k) for k in evals]), ("policy statistics (ratio, clip, KL, logp drift)", stats),
+              ("optimisation and timings", other)]
+    return [(t, [c for c in cs if c]) for t, cs in groups if any(cs)]
+
+
+def index_body(title: str, records: list[StepRecord], config: bytes | None, grids: Mapping[int, str],
+               *, smooth: float | None = SMOOTHING) -> str:
+    """Body of ``index.html``: charts, one row per step (metrics, samples, page links), the config."""
+    sections = "".join(f"<h3>{html.escape(t)}</h3><div class='charts'>{''.join(cs)}</div>"
+                       for t, cs in _chart_groups(records, smooth))
     reward_key = next((k for k in REWARD_KEYS if any(k in r.metrics for r in records)), None)
-    curves = [line_chart_svg([(r.step, r.metrics[reward_key]) for r in records if reward_key in r.metrics],
-                             title=reward_key)] if reward_key else []
-    curves += [line_chart_svg([(r.step, r.metrics[k]) for r in records if k in r.metrics], title=k)
-               for k in names if k != reward_key]
     wanted = dict.fromkeys(k for k in (reward_key, *RATIO_KEYS, "train/loss", "train/kl") if k)
     shown = [k for k in wanted if any(k in r.metrics for r in records)]
     head = "".join(f"<th>{html.escape(k)}</th>" for k in shown)
@@ -249,8 +275,14 @@ def index_body(title: str, records: list[StepRecord], config: bytes | None, grid
         vals = "".join(f"<td>{r.metrics[k]:.4g}</td>" if k in r.metrics else "<td></td>" for k in shown)
         rows.append(f"<tr class='step-row' data-step='{r.step}'><td>{r.step}</td>{vals}<td>{links}</td>"
                     f"<td>{grids.get(r.step, '')}</td></tr>")
+    shown_strips = [s for s in grids if grids[s]]
+    note = (f"<p class='strip-note'>Sample strips are shown for {len(shown_strips)} of {len(records)} steps: the "
+            f"first, the last and up to {STRIP_STEPS - 2} evenly spaced steps between (a bounded page size); "
+            "every step's samples are in its rewards.csv and rollout page.</p>")
+    smooth_note = f" Thick lines are an EMA with smoothing {smooth:g}." if smooth is not None else ""
     cfg = html.escape(config.decode()) if config else "(no config recorded)"
-    return (f"<h2>{html.escape(title)}</h2><p>{len(records)} steps recorded</p><div>{''.join(curves)}</div>"
+    return (f"<h2>{html.escape(title)}</h2><p>{len(records)} steps recorded.{smooth_note}</p>{sections}"
+            f"<h3>steps</h3>{note}"
             f"<table border='1' cellspacing='0' cellpadding='3' style='font-size:12px'><tr><th>step</th>{head}"
             f"<th>pages</th><th>samples</th></tr>{''.join(rows)}</table>"
             f"<h3>config</h3><pre style='font-size:11px'>{cfg}</pre>")

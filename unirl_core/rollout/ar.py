@@ -29,6 +29,7 @@ from torch import Tensor
 
 from unirl_core.errors import ConfigError, EngineError, field_error
 from unirl_core.models.lm import LMBundle, build_layout, replay_log_probs
+from unirl_core.report.text import decode_completion
 from unirl_core.rollout.ar_decoder import SUPPORTED_MODEL_TYPES, LeanDecoder, lean_decoder_supported
 from unirl_core.types import ARSamplingParams, NoiseRecipe, Sample, SampleBatch, TokenSegment
 
@@ -216,7 +217,7 @@ class TrainsideAREngine:
         samples = []
         for s, seg in zip(batch.samples, segments):
             ids = seg.response_ids.tolist()
-            text = tok.decode([t for t in ids if t not in eos], skip_special_tokens=True)
+            text = decode_completion(tok, ids, skip_ids=eos)
             part = s.generated.copy(segment=seg, text=text, policy_version=self.policy_version)
             parts = [part if p is s.generated else p.copy() for p in s.parts]
             samples.append(Sample(sample_id=s.sample_id, group_id=s.group_id, parts=parts))

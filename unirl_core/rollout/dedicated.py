@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from unirl_core.errors import ConfigError, EngineError, field_error
+from unirl_core.report.text import decode_completion
 from unirl_core.rollout.server import HTTPJSONClient, ManagedServer, reserve_port
 from unirl_core.types import ARSamplingParams, FinishReason, Part, Sample, SampleBatch, TokenSegment
 
@@ -106,7 +107,7 @@ def fill_batch(batch: SampleBatch, prompts: Sequence[Tensor], done: Sequence[Com
                            log_probs=torch.tensor(c.log_probs, dtype=torch.float32),
                            response_mask=torch.ones(len(c.response_ids), dtype=torch.bool),
                            finish_reason=c.finish_reason)
-        text = tokenizer.decode([t for t in c.response_ids if t not in eos], skip_special_tokens=True)
+        text = decode_completion(tokenizer, c.response_ids, skip_ids=eos)
         part = s.generated.copy(segment=seg, text=text, policy_version=c.policy_version)
         parts = [part if p is s.generated else p.copy() for p in s.parts]
         samples.append(Sample(sample_id=s.sample_id, group_id=s.group_id, parts=parts))

@@ -1,0 +1,95 @@
+"""Report charts (axes, EMA, bounded size), spread sample strips, and completion text without U+FFFD."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from unirl_core.report.charts import downsample, ema, histogram_svg, line_chart_svg
+from unirl_core.report.run_report import STRIP_STEPS, RunReport, strip_steps
+from unirl_core.report.text import complete_utf8_prefix, decode_completion, display_html
+
+NUM = re.compile(r"^[\u2212\-]?\d+(\.\d+)?$")
+
+
+def _ticks(svg: str) -> list[str]:
+    return [t.strip() for t in re.findall(r"<text[^>]*>([^<]*)</text>", svg) if NUM.match(t.strip())]
+
+
+def test_chart_has_axes_ticks_labels_and_ema():
+    svg = line_chart_svg([(s, 0.1 * s) for s in range(1, 11)], title="reward/mean", smooth=0.6)
+    assert svg.startswith('<svg class="curve" data-metric="reward/mean"') and "<?xml" not in svg
+    assert len(_ticks(svg)) >= 6 and ">step<" in svg and ">EMA 0.6<" in svg
+    assert ">EMA" not in line_chart_svg([(1, 0.0), (2, 1.0), (3, 2.0)], title="x", smooth=None)
+    assert line_chart_svg([(1, float("nan"))], title="x") == ""
+    one = line_chart_svg([(5, 1.0)], title="single")
+    assert {"4", "5", "6"} <= set(_ticks(one))
+
+
+def test_long_runs_keep_charts_small():
+    pts = [(s, (s % 7) / 7) for s in range(20_000)]
+    assert len(downsample(pts)) == 500 and downsample(pts)[-1] == pts[-1]
+    assert len(line_chart_svg(pts, title="long")) < 60_000
+    assert ema([1.0, 1.0, 1.0], 0.9) == pytest.approx([1.0, 1.0, 1.0])  # bias-corrected: no pull towards 0
+
+
+def test_histogram_has_axes():
+    svg = histogram_svg([0.0, 0.5, 1.0, 1.0])
+    assert 'class="histogram"' in svg and len(_ticks(svg)) >= 4
+
+
+@pytest.mark.parametrize("n,expected", [(3, [1, 2, 3]), (12, list(range(1, 13)))])
+def test_strip_steps_short_runs_show_every_step(n, expected):
+    assert strip_steps(list(range(1, n + 1))) == expected
+
+
+def test_strip_steps_spread_over_the_whole_run():
+    picked = strip_steps(list(range(1, 1001)))
+    assert len(picked) == STRIP_STEPS and picked[0] == 1 and picked[-1] == 1000
+    gaps = [b - a for a, b in zip(picked, picked[1:])]
+    assert max(gaps) - min(gaps) <= 1
+
+
+def test_index_embeds_spread_strips_and_says_why(tmp_path):
+    from tests.flyte.test_report import _batch
+
+    report = RunReport(str(tmp_path))
+    for step in range(1, 31):
+        report.record_step(step, metrics={"reward/mean": step / 30, "reward/acc/mean": 0.5, "eval/acc": 0.1,
+                                          "train/ratio_mean": 1.0, "train/clip_frac": 0.0, "train/kl": 0.01,
+                                          "train/logp_absdiff_mean": 0.0, "time/train": 0.1},
+                           batch=_batch(step) if step in (1, 2, 15, 30) else None)
+    report.render()
+    index = (tmp_path / "report" / "index.html").read_text()
+    assert "first, the last" in index and "class='strip-note'" in index
+    for metric in ("reward/mean", "reward/acc/mean", "eval/acc", "train/ratio_mean", "train/clip_frac",
+                   "train/kl", "train/logp_absdiff_mean", "time per phase"):
+        assert f'data-metric="{metric}"' in index, metric
+    rows = re.findall(r"<tr class='step-row' data-step='(\d+)'>(.*?)</tr>(?=<tr class='step-row'|</table>)", index)
+    with_strip = [int(s) for s, body in rows if "class='samples'" in body]
+    assert with_strip == [1, 30]  # of the recorded strips, 1 and 30 are among the spread steps (1, 3, 6, ...)
+
+
+def _tiny():
+    from unirl_core.models.tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+def test_cut_inside_a_character_is_dropped_not_replaced():
+    tok = _tiny()
+    ids = tok.encode("4 €é", add_special_tokens=False)
+    cut = ids[:-1]  # the last byte of "é" is missing: a completion stopped by max_new_tokens
+    assert tok.decode(cut).endswith("\ufffd")  # what the rollout showed before
+    assert decode_completion(tok, cut) == "4 €"
+    assert decode_completion(tok, ids) == "4 €é"
+    assert decode_completion(tok, [*ids, tok.eos_token_id], skip_ids=[tok.eos_token_id]) == "4 €é"
+
+
+def test_utf8_prefix_and_display():
+    assert complete_utf8_prefix("é".encode()[:1]) == b""
+    assert complete_utf8_prefix("a€".encode()[:-1]) == b"a"
+    assert complete_utf8_prefix("a€".encode()) == "a€".encode()
+    shown = display_html("x\ufffd\ufffdy\x85<")
+    assert "\ufffd" not in shown and "[?]" in shown and "\\u0085" in shown and "&lt;" in shown

@@ -11,10 +11,20 @@ from typing import NamedTuple
 from flytekit import task
 
 from images import train_image
-from tasks.common import CPU_TASK, DECK, SMALL_TIMEOUT, deck, phase, say_resume_on_interrupt, session_id
+from tasks.common import (
+    CPU_TASK,
+    DECK,
+    SMALL_TIMEOUT,
+    deck,
+    phase,
+    progress_logger,
+    say_resume_on_interrupt,
+    session_id,
+)
 from tasks.report import run_report
 from tasks.run_types import ClusterConfig, HashedCheckpointRef, load_run_config, use_storage_options
 from unirl_core.config import RunConfig, to_dict
+from unirl_core.config.preflight import preflight
 from unirl_core.report.phase_html import metrics_table
 
 if train_image.is_container():
@@ -30,8 +40,11 @@ class Setup(NamedTuple):
 
 @task(container_image=train_image, **CPU_TASK, timeout=SMALL_TIMEOUT, **DECK)
 def setup_task(recipe: str, overrides: list[str]) -> Setup:
-    """Load and validate the recipe with its overrides (a bad override fails here, before any GPU starts)."""
+    """Load and validate the recipe with its overrides, then preflight it: the checkpoint root is writable and
+    the models are reachable (a bad override or an unusable root fails here, before any GPU starts)."""
     cfg, cluster = load_run_config(recipe, overrides)
+    for note in preflight(cfg):
+        progress_logger().warning("preflight: %s", note)
     deck("config", f"<pre>{html.escape(json.dumps(to_dict(cfg), indent=1, sort_keys=True))}</pre>"
          + metrics_table(dataclasses.asdict(cluster), "cluster"))
     # local executions all share the execution name 'local': add a random suffix so step times of two

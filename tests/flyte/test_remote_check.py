@@ -1,0 +1,51 @@
+"""`python -m workflows.remote_check`: one line saying what to configure before `pyflyte run --remote`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FLYTE", "FLYTECTL"))}
+    base.update(HOME=str(tmp_path), PYTHONPATH=str(REPO), **env)
+    return subprocess.run([sys.executable, "-m", "workflows.remote_check", "--timeout", "2"], cwd=tmp_path, env=base,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _lines(p: subprocess.CompletedProcess) -> list[str]:
+    return [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+
+
+def _config(tmp_path: Path, port: int) -> str:
+    path = tmp_path / "flyte.yaml"
+    path.write_text(f"admin:\n  endpoint: dns:///127.0.0.1:{port}\n  insecure: true\n")
+    return str(path)
+
+
+def test_no_config_one_line(tmp_path):
+    p = _run(tmp_path)
+    assert p.returncode == 1
+    assert len(_lines(p)) == 1 and "no Flyte config found" in p.stderr and "~/.flyte/config.yaml" in p.stderr
+
+
+def test_unreachable_endpoint_one_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = _run(tmp_path, FLYTECTL_CONFIG=_config(tmp_path, port))
+    assert p.returncode == 1 and len(_lines(p)) == 1
+    assert f"admin.endpoint='127.0.0.1:{port}' is not reachable" in p.stderr
+
+
+def test_reachable_endpoint(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        p = _run(tmp_path, FLYTECTL_CONFIG=_config(tmp_path, s.getsockname()[1]))
+    assert p.returncode == 0 and p.stdout.startswith("ok: ") and len(_lines(p)) == 1

@@ -22,7 +22,12 @@ from tasks.common import (
     session_id,
 )
 from tasks.report import run_report
-from tasks.run_types import ClusterConfig, HashedCheckpointRef, load_run_config, use_storage_options
+from tasks.run_types import (
+    ClusterConfig,
+    HashedCheckpointRef,
+    load_run_config,
+    use_storage_options,
+)
 from unirl_core.config import RunConfig, to_dict
 from unirl_core.config.preflight import preflight
 from unirl_core.report.phase_html import metrics_table

@@ -28,8 +28,7 @@ FIX_CONFIG = ("write ~/.flyte/config.yaml with admin.endpoint: dns:///<your flyt
 def _host_port(endpoint: str, insecure: bool) -> tuple[str, int]:
     """``dns:///flyte.example.com``, ``flyte.example.com:443``, ``localhost:30080``, ``https://h`` -> (host, port)."""
     e = endpoint.strip()
-    if e.startswith("dns:///"):
-        e = e[len("dns:///"):]
+    e = e.removeprefix("dns:///")
     if "://" not in e:
         e = "//" + e
     parts = urlsplit(e)

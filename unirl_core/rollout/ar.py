@@ -29,7 +29,7 @@ from torch import Tensor
 
 from unirl_core.errors import ConfigError, EngineError, field_error
 from unirl_core.models.lm import LMBundle, build_layout, replay_log_probs
-from unirl_core.report.text import decode_completion
+from unirl_core.models.text import decode_completion
 from unirl_core.rollout.ar_decoder import SUPPORTED_MODEL_TYPES, LeanDecoder, lean_decoder_supported
 from unirl_core.types import ARSamplingParams, NoiseRecipe, Sample, SampleBatch, TokenSegment
 

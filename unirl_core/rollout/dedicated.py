@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from unirl_core.errors import ConfigError, EngineError, field_error
-from unirl_core.report.text import decode_completion
+from unirl_core.models.text import decode_completion
 from unirl_core.rollout.server import HTTPJSONClient, ManagedServer, reserve_port
 from unirl_core.types import ARSamplingParams, FinishReason, Part, Sample, SampleBatch, TokenSegment
 

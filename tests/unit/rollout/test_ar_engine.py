@@ -5,7 +5,7 @@ import torch
 
 from unirl_core.errors import ConfigError, EngineError
 from unirl_core.models.lm import build_tiny_lm
-from unirl_core.report.text import decode_completion
+from unirl_core.models.text import decode_completion
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine, sample_next
 from unirl_core.rollout.base import RolloutEngine
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch

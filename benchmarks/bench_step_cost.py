@@ -12,7 +12,8 @@ Pods mode: step k (k = 2, from version 1, so the optimizer state restored is a r
             service, the train backend (model copy, fp32 masters, optimizer); GPU presets: model weights from a
             local safetensors file, plus stand-in loads (below)
   restore   checkpoint reads inside the phase: rollout ``load_policy_weights``, train
-            ``restore_train_checkpoint`` (weights + optimizer state), advantage / publish ``load_checkpoint``
+            ``restore_train_checkpoint`` (weights + optimizer state), advantage ``load_version_json`` (tracker),
+            publish ``load_manifest``
   read      the input SampleBatch from the Arrow IPC file the previous phase wrote (``unirl_core.io.read_batch``)
   compute   the phase function (``unirl_core.loop.phases.*``) minus the restore / checkpoint write inside it
   write     outputs: Arrow IPC file + its sha256 (what the Flyte SampleBatch type does), or the checkpoint
@@ -81,11 +82,14 @@ MARK = "@@STEPCOST "
 RUN = "stepcost"
 STEP = 2  # the measured step: trains from version 1 (a real optimizer state), writes version 2
 
-# Sizes of the SD3.5-Medium components a rollout pod loads besides the transformer (the hub repo's fp16/bf16
-# safetensors: T5-XXL encoder 9.52 GB, CLIP-G 1.39 GB, CLIP-L 0.25 GB, VAE 0.17 GB), and of PickScore's
-# CLIP-ViT-H-14 (0.99 B params in bf16) for the reward pod.
-SD35M_ENCODERS_BYTES = int(11.33e9)
-PICKSCORE_BYTES = int(1.97e9)
+from step_cost_shapes import (  # noqa: E402  (benchmarks/ is the script's folder: on sys.path)
+    PICKSCORE_BYTES,
+    SD35M_ENCODERS_BYTES,
+    construct_shaped,
+    load_standin,
+    patch_shaped,
+    write_standin,
+)
 
 PRESETS: dict[str, dict] = {
     "tiny-grpo": {"recipe": "tiny-grpo", "device": "cpu", "rounds": 5, "warm_repeats": 3, "overrides": []},
@@ -168,7 +172,8 @@ def _instrument(clock: Clock) -> None:
 
     clock.wrap(build, "load_policy_weights", "restore")          # rollout: the version's weights
     clock.wrap(phases, "restore_train_checkpoint", "restore")    # train: weights + optimizer state
-    clock.wrap(phases, "load_checkpoint", "restore")             # advantage (tracker) / publish (manifest)
+    clock.wrap(phases, "load_version_json", "restore")           # advantage: the tracker state (extra.json)
+    clock.wrap(phases, "load_manifest", "restore")               # publish: the manifest
     clock.wrap(phases, "save_train_checkpoint", "write")         # train: the new version
 
 
@@ -192,127 +197,6 @@ def _save_ref(ref, path: Path) -> None:
     import dataclasses
 
     path.write_text(json.dumps(dataclasses.asdict(ref)))
-
-
-# ---- GPU presets: shaped random-init models loaded from a local safetensors file
-
-def _construct(spec: dict):
-    """The model of the preset's shape on the device, random init with a fixed seed."""
-    import torch
-
-    device, layers = spec["device"], spec.get("layers")
-    torch.manual_seed(0)
-    if spec["shaped"] == "sd35m":
-        from bench_diffusion_rollout import SD35M
-        from diffusers import SD3Transformer2DModel
-
-        shape = dict(SD35M)
-        if layers:
-            shape.update(num_layers=layers, dual_attention_layers=tuple(range(min(13, layers))))
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)  # as bench_diffusion_rollout.build: init straight in bf16
-        try:
-            with torch.device(device):
-                return SD3Transformer2DModel(**shape)
-        finally:
-            torch.set_default_dtype(prev)
-    from bench_ar_rollout import QWEN3_06B
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    shape = dict(QWEN3_06B)
-    if layers:
-        shape.update(num_hidden_layers=layers)
-    cfg = Qwen3Config(**shape, pad_token_id=151_643, eos_token_id=151_645, bos_token_id=151_643)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg)
-    return model.to(torch.bfloat16).eval()
-
-
-def _fake_encode(bundle, prompts):
-    """Seeded random conditions of SD3.5's shapes (CLIP 77 + T5 256 tokens x 4096, pooled 2048) per prompt."""
-    import zlib
-
-    import torch
-
-    out = []
-    for p in prompts:
-        g = torch.Generator().manual_seed(zlib.crc32(p.encode()))
-        out.append({"prompt_embeds": torch.randn(333, 4096, generator=g).to(bundle.device, bundle.dtype),
-                    "pooled_prompt_embeds": torch.randn(2048, generator=g).to(bundle.device, bundle.dtype)})
-    return out
-
-
-def _fake_decode_png(bundle, latents):
-    """A 512 px PNG per latent (3 latent channels upsampled x8) in place of the VAE decode."""
-    import io
-
-    import torch
-    from PIL import Image
-
-    img = torch.nn.functional.interpolate(latents[:, :3].float(), scale_factor=bundle.vae_scale_factor)
-    arr = ((img.clamp(-2, 2) / 4 + 0.5) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    out = []
-    for a in arr:
-        buf = io.BytesIO()
-        Image.fromarray(a).save(buf, format="PNG")
-        out.append(buf.getvalue())
-    return out
-
-
-def _patch_shaped(spec: dict, state: Path, clock: Clock) -> None:
-    """Replace ``build.fresh_bundle`` by construct + safetensors load of the preset's weights."""
-    import types
-
-    from safetensors.torch import load_model
-
-    from unirl_core.loop import build
-
-    weights = state / "model-init.safetensors"
-
-    def fresh_bundle(cfg):
-        module = clock.timed("build.construct", _construct, spec)
-        clock.timed("build.load", load_model, module, str(weights), device=spec["device"])
-        if spec["shaped"] == "sd35m":
-            from unirl_core.models.diffusion import DiffusionBundle
-
-            bundle = DiffusionBundle.from_transformer(module, family="sd3", config=cfg.diffusion.model)
-            bundle.encode_text = types.MethodType(_fake_encode, bundle)
-            bundle.decode_png = types.MethodType(_fake_decode_png, bundle)
-            return bundle
-        from bench_ar_rollout import _word_tokenizer
-
-        from unirl_core.models.lm import LMBundle
-
-        tok = clock.timed("build.tokenizer", _word_tokenizer, module.config.vocab_size, 151_645, 151_643)
-        module.generation_config.eos_token_id = 151_645
-        module.generation_config.pad_token_id = 151_643
-        return LMBundle(module, tok, config=cfg.lm.model)
-
-    build.fresh_bundle = fresh_bundle
-
-
-_STANDIN_TENSORS: list = []  # stand-in components stay resident, as a pipeline's encoders would
-
-
-def _load_standin(spec: dict, state: Path, phase: str, clock: Clock) -> None:
-    path = state / f"standin-{phase}.safetensors"
-    if phase in spec.get("standins", {}) and path.exists():
-        from safetensors.torch import load_file
-
-        _STANDIN_TENSORS.append(clock.timed(f"build.standin_{phase}", load_file, str(path), device=spec["device"]))
-
-
-def _write_standin(path: Path, nbytes: int) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    chunk = 1 << 30
-    tensors, left, i = {}, nbytes, 0
-    while left > 0:
-        n = min(chunk, left)
-        tensors[f"blob_{i:03d}"] = torch.zeros(n, dtype=torch.uint8)
-        left, i = left - n, i + 1
-    save_file(tensors, str(path))
 
 
 # ---- the workers
@@ -348,12 +232,12 @@ def _setup_worker(state: Path) -> dict:
     if spec.get("shaped"):
         from safetensors.torch import save_model
 
-        module = _construct(spec)
+        module = construct_shaped(spec)
         save_model(module, str(state / "model-init.safetensors"))
         del module
         for phase, nbytes in spec.get("standins", {}).items():
-            _write_standin(state / f"standin-{phase}.safetensors", int(nbytes * spec.get("standin_scale", 1.0)))
-        _patch_shaped(spec, state, clock)
+            write_standin(state / f"standin-{phase}.safetensors", int(nbytes * spec.get("standin_scale", 1.0)))
+        patch_shaped(spec, state, clock)
     from unirl_core.checkpoint import CheckpointStore
     from unirl_core.loop import phases
 
@@ -404,8 +288,8 @@ def _inprocess_step(cfg, ckpt, step: int, clock: Clock, per_phase: dict | None):
     return metrics, new
 
 
-def _warm_worker(state: Path, repeats: int) -> dict:
-    """Build, warm up with step k, then time step k ``repeats`` times in this process."""
+def _worker_start(state: Path) -> tuple[dict, Clock]:
+    """What every worker does first: read the spec, import (timed), silence progress lines, hook the clock."""
     import logging
 
     spec = _spec(state)
@@ -413,15 +297,21 @@ def _warm_worker(state: Path, repeats: int) -> dict:
     _imports(spec, clock)
     logging.getLogger("unirl.progress").disabled = True
     _instrument(clock)
+    return spec, clock
+
+
+def _warm_worker(state: Path, repeats: int) -> dict:
+    """Build, warm up with step k, then time step k ``repeats`` times in this process."""
+    spec, clock = _worker_start(state)
     if spec.get("shaped"):
-        _patch_shaped(spec, state, clock)
+        patch_shaped(spec, state, clock)
     cfg = _config(spec)
     v1 = _ref(state / "v1.json")
     t0 = time.perf_counter()
     first: dict = {}
     if spec.get("shaped"):
         for phase in ("rollout", "reward"):  # the pipeline's encoders / reward model, resident from now on
-            _load_standin(spec, state, phase, clock)
+            load_standin(spec, state, phase, clock)
     _inprocess_step(cfg, v1, STEP, clock, first)
     warmup_s = time.perf_counter() - t0
     steps, metrics = [], {}
@@ -435,19 +325,13 @@ def _warm_worker(state: Path, repeats: int) -> dict:
 
 def _phase_worker(phase: str, state: Path) -> dict:
     """One phase as a pod runs it: fresh process, build, restore, read input, run, write output."""
-    import logging
-
-    spec = _spec(state)
-    clock = Clock(spec["device"])
-    _imports(spec, clock)
-    logging.getLogger("unirl.progress").disabled = True
-    _instrument(clock)
+    spec, clock = _worker_start(state)
     from unirl_core.io import read_batch, write_batch
     from unirl_core.loop import build, phases
 
     t0 = time.perf_counter()
     if spec.get("shaped"):
-        _patch_shaped(spec, state, clock)
+        patch_shaped(spec, state, clock)
     cfg = _config(spec)
     v1 = _ref(state / "v1.json")
     if phase == "rollout":
@@ -459,7 +343,7 @@ def _phase_worker(phase: str, state: Path) -> dict:
         build.trainer(cfg)
     elif phase == "publish":
         build.store(cfg)
-    _load_standin(spec, state, phase, clock)
+    load_standin(spec, state, phase, clock)
     clock.sync()
     clock.add("build", time.perf_counter() - t0)  # includes the build.* sub-components
     pods = state / "pods"

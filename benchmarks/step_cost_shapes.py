@@ -1,0 +1,136 @@
+"""GPU presets of bench_step_cost.py: shaped random-init models loaded from a local safetensors file, and
+same-size stand-ins for what a pod loads besides them (SD3.5-M's text encoders + VAE, PickScore).
+
+No hub is reachable, so a worker replaces ``build.fresh_bundle``: it constructs the model of the preset's
+shape (random init, seed 0; timed as ``build.construct``) and loads the same weights from the safetensors file
+setup wrote (timed as ``build.load``, the part that stands in for ``from_pretrained``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Sizes of the SD3.5-Medium components a rollout pod loads besides the transformer (the hub repo's fp16/bf16
+# safetensors: T5-XXL encoder 9.52 GB, CLIP-G 1.39 GB, CLIP-L 0.25 GB, VAE 0.17 GB), and of PickScore's
+# CLIP-ViT-H-14 (0.99 B params in bf16) for the reward pod.
+SD35M_ENCODERS_BYTES = int(11.33e9)
+PICKSCORE_BYTES = int(1.97e9)
+
+
+def construct_shaped(spec: dict):
+    """The model of the preset's shape on the device, random init with a fixed seed."""
+    import torch
+
+    device, layers = spec["device"], spec.get("layers")
+    torch.manual_seed(0)
+    if spec["shaped"] == "sd35m":
+        from bench_diffusion_rollout import SD35M
+        from diffusers import SD3Transformer2DModel
+
+        shape = dict(SD35M)
+        if layers:
+            shape.update(num_layers=layers, dual_attention_layers=tuple(range(min(13, layers))))
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # as bench_diffusion_rollout.build: init straight in bf16
+        try:
+            with torch.device(device):
+                return SD3Transformer2DModel(**shape)
+        finally:
+            torch.set_default_dtype(prev)
+    from bench_ar_rollout import QWEN3_06B
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(QWEN3_06B)
+    if layers:
+        shape.update(num_hidden_layers=layers)
+    cfg = Qwen3Config(**shape, pad_token_id=151_643, eos_token_id=151_645, bos_token_id=151_643)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg)
+    return model.to(torch.bfloat16).eval()
+
+
+def _fake_encode(bundle, prompts):
+    """Seeded random conditions of SD3.5's shapes (CLIP 77 + T5 256 tokens x 4096, pooled 2048) per prompt."""
+    import zlib
+
+    import torch
+
+    out = []
+    for p in prompts:
+        g = torch.Generator().manual_seed(zlib.crc32(p.encode()))
+        out.append({"prompt_embeds": torch.randn(333, 4096, generator=g).to(bundle.device, bundle.dtype),
+                    "pooled_prompt_embeds": torch.randn(2048, generator=g).to(bundle.device, bundle.dtype)})
+    return out
+
+
+def _fake_decode_png(bundle, latents):
+    """A 512 px PNG per latent (3 latent channels upsampled x8) in place of the VAE decode."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    img = torch.nn.functional.interpolate(latents[:, :3].float(), scale_factor=bundle.vae_scale_factor)
+    arr = ((img.clamp(-2, 2) / 4 + 0.5) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    out = []
+    for a in arr:
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def patch_shaped(spec: dict, state: Path, clock) -> None:
+    """Replace ``build.fresh_bundle`` by construct + safetensors load of the preset's weights."""
+    import types
+
+    from safetensors.torch import load_model
+
+    from unirl_core.loop import build
+
+    weights = state / "model-init.safetensors"
+
+    def fresh_bundle(cfg):
+        module = clock.timed("build.construct", construct_shaped, spec)
+        clock.timed("build.load", load_model, module, str(weights), device=spec["device"])
+        if spec["shaped"] == "sd35m":
+            from unirl_core.models.diffusion import DiffusionBundle
+
+            bundle = DiffusionBundle.from_transformer(module, family="sd3", config=cfg.diffusion.model)
+            bundle.encode_text = types.MethodType(_fake_encode, bundle)
+            bundle.decode_png = types.MethodType(_fake_decode_png, bundle)
+            return bundle
+        from bench_ar_rollout import _word_tokenizer
+
+        from unirl_core.models.lm import LMBundle
+
+        tok = clock.timed("build.tokenizer", _word_tokenizer, module.config.vocab_size, 151_645, 151_643)
+        module.generation_config.eos_token_id = 151_645
+        module.generation_config.pad_token_id = 151_643
+        return LMBundle(module, tok, config=cfg.lm.model)
+
+    build.fresh_bundle = fresh_bundle
+
+
+_STANDIN_TENSORS: list = []  # stand-in components stay resident, as a pipeline's encoders would
+
+
+def load_standin(spec: dict, state: Path, phase: str, clock) -> None:
+    path = state / f"standin-{phase}.safetensors"
+    if phase in spec.get("standins", {}) and path.exists():
+        from safetensors.torch import load_file
+
+        _STANDIN_TENSORS.append(clock.timed(f"build.standin_{phase}", load_file, str(path), device=spec["device"]))
+
+
+def write_standin(path: Path, nbytes: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    chunk = 1 << 30
+    tensors, left, i = {}, nbytes, 0
+    while left > 0:
+        n = min(chunk, left)
+        tensors[f"blob_{i:03d}"] = torch.zeros(n, dtype=torch.uint8)
+        left, i = left - n, i + 1
+    save_file(tensors, str(path))

@@ -94,10 +94,7 @@ def lm_setup(args, device: str):
         req = SampleBatch.from_prompts(recs, samples_per_prompt=4, kind="ar", sampling=sp, policy_version=version)
         eng = TrainsideAREngine(bundle, AREngineConfig(forward_batch_size=mb, apply_chat_template=False,
                                                        ignore_eos=True), policy_version=version)
-        out = eng.generate(req)
-        for i, p in enumerate(out.generated):
-            p.advantage = 1.0 if i % 2 else -1.0
-        return out
+        return eng.generate(req)
 
     algo = GRPO(GRPOConfig(max_logp_absdiff=None))
     wrap = ("Qwen3DecoderLayer",)

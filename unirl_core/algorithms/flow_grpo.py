@@ -193,7 +193,8 @@ class FlowGRPO:
         # Detached per-entry records stay on the device until the end: no host sync between steps, so the
         # backend's backward of one step and the next step's forward queue back to back.
         rec: dict[str, Tensor] = {}
-        sums: list[Tensor] = []
+        policy_parts: list[Tensor] = []
+        kl_parts: list[Tensor] = []
         for rep in self._replay_steps(policy, parts, segs, sampling, steps, with_kl=cfg.kl_beta > 0):
             dev = rep.log_prob.device
             if not rec:
@@ -211,9 +212,12 @@ class FlowGRPO:
                 rec["kl"][rep.rows, rep.col] = rep.kl.detach()
             rec["new"][rep.rows, rep.col] = rep.log_prob.detach()
             rec["ratio"][rep.rows, rep.col] = r.detach()
-            sums.append(torch.stack([policy_term.detach(), (kl_term if kl_term is not None else policy_term * 0).detach()]))
+            policy_parts.append(policy_term.detach())
+            if kl_term is not None:
+                kl_parts.append(kl_term.detach())
             yield term
-        policy_sum, kl_sum = (float(v) for v in torch.stack(sums).sum(0))
+        policy_sum = float(torch.stack(policy_parts).sum())
+        kl_sum = float(torch.stack(kl_parts).sum()) if kl_parts else 0.0
         new = rec["new"].cpu()
         # pi_old as replayed: the given tensor, else the current forward (equal to pi_old on the first update)
         replayed = old if old_log_probs is not None else new

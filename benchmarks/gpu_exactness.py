@@ -81,7 +81,8 @@ def lm_setup(args, device: str):
     from unirl_core.types import ARSamplingParams, PromptRecord
 
     preset = "tiny" if args.preset == "tiny" else args.lm_shape
-    dtype = torch.float32 if preset == "tiny" and not args.bf16 else torch.bfloat16
+    fp32 = (preset == "tiny" and not args.bf16) or getattr(args, "fp32", False)
+    dtype = torch.float32 if fp32 else torch.bfloat16
     extra = {"gradient_checkpointing": True} if args.grad_ckpt else {}
     rollout = build_bundle(preset, dtype, device, finetune=args.finetune, **extra)
     mb = args.micro_batch or 8

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning: records -> supervised Parts -> train (no rollout, reward or advantage)."""

@@ -1,0 +1,235 @@
+"""SFTConfig: one typed tree for a supervised fine-tuning run (records -> supervised Parts -> train).
+
+It reuses the sections of the RL run where they mean the same thing (``DiffusionModelConfig``, ``LMConfig``,
+``TrainConfig``, ``CheckpointConfig``) and adds what only SFT has: the record source, the loss knobs and the
+length of the run. Recipes are YAML files in ``unirl_core/sft/recipes`` (``sft-*.yaml``) or any path; they are
+parsed by the same strict loader as the RL recipes (unknown keys and wrong types name the dotted path).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from unirl_core.config.loader import apply_overrides, from_dict
+from unirl_core.config.run import CheckpointConfig
+from unirl_core.errors import ConfigError, field_error
+from unirl_core.models.diffusion import DiffusionModelConfig
+from unirl_core.models.lm import LMConfig
+from unirl_core.train.config import TrainConfig
+
+SFTFamily = Literal["diffusion", "lm"]
+SigmaSampling = Literal["logit_normal", "uniform"]
+RecordSource = Literal["jsonl", "shapes"]
+
+RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlowMatchingConfig:
+    """Rectified-flow loss: x_sigma = (1 - sigma) x0 + sigma eps, the transformer predicts eps - x0."""
+
+    sigma_sampling: SigmaSampling = "logit_normal"
+    """How the per-sample sigma is drawn: ``logit_normal`` (sigmoid of N(logit_mean, logit_std), the SD3
+    paper's choice: most weight on mid-range noise) or ``uniform`` on (0, 1)."""
+    logit_mean: float = 0.0
+    """Mean of the normal under the sigmoid (``logit_normal`` only)."""
+    logit_std: float = 1.0
+    """Std of the normal under the sigmoid (``logit_normal`` only)."""
+    caption_dropout: float = 0.0
+    """Probability of training a sample on the empty caption (what CFG's unconditional branch sees);
+    0 disables it. Use e.g. 0.1 for a model that will sample with ``guidance_scale > 1``."""
+
+    def __post_init__(self) -> None:
+        if self.sigma_sampling not in ("logit_normal", "uniform"):
+            raise field_error(ConfigError, "diffusion.loss.sigma_sampling", self.sigma_sampling,
+                              "'logit_normal' or 'uniform'", "use 'logit_normal'")
+        if not (math.isfinite(self.logit_std) and self.logit_std > 0):
+            raise field_error(ConfigError, "diffusion.loss.logit_std", self.logit_std, "a finite number > 0",
+                              "use 1.0")
+        if not math.isfinite(self.logit_mean):
+            raise field_error(ConfigError, "diffusion.loss.logit_mean", self.logit_mean, "a finite number", "use 0.0")
+        if not (0.0 <= self.caption_dropout < 1.0):
+            raise field_error(ConfigError, "diffusion.loss.caption_dropout", self.caption_dropout,
+                              "a probability in [0, 1)", "use 0.0 (off) or e.g. 0.1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTDiffusionSection:
+    """Model and loss of a diffusion SFT run."""
+
+    model: DiffusionModelConfig = field(default_factory=DiffusionModelConfig)
+    loss: FlowMatchingConfig = field(default_factory=FlowMatchingConfig)
+    height: int = 64
+    """Image height every record must have (pixels; a multiple of the VAE factor x 2)."""
+    width: int = 64
+    """Image width every record must have."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTPromptConfig:
+    """How prompts become token ids; keep it equal to the RL run's ``lm.engine`` so both see one format."""
+
+    apply_chat_template: bool | None = None
+    """Wrap the prompt as one user message of the tokenizer's chat template; None = when it has one."""
+    system_prompt: str | None = None
+    """Optional system message (chat template only)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTLMSection:
+    """Model and prompt format of an LM SFT run (loss: cross-entropy over the completion tokens)."""
+
+    model: LMConfig = field(default_factory=LMConfig)
+    prompt: SFTPromptConfig = field(default_factory=SFTPromptConfig)
+    max_completion_tokens: int = 256
+    """Completions are cut to this many tokens (EOS included); longer ones are truncated, not dropped."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_completion_tokens, int) and self.max_completion_tokens >= 1):
+            raise field_error(ConfigError, "lm.max_completion_tokens", self.max_completion_tokens, "an integer >= 1",
+                              "use e.g. 256")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapesSourceConfig:
+    """The generated shapes world (``unirl_core.data.shapes.make_dataset``)."""
+
+    num_records: int = 4096
+    """Images generated once per process (a fixed training set)."""
+    seed: int = 0
+    """Seed of the generator."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTDataConfig:
+    """Where records come from and how many go into one step."""
+
+    source: RecordSource = "jsonl"
+    """``jsonl`` (``path``: one JSON object per line) or ``shapes`` (generated captioned images)."""
+    path: str | None = None
+    """JSONL file. Diffusion rows: ``{"caption": ..., "image": <png path, relative to the file>}``;
+    LM rows: ``{"prompt": ..., "completion": ...}``."""
+    shapes: ShapesSourceConfig = field(default_factory=ShapesSourceConfig)
+    """Generator settings (``source='shapes'``); the image size is ``diffusion.height``."""
+    batch_size: int = 16
+    """Records per step (one optimizer update per step; split into ``train.micro_batch_size`` pieces)."""
+    seed: int = 0
+    """Seed of the per-epoch shuffle of the records."""
+
+    def __post_init__(self) -> None:
+        if self.source not in ("jsonl", "shapes"):
+            raise field_error(ConfigError, "data.source", self.source, "'jsonl' or 'shapes'", "pick a record source")
+        if self.source == "jsonl" and not self.path:
+            raise field_error(ConfigError, "data.path", self.path, "a .jsonl file for source='jsonl'",
+                              "set data.path, or use source='shapes' for generated images")
+        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            raise field_error(ConfigError, "data.batch_size", self.batch_size, "an integer >= 1", "use e.g. 16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTLoopConfig:
+    """Length of the run and how often a version is written."""
+
+    total_steps: int = 100
+    """Optimizer steps of the whole run."""
+    steps_per_chunk: int = 50
+    """Steps one train task runs; each chunk ends with a version (published). Bounds the work a crash loses."""
+    seed: int = 0
+    """Base seed of the noise / sigma / caption-dropout draws (per step: ``stable_seed(seed, 'sft', step)``)."""
+    log_every: int = 10
+    """Steps between progress lines."""
+
+    def __post_init__(self) -> None:
+        for name in ("total_steps", "steps_per_chunk", "log_every"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise field_error(ConfigError, f"loop.{name}", v, "an integer >= 1", "use e.g. 50")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """One SFT run: family, its model section, records, optimizer, checkpoints and length."""
+
+    name: str
+    """Run name: the checkpoint folder under ``checkpoint.root``."""
+    family: SFTFamily
+    """``diffusion`` (flow-matching loss) or ``lm`` (completion cross-entropy)."""
+    diffusion: SFTDiffusionSection | None = None
+    """Required for ``family='diffusion'``."""
+    lm: SFTLMSection | None = None
+    """Required for ``family='lm'``."""
+    data: SFTDataConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimizer and micro-batching. ``micro_batch_size`` must divide ``data.batch_size``;
+    ``num_updates_per_batch`` must stay 1 and ``old_logp_source`` 'rollout' (no log-probs in SFT)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    loop: SFTLoopConfig = field(default_factory=SFTLoopConfig)
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise field_error(ConfigError, "name", self.name, "a non-empty run name without '/'", "e.g. sft-shapes")
+        section = self.diffusion if self.family == "diffusion" else self.lm
+        if section is None:
+            raise field_error(ConfigError, self.family, None, f"a '{self.family}' section for family={self.family!r}",
+                              f"add the '{self.family}' section to the recipe")
+        other = "lm" if self.family == "diffusion" else "diffusion"
+        if getattr(self, other) is not None:
+            raise field_error(ConfigError, other, "set", f"no '{other}' section for family={self.family!r}",
+                              f"remove the '{other}' section")
+        if self.data.batch_size % self.train.micro_batch_size:
+            raise field_error(ConfigError, "train.micro_batch_size", self.train.micro_batch_size,
+                              f"a divisor of data.batch_size ({self.data.batch_size})",
+                              "pick micro-batches that split a step's records evenly")
+        if self.train.num_updates_per_batch != 1:
+            raise field_error(ConfigError, "train.num_updates_per_batch", self.train.num_updates_per_batch,
+                              "1 for SFT (every step draws fresh records)", "raise data.batch_size instead")
+        if self.train.old_logp_source != "rollout":
+            raise field_error(ConfigError, "train.old_logp_source", self.train.old_logp_source,
+                              "'rollout' for SFT (there is no pi_old to replay)", "remove the field")
+        if self.family == "lm" and self.data.source == "shapes":
+            raise field_error(ConfigError, "data.source", "shapes", "'jsonl' for family='lm'",
+                              "the shapes world makes images; give prompt/completion rows in a .jsonl file")
+
+    @property
+    def section(self) -> SFTDiffusionSection | SFTLMSection:
+        return self.diffusion if self.family == "diffusion" else self.lm
+
+
+def sft_recipe_names() -> list[str]:
+    """Names of the SFT recipes shipped with the package."""
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def sft_recipe_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    shipped = RECIPE_DIR / f"{name_or_path}.yaml"
+    if shipped.is_file():
+        return shipped
+    raise field_error(ConfigError, "recipe", name_or_path, f"a shipped SFT recipe {sft_recipe_names()} or a .yaml file",
+                      "check the spelling or pass a path to your own recipe file")
+
+
+def load_sft_recipe_dict(name_or_path: str, overrides: Sequence[str] = ()) -> dict:
+    """The recipe's YAML mapping with ``a.b=value`` overrides applied (not validated yet)."""
+    path = sft_recipe_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {path.name}: not valid YAML ({e})") from e
+    if not isinstance(data, dict):
+        raise field_error(ConfigError, f"recipe {path.name}", type(data).__name__, "a mapping at the top level",
+                          "start the file with 'name: ...' and the sections")
+    return apply_overrides(data, overrides)
+
+
+def load_sft_recipe(name_or_path: str, overrides: Sequence[str] = ()) -> SFTConfig:
+    """Parse an SFT recipe (shipped name or YAML path), apply overrides, validate every field."""
+    return from_dict(SFTConfig, load_sft_recipe_dict(name_or_path, overrides), "recipe")

@@ -1,0 +1,232 @@
+"""SFT phases: start (or resume) a run, train a chunk of steps, publish, export the model for RL.
+
+Each function takes the ``SFTConfig`` plus typed inputs; the Flyte tasks in ``tasks/sft.py`` call exactly one
+of them and ``run_sft`` (``local.py``) chains them in-process. Versions land in the same ``CheckpointStore``
+layout as RL runs (``<root>/<run>/step-XXXXXXXX``, manifest last, ``LATEST`` pointer); ``export_model`` turns a
+version into a folder the RL loop loads as its initial model (``diffusion.model.source`` / ``lm.model.model``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import fsspec
+
+from unirl_core.checkpoint import (
+    CheckpointRef,
+    CheckpointStore,
+    load_version_json,
+    load_weights,
+    restore_train_checkpoint,
+    save_train_checkpoint,
+)
+from unirl_core.config.loader import to_dict
+from unirl_core.errors import CheckpointError, ConfigError, field_error
+from unirl_core.sft.config import SFTConfig
+from unirl_core.sft.losses import CompletionSFT, FlowMatchingSFT
+from unirl_core.sft.records import Record, load_records, supervised_batch
+from unirl_core.train.backend import TrainBackend
+from unirl_core.types import SampleBatch
+
+log = logging.getLogger(__name__)
+
+EXPORT_DIR = "export"
+"""Folder next to the versions holding the last exported model (``save_pretrained`` layout)."""
+EXPORT_MARKER = "export.json"
+"""Written last into an export folder: which version it holds. A folder without it is incomplete."""
+
+_TRAINERS: dict[str, TrainBackend] = {}
+_RECORDS: dict[str, list[Record]] = {}
+
+
+def _key(obj: object) -> str:
+    return json.dumps(to_dict(obj), sort_keys=True, default=str)
+
+
+def fresh_bundle(cfg: SFTConfig):
+    """A newly built bundle with the model's initial weights."""
+    if cfg.family == "diffusion":
+        from unirl_core.models.diffusion import DiffusionBundle
+
+        return DiffusionBundle.build(cfg.diffusion.model)
+    from unirl_core.models.lm import load_lm
+
+    return load_lm(cfg.lm.model)
+
+
+def algorithm(cfg: SFTConfig):
+    return FlowMatchingSFT(cfg.diffusion.loss, seed=cfg.loop.seed) if cfg.family == "diffusion" else CompletionSFT()
+
+
+def store(cfg: SFTConfig) -> CheckpointStore:
+    c = cfg.checkpoint
+    return CheckpointStore(c.root, cfg.name, keep_last=c.keep_last, keep_every=c.keep_every,
+                           storage_options=c.storage_options)
+
+
+def trainer(cfg: SFTConfig) -> TrainBackend:
+    """The process's backend (one per process, keyed by model/train/loss config); restore a version into it
+    before training: it holds whatever the last chunk left."""
+    key = f"{cfg.family}:{_key(cfg.section)}:{_key(cfg.train)}:{cfg.loop.seed}"
+    if key not in _TRAINERS:
+        _TRAINERS.clear()
+        _TRAINERS[key] = TrainBackend(fresh_bundle(cfg), algorithm(cfg), cfg.train)
+    return _TRAINERS[key]
+
+
+def records(cfg: SFTConfig) -> list[Record]:
+    """The run's records, read (or generated) once per process."""
+    key = _key(cfg.data) + _key(cfg.section)
+    if key not in _RECORDS:
+        _RECORDS.clear()
+        _RECORDS[key] = load_records(cfg)
+    return _RECORDS[key]
+
+
+def step_batch(cfg: SFTConfig, policy, step: int, *, policy_version: int) -> SampleBatch:
+    """Step ``step``'s supervised Parts; LM prompts are encoded as the RL trainside engine encodes them."""
+    if cfg.family == "diffusion":
+        return supervised_batch(cfg, records(cfg), step, policy_version=policy_version)
+    from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine
+
+    p = cfg.lm.prompt
+    engine = TrainsideAREngine(policy, AREngineConfig(apply_chat_template=p.apply_chat_template,
+                                                      system_prompt=p.system_prompt))
+    eos = policy.tokenizer.eos_token_id
+    return supervised_batch(cfg, records(cfg), step, policy_version=policy_version,
+                            encode_prompt=engine.encode_prompt, tokenizer=policy.tokenizer, eos_id=eos)
+
+
+# ----------------------------------------------------------------------------------- start / resume
+
+def init_sft(cfg: SFTConfig, *, resume_from: str = "latest") -> CheckpointRef:
+    """The version the run continues from: the published one (``latest``), or a fresh step-0 version of the
+    untrained model when the run is empty; ``never`` demands an empty run. A resumed run must have the same
+    family and model section (``ConfigError`` naming the key otherwise); other settings apply as given."""
+    if resume_from not in ("latest", "never"):
+        raise field_error(ConfigError, "resume", resume_from, "'latest' or 'never'",
+                          "SFT resumes from the run's published version; fork by copying the run folder")
+    st = store(cfg)
+    ref = st.latest()
+    if ref is not None:
+        if resume_from == "never":
+            raise field_error(ConfigError, "resume", "never", f"an empty run, but {st.uri} has step {ref.step}",
+                              "pass resume='latest' or choose another run name")
+        _check_same_model(cfg, ref)
+        log.info("resuming SFT run %s from step %d", cfg.name, ref.step)
+        return ref
+    backend = TrainBackend(fresh_bundle(cfg), algorithm(cfg), cfg.train)
+    return save_train_checkpoint(st, backend, config=to_dict(cfg), extra={"sft": True}, publish=True)
+
+
+def _check_same_model(cfg: SFTConfig, ref: CheckpointRef) -> None:
+    stored = load_version_json(ref, "config.json", storage_options=cfg.checkpoint.storage_options) or {}
+    now = to_dict(cfg)
+    for key in ("family", cfg.family):
+        old, new = stored.get(key), now.get(key)
+        if key == cfg.family and isinstance(old, dict):
+            old, new = old.get("model"), new.get("model")
+            key = f"{cfg.family}.model"
+        if old != new:
+            raise field_error(ConfigError, key, new, f"{old!r} as in {ref.uri}/config.json",
+                              "resume with the model the run was trained with, or use another run name")
+
+
+# ----------------------------------------------------------------------------------- train / publish
+
+StepCallback = Callable[[int, dict], None]
+
+
+def train_chunk(cfg: SFTConfig, ckpt: CheckpointRef, *, num_steps: int | None = None,
+                on_step: StepCallback | None = None) -> tuple[CheckpointRef, list[dict]]:
+    """Train steps ``ckpt.step + 1 ..`` (``num_steps``, default ``loop.steps_per_chunk``, never past
+    ``loop.total_steps``) from version ``ckpt``; writes the chunk's last step as an unpublished version.
+
+    Returns the new ref and one metrics dict per step (``sft/loss``, ``sft/grad_norm``, ``sft/lr``, loss
+    metrics, ``time/step``). ``on_step(step, metrics)`` is called after every step."""
+    n = cfg.loop.steps_per_chunk if num_steps is None else num_steps
+    last = min(ckpt.step + n, cfg.loop.total_steps)
+    if last <= ckpt.step:
+        return ckpt, []
+    backend = trainer(cfg)
+    loaded = restore_train_checkpoint(backend, ckpt, storage_options=cfg.checkpoint.storage_options)
+    history = []
+    for step in range(ckpt.step + 1, last + 1):
+        t0 = time.perf_counter()
+        batch = step_batch(cfg, backend.policy, step, policy_version=backend.step_count)
+        m = backend.step(batch)
+        metrics = {"step": float(step), "sft/loss": m.loss, "sft/grad_norm": m.grad_norm, "sft/lr": m.lr}
+        metrics.update({f"sft/{k}": float(v) for k, v in m.metrics.items()})
+        metrics["time/step"] = time.perf_counter() - t0
+        if not math.isfinite(m.loss):
+            raise field_error(CheckpointError, "sft/loss", m.loss, "a finite loss", f"step {step} diverged; lower "
+                              "train.lr (nothing of this chunk was written)")
+        history.append(metrics)
+        if on_step is not None:
+            on_step(step, metrics)
+    ref = save_train_checkpoint(store(cfg), backend, config=to_dict(cfg), extra=dict(loaded.extra), publish=False,
+                                overwrite=True)
+    return ref, history
+
+
+def publish_sft(cfg: SFTConfig, ckpt: CheckpointRef) -> dict:
+    """Make ``ckpt`` the run's published version (atomic pointer + retention)."""
+    store(cfg).publish(ckpt)
+    return {"uri": ckpt.uri, "step": ckpt.step, "policy_version": ckpt.policy_version}
+
+
+# ----------------------------------------------------------------------------------- handoff to RL
+
+def export_uri(cfg: SFTConfig) -> str:
+    return f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}/{EXPORT_DIR}"
+
+
+def export_model(cfg: SFTConfig, ckpt: CheckpointRef, uri: str | None = None) -> str:
+    """Write version ``ckpt`` as a ``save_pretrained`` folder (diffusers pipeline / transformers model +
+    tokenizer; LoRA merged) at ``uri`` (default ``<root>/<run>/export``), ``export.json`` last. Returns the URI.
+
+    The RL loop starts from it with ``diffusion.model.source: <uri>`` (set ``max_sequence_length`` to the
+    SFT model's, see the README) or ``lm.model.model: <uri>``. Remote URIs are written through fsspec."""
+    uri = uri or export_uri(cfg)
+    bundle = fresh_bundle(cfg)
+    from unirl_core.loop.build import apply_policy_weights
+
+    apply_policy_weights(bundle, load_weights(ckpt, storage_options=cfg.checkpoint.storage_options), where=ckpt.uri)
+    marker = {"run": cfg.name, "step": ckpt.step, "policy_version": ckpt.policy_version, "version_uri": ckpt.uri,
+              "family": cfg.family, "model": to_dict(cfg.section.model)}
+    if cfg.family == "diffusion":
+        marker["max_sequence_length"] = bundle.max_sequence_length
+    fs, path = fsspec.core.url_to_fs(uri, **cfg.checkpoint.storage_options)
+    if fs.exists(f"{path}/{EXPORT_MARKER}"):
+        fs.rm_file(f"{path}/{EXPORT_MARKER}")  # the folder stops counting as complete while it is rewritten
+    with tempfile.TemporaryDirectory() as tmp:
+        _save_pretrained(bundle, cfg.family, Path(tmp))
+        fs.makedirs(path, exist_ok=True)
+        fs.put(f"{tmp}/", path, recursive=True)
+    with fs.open(f"{path}/{EXPORT_MARKER}", "w") as f:
+        json.dump(marker, f, indent=1, sort_keys=True)
+    log.info("exported step %d of %s to %s", ckpt.step, cfg.name, uri)
+    return uri
+
+
+def _save_pretrained(bundle, family: str, out: Path) -> None:
+    if family == "lm":
+        bundle.save_pretrained(out)
+        return
+    from unirl_core.models.lm import merged_copy
+    from unirl_core.models.lora import has_lora
+
+    pipe = bundle.pipeline
+    original = pipe.transformer
+    if has_lora(original):
+        pipe.transformer = merged_copy(original)
+    try:
+        pipe.save_pretrained(out)
+    finally:
+        pipe.transformer = original

@@ -247,6 +247,24 @@ class RunConfig:
     def section(self) -> DiffusionSection | LMSection:
         return self.diffusion if self.family == "diffusion" else self.lm
 
+    def _check_token_budget(self, shards: int) -> None:
+        """``train.micro_batch_tokens``: LM only; the loop hands it to the trainside engine, whose rescoring packs
+        its rollout shard - the same samples the trainer packs only when there is one shard."""
+        if self.lm is not None and self.lm.engine.micro_batch_tokens is not None:
+            raise field_error(ConfigError, "lm.engine.micro_batch_tokens", self.lm.engine.micro_batch_tokens,
+                              "unset in a run config (the loop passes train.micro_batch_tokens to the engine)",
+                              "remove it and set train.micro_batch_tokens")
+        if self.train.micro_batch_tokens is None:
+            return
+        if self.family != "lm":
+            raise field_error(ConfigError, "train.micro_batch_tokens", self.train.micro_batch_tokens,
+                              "None for family='diffusion'", "remove it and use train.micro_batch_size")
+        if self.train.old_logp_source == "rollout" and shards != 1:
+            raise field_error(ConfigError, "loop.rollout_shards", shards,
+                              "1 with train.micro_batch_tokens and train.old_logp_source='rollout'",
+                              "each shard packs its own samples, so its recorded log-probs are not over the "
+                              "trainer's micro-batches; use one shard or set train.old_logp_source='replay'")
+
     def _check_geometry(self) -> None:
         total = self.data.samples_per_step
         shards = self.loop.rollout_shards
@@ -255,7 +273,8 @@ class RunConfig:
                               f"a divisor of data.prompts_per_step={self.data.prompts_per_step}",
                               "every shard must hold whole groups")
         mb = self.train.micro_batch_size
-        if total % mb:
+        self._check_token_budget(shards)
+        if self.train.micro_batch_tokens is None and total % mb:
             raise field_error(ConfigError, "train.micro_batch_size", mb, f"a divisor of samples per step ({total})",
                               "keep micro-batches equal so every update sees the same geometry")
         algo_src = self.section.algorithm.old_logp_source if hasattr(self.section.algorithm, "old_logp_source") \
@@ -264,7 +283,7 @@ class RunConfig:
             raise field_error(ConfigError, f"{self.family}.algorithm.old_logp_source", algo_src,
                               f"the same as train.old_logp_source ({self.train.old_logp_source!r})",
                               "set both to 'rollout' (exact, needs equal slicing) or both to 'replay'")
-        if self.train.old_logp_source == "rollout":
+        if self.train.old_logp_source == "rollout" and self.train.micro_batch_tokens is None:
             fbs = self.section.engine.forward_batch_size
             per_shard = total // shards
             if fbs != mb or per_shard % mb:
@@ -273,6 +292,7 @@ class RunConfig:
                                   f"samples of one rollout shard ({per_shard})",
                                   "the stored log-probs are exact only over the same slices; match them or set "
                                   "train.old_logp_source='replay'")
+        if self.train.old_logp_source == "rollout":
             if self.advantage.drop_zero_std_groups:
                 raise field_error(ConfigError, "advantage.drop_zero_std_groups", True,
                                   "False while train.old_logp_source='rollout'",

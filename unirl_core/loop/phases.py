@@ -226,7 +226,8 @@ def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard
         noise = NoiseRecipe(base_seed=seed, same_noise_per_group=section.sampling.same_noise_per_group)
         batch = engine.generate(request, noise=noise)
     else:
-        engine = TrainsideAREngine(policy, dataclasses.replace(section.engine, seed=seed), policy_version=version)
+        engine_cfg = dataclasses.replace(section.engine, seed=seed, micro_batch_tokens=cfg.train.micro_batch_tokens)
+        engine = TrainsideAREngine(policy, engine_cfg, policy_version=version)
         batch = engine.generate(request)
         if engine.last_decode_rescore_absdiff is not None:
             # How far the KV-cached decode drifts from the full forward (recorded log-probs come from the latter).

@@ -6,10 +6,13 @@ check). Incremental decoding does NOT give the same bits as a full-sequence forw
 attention and matmul reductions run over other shapes, so decode-time log-probs differ from a
 replay by ~1e-7 (fp32) to ~1e-2 (bf16). The engine therefore records log-probs with a second,
 full forward of the finished sequences (``logp_source='rescore'``) through
-``unirl_core.models.lm.replay_log_probs`` over consecutive ``forward_batch_size`` slices of the
-batch, in batch order: exactly the micro-batches and padding a trainer with
-``micro_batch_size == forward_batch_size`` replays. The first update's ratio is then exactly 1.
-Cost: one extra no-grad forward over ``B x (P + R)`` tokens (about one prefill).
+``unirl_core.models.lm.replay_log_probs`` over the micro-batches of
+``unirl_core.models.micro_batch.plan_micro_batches``: consecutive ``forward_batch_size`` slices in batch
+order, or token-budget packs with ``micro_batch_tokens`` - exactly the micro-batches and padding a trainer
+with ``micro_batch_size == forward_batch_size`` (or the same ``micro_batch_tokens``) replays. The first
+update's ratio is then exactly 1. Cost: one extra no-grad forward over ``B x (P + R)`` tokens (about one
+prefill). Decoding batches rows by ``decode_batch_size`` (default ``forward_batch_size``): its numerics never
+reach the recorded log-probs, so it may be as wide as memory allows.
 
 Recorded log-probs are of ``softmax(logits / temperature)`` over the full vocabulary, i.e. before
 top-k / top-p truncation; the trainer replays the same distribution, so ratio 1 holds with any
@@ -29,6 +32,7 @@ from torch import Tensor
 
 from unirl_core.errors import ConfigError, EngineError, field_error
 from unirl_core.models.lm import LMBundle, build_layout, replay_log_probs
+from unirl_core.models.micro_batch import check_max_tokens, plan_micro_batches, token_lengths
 from unirl_core.models.text import decode_completion
 from unirl_core.rollout.ar_decoder import SUPPORTED_MODEL_TYPES, LeanDecoder, lean_decoder_supported
 from unirl_core.types import ARSamplingParams, NoiseRecipe, Sample, SampleBatch, TokenSegment
@@ -44,7 +48,17 @@ class AREngineConfig:
     """How the trainside AR engine batches, templates and records log-probs."""
 
     forward_batch_size: int = 16
-    """Rows per decode batch and per rescoring micro-batch; set it to the trainer's micro_batch_size."""
+    """Rows per rescoring micro-batch (and per decode batch unless ``decode_batch_size`` is set); set it to the
+    trainer's micro_batch_size."""
+    decode_batch_size: int | None = None
+    """Rows per KV-cached decode batch; None uses ``forward_batch_size``. Wider is faster for long completions
+    (one decode step per token for the whole batch) and costs a KV cache of ``rows x (prompt + max_new_tokens)``;
+    recorded log-probs still come from the rescoring micro-batches, so exactness does not depend on it.
+    Changing it changes which random draws a row gets (per-chunk seeds), not the sampling distribution."""
+    micro_batch_tokens: int | None = None
+    """Rescore over token-budget packs (``unirl_core.models.micro_batch``) instead of ``forward_batch_size``
+    slices; must equal the trainer's ``train.micro_batch_tokens`` (the loop passes that value, leave it unset
+    in a run config)."""
     apply_chat_template: bool | None = None
     """Wrap each prompt as one user message of the tokenizer's chat template; None = when it has one."""
     system_prompt: str | None = None
@@ -69,6 +83,12 @@ class AREngineConfig:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise field_error(ConfigError, f"engine.{name}", v, "an integer >= 1", "use e.g. 16")
+        if self.decode_batch_size is not None and not (isinstance(self.decode_batch_size, int)
+                                                       and not isinstance(self.decode_batch_size, bool)
+                                                       and self.decode_batch_size >= 1):
+            raise field_error(ConfigError, "engine.decode_batch_size", self.decode_batch_size,
+                              "None or an integer >= 1", "use e.g. 64, or None to decode in forward_batch_size rows")
+        check_max_tokens(self.micro_batch_tokens, "engine.micro_batch_tokens")
         if self.decoder not in ("auto", "lean", "transformers"):
             raise field_error(ConfigError, "engine.decoder", self.decoder, "'auto', 'lean' or 'transformers'",
                               "use 'auto'")
@@ -166,10 +186,11 @@ class TrainsideAREngine:
         module.eval()
         try:
             with torch.no_grad(), self.bundle.compute():
+                width = self.config.decode_batch_size or self.config.forward_batch_size
                 for sp, rows in _group_by_params(sps).items():
-                    for k in range(0, len(rows), self.config.forward_batch_size):
-                        chunk = rows[k:k + self.config.forward_batch_size]
-                        gen = self._generator_for(sp, k // self.config.forward_batch_size)
+                    for k in range(0, len(rows), width):
+                        chunk = rows[k:k + width]
+                        gen = self._generator_for(sp, k // width)
                         out = self._decode([prompts[i] for i in chunk], sp, gen)
                         for j, i in enumerate(chunk):
                             decoded[i] = (out.response_ids[j], out.log_probs[j], out.finish[j])
@@ -199,10 +220,12 @@ class TrainsideAREngine:
 
     def _rescore(self, segments: list[TokenSegment], sps: Sequence[ARSamplingParams]) -> None:
         """Replace decode-time log-probs by the replay forward over the trainer's micro-batches."""
-        fbs, drift = self.config.forward_batch_size, 0.0
-        for k in range(0, len(segments), fbs):
-            seg = segments[k:k + fbs]
-            layout = build_layout(seg, [s.temperature for s in sps[k:k + fbs]], pad_id=self.bundle.pad_token_id,
+        drift = 0.0
+        plan = plan_micro_batches(token_lengths(segments, field="engine.micro_batch_tokens"),
+                                  size=self.config.forward_batch_size, max_tokens=self.config.micro_batch_tokens)
+        for idx in plan:
+            seg = [segments[i] for i in idx]
+            layout = build_layout(seg, [sps[i].temperature for i in idx], pad_id=self.bundle.pad_token_id,
                                   device=self._device)
             logp, _ = replay_log_probs(self.bundle.module, layout, chunk_tokens=self.bundle.logprob_chunk_tokens)
             logp = logp.cpu()

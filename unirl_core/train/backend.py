@@ -1,8 +1,9 @@
 """TrainBackend: one optimizer loop for every model family, driven by an Algorithm's loss.
 
-Per rollout batch (``step``): take this rank's contiguous shard, cut it into micro-batches in batch
-order, freeze pi_old once (rollout log-probs, or a no-grad replay over exactly these micro-batches
-before any update), then run ``num_updates_per_batch`` passes of gradient accumulation -> clip ->
+Per rollout batch (``step``): take this rank's contiguous shard, cut it into micro-batches (consecutive
+slices, or token-budget packs with ``micro_batch_tokens``: ``unirl_core.models.micro_batch``), freeze
+pi_old once (rollout log-probs, or a no-grad replay over exactly these micro-batches before any update),
+then run ``num_updates_per_batch`` passes of gradient accumulation -> clip ->
 AdamW -> schedule (-> EMA). The same code runs at world size 1 (plain module) and above (FSDP2).
 """
 
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from unirl_core.algorithms.base import Algorithm, LossOutput, Policy
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
+from unirl_core.models.micro_batch import plan_micro_batches, token_lengths
 from unirl_core.models.precision import module_dtype, parameters_as, upcast_trainable
 from unirl_core.train import distributed as D
 from unirl_core.train.config import TrainConfig
@@ -39,7 +41,8 @@ class TrainMetrics:
     optimizer_steps: int
     """Optimizer updates so far."""
     loss: float
-    """Mean micro-batch loss over all micro-batches of all updates (mean over ranks)."""
+    """The batch loss (micro-batch losses weighted by their share of samples, as backward weights them),
+    averaged over updates and ranks."""
     grad_norms: tuple[float, ...]
     """Global pre-clip gradient L2 norm of each update."""
     lr: float
@@ -109,6 +112,11 @@ class TrainBackend:
         if cfg.shard == "always":
             D.ensure_process_group(self.dist.device)
         self.rank, self.world_size = D.current_world()
+        if cfg.micro_batch_tokens is not None and self.world_size > 1:
+            # Per-rank token packs differ in count, and FSDP ranks must run the same number of forwards.
+            raise field_error(ConfigError, "train.micro_batch_tokens", cfg.micro_batch_tokens,
+                              f"None at world size {self.world_size} (token budgets run on one rank for now)",
+                              "use micro_batch_size for multi-rank training")
         seed_everything(cfg.seed + self.rank)
         module = policy.module
         self.compute_dtype: torch.dtype = getattr(policy, "compute_dtype", None) or module_dtype(module)
@@ -167,11 +175,20 @@ class TrainBackend:
         per = n // self.world_size
         return batch[self.rank * per:(self.rank + 1) * per]
 
+    def micro_batches(self, shard: SampleBatch) -> list[SampleBatch]:
+        """This rank's micro-batches in the order they run: the engine's rescoring plan
+        (``unirl_core.models.micro_batch``), consecutive ``micro_batch_size`` slices or token-budget packs."""
+        if self.cfg.micro_batch_tokens is None:
+            return shard.split(self.cfg.micro_batch_size)
+        lengths = token_lengths([p.segment for p in shard.generated])
+        plan = plan_micro_batches(lengths, size=self.cfg.micro_batch_size, max_tokens=self.cfg.micro_batch_tokens)
+        return [shard.select(idx) for idx in plan]
+
     def step(self, batch: SampleBatch) -> TrainMetrics:
         """Train on one rollout batch; returns metrics averaged over micro-batches and ranks (``*_max`` /
         ``*_min`` metrics: the extreme over micro-batches and ranks)."""
         t_start = time.perf_counter()
-        micro = self.local_shard(batch).split(self.cfg.micro_batch_size)
+        micro = self.micro_batches(self.local_shard(batch))
         t0 = time.perf_counter()
         old = self._freeze_old_log_probs(micro)
         t_old = time.perf_counter() - t0
@@ -197,7 +214,7 @@ class TrainBackend:
         if self.dist.device.type == "cuda":
             torch.cuda.synchronize(self.dist.device)
         sums["loss"] = float(torch.stack(loss_sums).sum())
-        counts["loss"] = len(micro) * self.cfg.num_updates_per_batch
+        counts["loss"] = self.cfg.num_updates_per_batch
         means = {k: sums[k] / counts[k] for k in sums}
         means = D.all_reduce_metrics(means, self.dist.device)
         loss = means.pop("loss")
@@ -219,7 +236,7 @@ class TrainBackend:
 
     def _accumulate(self, micro: list[SampleBatch], old: list[Tensor | None], local_n: int,
                     sums: dict[str, float], counts: dict[str, int], *, first_update: bool) -> Tensor:
-        """Backward every micro-batch; returns the sum of the unweighted micro-batch losses.
+        """Backward every micro-batch; returns the batch loss: the micro-batch losses weighted by their share.
 
         ``first_update``: the weights are still the rollout's, so the algorithm holds the rollout-vs-replay
         log-prob gap to its tolerance (whatever ``old_logp_source`` is).
@@ -234,7 +251,8 @@ class TrainBackend:
                 out = self._backward(mb, olp, weight, last_micro_batch=i == len(micro) - 1,
                                      first_update=first_update)
             # The loss stays a tensor until the end of the step: a float() here would stall a GPU per micro-batch.
-            loss_sum = out.loss.detach().float() if loss_sum is None else loss_sum + out.loss.detach().float()
+            part = out.loss.detach().float() * weight
+            loss_sum = part if loss_sum is None else loss_sum + part
             for k, v in out.metrics.items():
                 _accumulate_metric(sums, counts, k, float(v))
         return loss_sum

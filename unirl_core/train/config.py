@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 
 from unirl_core.algorithms.base import OldLogpSource
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.models.micro_batch import check_max_tokens
 
 LRSchedule = Literal["constant", "cosine", "linear"]
 ShardMode = Literal["auto", "never", "always"]
@@ -54,6 +55,12 @@ class TrainConfig:
     """Clip the global L2 norm of the gradients to this value; None disables clipping (the norm is still logged)."""
     micro_batch_size: int = 4
     """Samples per forward/backward; a rollout batch is cut into consecutive micro-batches in batch order."""
+    micro_batch_tokens: int | None = None
+    """LM only: pack micro-batches by padded tokens instead of a fixed count (verl's ``use_dynamic_bsz`` with
+    ``ppo_max_token_len_per_gpu``): samples sorted by length, longest first, filled while
+    ``rows x (longest prompt + longest response) <= micro_batch_tokens``; ``micro_batch_size`` is then unused.
+    The trainside engine rescores over the same plan (``unirl_core.models.micro_batch``), so the first
+    ratio stays exactly 1. None keeps fixed-count micro-batches."""
     num_updates_per_batch: int = 1
     """Optimizer updates per rollout batch (each a full pass of gradient accumulation over the batch)."""
     old_logp_source: OldLogpSource = "rollout"
@@ -115,6 +122,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise field_error(ConfigError, f"train.{name}", v, "an integer >= 1", "use e.g. 1")
+        check_max_tokens(self.micro_batch_tokens, "train.micro_batch_tokens")
         if self.old_logp_source not in _OLD_LOGP:
             raise field_error(ConfigError, "train.old_logp_source", self.old_logp_source, f"one of {_OLD_LOGP}",
                               "use 'replay' when rollout and training batch shapes differ, else 'rollout'")

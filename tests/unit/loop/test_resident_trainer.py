@@ -1,0 +1,52 @@
+"""In one process the train phase skips restoring the version its trainer already holds; the run is unchanged."""
+
+from __future__ import annotations
+
+import safetensors.torch
+import torch
+
+from unirl_core.config import load_recipe
+from unirl_core.loop import phases
+from unirl_core.loop.local import run_local
+
+KEYS = ("train/loss", "train/grad_norm", "train/ratio_mean", "reward/mean")
+
+
+def _run(root, monkeypatch, *, force_restore: bool):
+    restores = []
+    real = phases.restore_train_checkpoint
+
+    def counting(backend, ref, **kw):
+        restores.append(ref.step)
+        return real(backend, ref, **kw)
+
+    monkeypatch.setattr(phases, "restore_train_checkpoint", counting)
+    if force_restore:
+        monkeypatch.setattr(phases, "_resident_extra", lambda backend, ckpt: None)
+    cfg = load_recipe("tiny-grpo", [f"checkpoint.root={root}", "loop.total_steps=4", "report.progress=false",
+                                    "train.lr=5e-2"])
+    history = run_local(cfg)
+    weights = safetensors.torch.load_file(f"{root}/tiny-grpo/step-00000004/model.safetensors")
+    monkeypatch.undo()
+    return history, weights, restores
+
+
+def test_resident_trainer_skips_the_restore_and_trains_identically(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    h_skip, w_skip, r_skip = _run(tmp_path / "skip", monkeypatch, force_restore=False)
+    h_full, w_full, r_full = _run(tmp_path / "full", monkeypatch, force_restore=True)
+    assert r_full == [0, 1, 2, 3] and r_skip == [0]  # only the first step reads the store
+    assert any(h["train/grad_norm"] > 0 for h in h_full)
+    for a, b in zip(h_skip, h_full):
+        assert [a[k] for k in KEYS] == [b[k] for k in KEYS]
+    assert w_skip.keys() == w_full.keys() and all(torch.equal(w_skip[k], w_full[k]) for k in w_skip)
+
+
+def test_a_failed_step_forgets_the_resident_version(tmp_path, monkeypatch):
+    cfg = load_recipe("tiny-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=1", "report.progress=false"])
+    run_local(cfg)
+    assert phases._RESIDENT
+    backend = phases.build.trainer(cfg)
+    ckpt = phases.build.store(cfg).latest()
+    assert phases._resident_extra(backend, ckpt) is not None
+    assert not phases._RESIDENT and phases._resident_extra(backend, ckpt) is None  # cleared until the next save

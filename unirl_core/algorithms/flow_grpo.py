@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from unirl_core.algorithms.base import LossOutput, OldLogpSource, Policy
+from unirl_core.algorithms.registry import register_algorithm
 from unirl_core.errors import ConfigError, InvariantError, NumericsError, field_error
 from unirl_core.models.diffusion import stack_conditions
 from unirl_core.sde.kernels import schedule_coefficients
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 class FlowGRPOConfig:
     """Flow-GRPO loss settings."""
 
+    name: Literal["flow_grpo"] = field(default="flow_grpo", init=False)
+    """Registry name (the default of the diffusion section)."""
     clip_range: float = 1e-4
     """PPO clip epsilon on the per-step ratio (Flow-GRPO uses 1e-4: per-step ratios stay very close to 1)."""
     adv_clip_max: float = 5.0
@@ -321,3 +324,6 @@ def _advantages(parts: list[Part]) -> Tensor:
                           "run the advantage phase before training")
     return torch.tensor([p.advantage for p in parts], dtype=torch.float32)
 
+
+
+register_algorithm("flow_grpo", family="diffusion", config=FlowGRPOConfig, build=FlowGRPO)

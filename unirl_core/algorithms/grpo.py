@@ -16,7 +16,7 @@ plus ``beta * KL_k(logp, logp_ref)``. Aggregation over the micro-batch:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -24,6 +24,7 @@ from torch import Tensor
 
 from unirl_core.algorithms.base import LossOutput, Policy
 from unirl_core.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_penalty
+from unirl_core.algorithms.registry import register_algorithm
 from unirl_core.errors import ConfigError, InvariantError, NumericsError, field_error
 from unirl_core.models.lm import ReplayLayout, build_layout, logprob_chunk_tokens, replay_log_probs
 from unirl_core.types import ARSamplingParams, SampleBatch, TokenSegment
@@ -33,21 +34,18 @@ RatioLevel = Literal["token", "sequence"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class GRPOConfig:
-    """Loss of the LM GRPO family."""
+class LMLossConfig:
+    """Knobs every token-level LM loss shares (GRPO, CISPO): aggregation, KL, TIS, the replay check, and
+    DAPO's overlong handling. Each algorithm's config adds its own ratio/clip knobs and a ``name``."""
 
+    name: str = field(default="", init=False)
+    """Registry name (``unirl_core.algorithms.registry``), fixed by each subclass."""
     loss_agg: LossAgg = "grpo"
     """``grpo`` (per-sequence mean), ``dapo`` (token mean), ``dr_grpo`` (constant normaliser)."""
-    epsilon: float = 0.2
-    """Lower clip range: the ratio is clipped below at ``1 - epsilon``."""
-    epsilon_high: float | None = None
-    """Upper clip range (DAPO's clip-higher, e.g. 0.28); None uses ``epsilon``."""
     beta: float = 0.0
     """KL coefficient against the reference policy; 0 skips the reference forward."""
     kl_estimator: KLEstimator = "k3"
     """``k1``, ``k2`` or ``k3`` (see ``unirl_core.algorithms.kl``)."""
-    ratio_level: RatioLevel = "token"
-    """``token`` (GRPO) or ``sequence`` (GSPO: length-normalised sequence log-ratio, shared by its tokens)."""
     tis_cap: float | None = None
     """Truncated importance sampling cap C for rollouts from another engine; needs a replayed pi_old."""
     max_response_tokens: int | None = None
@@ -55,30 +53,64 @@ class GRPOConfig:
     max_logp_absdiff: float | None = 1.0
     """Fail closed (NumericsError) when max |logp_rollout - logp_old_replay| over loss tokens exceeds this;
     trainside sampling gives exactly 0, a bf16 dedicated engine typically < 0.3; None disables."""
+    mask_truncated_completions: bool = False
+    """Exclude completions that stopped at the token limit (``finish_reason='length'``, no EOS) from the loss
+    (TRL's ``mask_truncated_completions``, DAPO's overlong filtering). They still count in the advantages."""
+    overlong_buffer_len: int | None = None
+    """DAPO's soft overlong punishment: a linear reward penalty over the last ``overlong_buffer_len`` tokens
+    before ``lm.sampling.max_new_tokens`` (verl ``reward_model.overlong_buffer.len``); applied to the total
+    reward in the reward phase, before filtering and advantages. None: off."""
+    overlong_penalty_factor: float = 1.0
+    """Penalty at the token limit (verl ``overlong_buffer.penalty_factor``); 0 at the buffer's start."""
 
     def __post_init__(self) -> None:
+        n = self.name
         if self.loss_agg not in ("grpo", "dapo", "dr_grpo"):
-            raise field_error(ConfigError, "grpo.loss_agg", self.loss_agg, "'grpo', 'dapo' or 'dr_grpo'", "pick one")
+            raise field_error(ConfigError, f"{n}.loss_agg", self.loss_agg, "'grpo', 'dapo' or 'dr_grpo'", "pick one")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise field_error(ConfigError, f"{n}.kl_estimator", self.kl_estimator, f"one of {KL_ESTIMATORS}",
+                              "use 'k3'")
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise field_error(ConfigError, f"{n}.beta", self.beta, "a finite value >= 0", "use 0.0 or e.g. 0.04")
+        if self.tis_cap is not None and not (self.tis_cap >= 1 and math.isfinite(self.tis_cap)):
+            raise field_error(ConfigError, f"{n}.tis_cap", self.tis_cap, "a finite value >= 1 or None", "use e.g. 2.0")
+        if self.loss_agg == "dr_grpo" and not (isinstance(self.max_response_tokens, int)
+                                               and self.max_response_tokens >= 1):
+            raise field_error(ConfigError, f"{n}.max_response_tokens", self.max_response_tokens,
+                              "an integer >= 1 with loss_agg='dr_grpo'", "set it to the sampling max_new_tokens")
+        if self.max_logp_absdiff is not None and not (self.max_logp_absdiff >= 0):
+            raise field_error(ConfigError, f"{n}.max_logp_absdiff", self.max_logp_absdiff, "a value >= 0 or None",
+                              "use e.g. 1.0, or 0.0 to demand bit-exact replay")
+        if self.overlong_buffer_len is not None and not (isinstance(self.overlong_buffer_len, int)
+                                                         and self.overlong_buffer_len >= 1):
+            raise field_error(ConfigError, f"{n}.overlong_buffer_len", self.overlong_buffer_len,
+                              "None or an integer >= 1", "DAPO uses 4096 of 20480 tokens; e.g. a fifth of "
+                              "max_new_tokens")
+        if not (self.overlong_penalty_factor >= 0 and math.isfinite(self.overlong_penalty_factor)):
+            raise field_error(ConfigError, f"{n}.overlong_penalty_factor", self.overlong_penalty_factor,
+                              "a finite value >= 0", "use 1.0 (DAPO)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOConfig(LMLossConfig):
+    """Loss of the LM GRPO family (GRPO, DAPO, Dr.GRPO, GSPO)."""
+
+    name: Literal["grpo"] = field(default="grpo", init=False)
+    epsilon: float = 0.2
+    """Lower clip range: the ratio is clipped below at ``1 - epsilon``."""
+    epsilon_high: float | None = None
+    """Upper clip range (DAPO's clip-higher, e.g. 0.28); None uses ``epsilon``."""
+    ratio_level: RatioLevel = "token"
+    """``token`` (GRPO) or ``sequence`` (GSPO: length-normalised sequence log-ratio, shared by its tokens)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.ratio_level not in ("token", "sequence"):
             raise field_error(ConfigError, "grpo.ratio_level", self.ratio_level, "'token' or 'sequence'", "pick one")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise field_error(ConfigError, "grpo.kl_estimator", self.kl_estimator, f"one of {KL_ESTIMATORS}",
-                              "use 'k3'")
         for name in ("epsilon", "epsilon_high"):
             v = getattr(self, name)
             if v is not None and not (0 < v < 10 and math.isfinite(v)):
                 raise field_error(ConfigError, f"grpo.{name}", v, "a value in (0, 10)", "use e.g. 0.2 (0.28 high)")
-        if not (self.beta >= 0 and math.isfinite(self.beta)):
-            raise field_error(ConfigError, "grpo.beta", self.beta, "a finite value >= 0", "use 0.0 or e.g. 0.04")
-        if self.tis_cap is not None and not (self.tis_cap >= 1 and math.isfinite(self.tis_cap)):
-            raise field_error(ConfigError, "grpo.tis_cap", self.tis_cap, "a finite value >= 1 or None", "use e.g. 2.0")
-        if self.loss_agg == "dr_grpo" and not (isinstance(self.max_response_tokens, int)
-                                               and self.max_response_tokens >= 1):
-            raise field_error(ConfigError, "grpo.max_response_tokens", self.max_response_tokens,
-                              "an integer >= 1 with loss_agg='dr_grpo'", "set it to the sampling max_new_tokens")
-        if self.max_logp_absdiff is not None and not (self.max_logp_absdiff >= 0):
-            raise field_error(ConfigError, "grpo.max_logp_absdiff", self.max_logp_absdiff, "a value >= 0 or None",
-                              "use e.g. 1.0, or 0.0 to demand bit-exact replay")
 
     @property
     def eps_high(self) -> float:
@@ -152,7 +184,7 @@ def _masked_mean(x: Tensor, mask: Tensor) -> float:
 class GRPO:
     """``Algorithm`` over AR Parts: replays token log-probs with ``replay_log_probs`` and applies the loss."""
 
-    def __init__(self, config: GRPOConfig | None = None) -> None:
+    def __init__(self, config: LMLossConfig | None = None) -> None:
         self.config = config or GRPOConfig()
 
     def layout(self, policy: Policy, micro_batch: SampleBatch) -> ReplayLayout:
@@ -197,9 +229,18 @@ class GRPO:
         if cfg.beta > 0:
             with torch.no_grad(), policy.reference():
                 ref, _ = replay_log_probs(policy.module, layout, chunk_tokens=logprob_chunk_tokens(policy))
-        loss, stats = grpo_token_loss(logp, old, adv, layout.loss_mask, cfg, ref_logp=ref,
-                                      rollout_logp=layout.stored_log_probs)
-        return LossOutput(loss=loss, metrics=self._metrics(layout, logp, old, entropy, stats))
+        truncated = truncated_completions(micro_batch).to(layout.loss_mask.device)
+        mask = layout.loss_mask & ~truncated[:, None] if cfg.mask_truncated_completions else layout.loss_mask
+        loss, stats = self.token_loss(logp, old, adv, mask, ref_logp=ref, rollout_logp=layout.stored_log_probs)
+        metrics = self._metrics(layout, logp, old, entropy, stats)
+        metrics["truncated_frac"] = float(truncated.float().mean())
+        return LossOutput(loss=loss, metrics=metrics)
+
+    def token_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                   ref_logp: Tensor | None, rollout_logp: Tensor) -> tuple[Tensor, dict]:
+        """The pure loss this algorithm applies (``grpo_token_loss``); variants override only this."""
+        return grpo_token_loss(logp, old_logp, advantages, mask, self.config, ref_logp=ref_logp,
+                               rollout_logp=rollout_logp)
 
     def _check_absdiff(self, layout: ReplayLayout, old: Tensor) -> None:
         limit = self.config.max_logp_absdiff
@@ -233,6 +274,12 @@ class GRPO:
         return out
 
 
+def truncated_completions(batch: SampleBatch) -> Tensor:
+    """``[B]`` bool: the completion stopped at the token limit without EOS (``finish_reason == 'length'``)."""
+    return torch.tensor([getattr(p.segment, "finish_reason", None) == "length" for p in batch.generated],
+                        dtype=torch.bool)
+
+
 def _pad_id(policy: Policy) -> int:
     pad = getattr(policy, "pad_token_id", None)
     if pad is None:
@@ -248,3 +295,6 @@ def _advantages(batch: SampleBatch) -> Tensor:
         raise field_error(InvariantError, "part.advantage", missing[:5], "an advantage on every trained Part",
                           "run the advantage phase before training")
     return torch.tensor(adv, dtype=torch.float32)
+
+
+register_algorithm("grpo", family="lm", config=GRPOConfig, build=GRPO)

@@ -2,6 +2,10 @@
 
 Unknown keys, wrong types and values outside a ``Literal`` raise ``ConfigError`` naming the dotted
 path, the value and the allowed choices, so a typo in a recipe never silently falls back to a default.
+
+A field typed ``Annotated[T, marker]`` whose marker has ``parse_config(value, path, convert)`` is parsed by
+the marker (e.g. ``unirl_core.algorithms.registry.AlgorithmChoice``: a config picked by its ``name``); other
+``Annotated`` extras are ignored.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 
@@ -64,6 +68,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if origin is Annotated:
+        inner, *extras = typing.get_args(tp)
+        hook = next((m for m in extras if hasattr(m, "parse_config")), None)
+        return hook.parse_config(value, path, _convert) if hook is not None else _convert(inner, value, path)
     if dataclasses.is_dataclass(tp):
         return _dataclass(tp, value, path)
     if origin is Literal:
@@ -94,7 +102,7 @@ def _dataclass(cls: type, value: Any, path: str) -> Any:
         removed = getattr(cls, "REMOVED_FIELDS", {})
         fix = removed.get(unknown[0], f"valid fields: {sorted(fields)}")
         raise field_error(ConfigError, f"{path}.{unknown[0]}", value[unknown[0]], f"a field of {cls.__name__}", fix)
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     kwargs = {}
     for name, f in fields.items():
         if name in value:
@@ -115,6 +123,9 @@ def _union(tp: Any, value: Any, path: str) -> Any:
             return None
         raise field_error(ConfigError, path, value, f"a value of {tp}", "this field cannot be null")
     errors = []
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:  # Optional[X]: X's own error names the field precisely
+        return _convert(options[0], value, path)
     for a in args:
         if a is type(None):
             continue

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from unirl_core.advantage.config import AdvantageConfig, StatTrackerConfig
 from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo import GRPOConfig
+from unirl_core.algorithms.registry import AlgorithmChoice
 from unirl_core.data.prompts import PromptDataConfig
 from unirl_core.data.toy import ToyArithmeticConfig
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.loop.dynamic_sampling import FilterGroupsConfig
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
 from unirl_core.pool.config import PoolConfig
@@ -85,7 +87,9 @@ class DiffusionSection:
     model: DiffusionModelConfig = field(default_factory=DiffusionModelConfig)
     sampling: DiffusionSamplingConfig = field(default_factory=DiffusionSamplingConfig)
     engine: DiffusionEngineConfig = field(default_factory=DiffusionEngineConfig)
-    algorithm: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
+    algorithm: Annotated[Any, AlgorithmChoice("diffusion")] = field(default_factory=FlowGRPOConfig)
+    """The loss, picked by ``name`` from the registry (``unirl_core/algorithms/registry.py``); no name:
+    ``flow_grpo``. The other keys are that algorithm's config fields."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +101,9 @@ class LMSection:
     engine: AREngineConfig = field(default_factory=AREngineConfig)
     """The trainside engine (``deployment.engine='trainside'``); must stay default with a dedicated engine (its
     prompt format is ``vllm.prompt`` / ``sglang.prompt``). ``seed`` must stay default: the loop seeds rollouts."""
-    algorithm: GRPOConfig = field(default_factory=GRPOConfig)
+    algorithm: Annotated[Any, AlgorithmChoice("lm")] = field(default_factory=GRPOConfig)
+    """The loss, picked by ``name`` from the registry (``grpo``, ``cispo``, ...); no name: ``grpo``. The
+    other keys are that algorithm's config fields."""
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     """Which engine samples and where: trainside (direct) or a dedicated vLLM/SGLang server (separate,
     colocate) that receives every published version."""
@@ -215,6 +221,9 @@ class RunConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     tracker: StatTrackerConfig | None = None
     """Per-prompt reward statistics across steps (Flow-GRPO); None normalises within the batch's groups."""
+    filter_groups: FilterGroupsConfig | None = None
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch with extra rounds of
+    new prompts (``unirl_core/loop/dynamic_sampling.py``); None: off. Needs ``train.old_logp_source='replay'``."""
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
@@ -238,6 +247,7 @@ class RunConfig:
         if self.lm is not None:
             check_lm_deployment(self.lm, self.train.old_logp_source)
         check_rollout_seeds(self)
+        self._check_filter_groups()
         if self.pool.execution == "pool" and self.lm is not None and self.lm.deployment.engine != "trainside":
             raise field_error(ConfigError, "pool.execution", "pool", f"'pods' with lm.deployment.engine="
                               f"{self.lm.deployment.engine!r}", "the pool runs the trainside engines only (a vLLM "
@@ -246,6 +256,21 @@ class RunConfig:
     @property
     def section(self) -> DiffusionSection | LMSection:
         return self.diffusion if self.family == "diffusion" else self.lm
+
+    def _check_filter_groups(self) -> None:
+        """Dynamic sampling re-slices the batch and runs extra rollouts in the driver's process."""
+        if self.filter_groups is None:
+            return
+        if self.train.old_logp_source != "replay":
+            raise field_error(ConfigError, "train.old_logp_source", self.train.old_logp_source,
+                              "'replay' with filter_groups", "refilled batches mix rollout slices, so pi_old must "
+                              "be replayed over the training micro-batches (the first ratio is then exactly 1)")
+        if self.advantage.drop_zero_std_groups:
+            raise field_error(ConfigError, "advantage.drop_zero_std_groups", True, "False with filter_groups",
+                              "filter_groups already drops flat groups and refills the batch; remove it")
+        if self.pool.execution == "pool":
+            raise field_error(ConfigError, "filter_groups", "set", "unset with pool.execution='pool'",
+                              "dynamic sampling's extra rounds run in pods mode only; use execution 'pods'")
 
     def _check_token_budget(self, shards: int) -> None:
         """``train.micro_batch_tokens``: LM only; the loop hands it to the trainside engine, whose rescoring packs

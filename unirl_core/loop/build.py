@@ -24,8 +24,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from torch import Tensor
 
-from unirl_core.algorithms.flow_grpo import FlowGRPO
-from unirl_core.algorithms.grpo import GRPO
+from unirl_core.algorithms.registry import build_algorithm
 from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_weights
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
@@ -82,7 +81,8 @@ def trainer(cfg: RunConfig) -> TrainBackend:
 
 
 def algorithm(cfg: RunConfig):
-    return FlowGRPO(cfg.diffusion.algorithm) if cfg.family == "diffusion" else GRPO(cfg.lm.algorithm)
+    """The run's loss, built from its section's registered algorithm config (``<family>.algorithm.name``)."""
+    return build_algorithm(cfg.section.algorithm)
 
 
 def store(cfg: RunConfig) -> CheckpointStore:

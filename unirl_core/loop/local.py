@@ -17,6 +17,7 @@ from unirl_core.loop import resume
 from unirl_core.loop.metrics import merge_shard_metrics
 from unirl_core.loop.phases import (
     advantage_phase,
+    dynamic_sampling_phase,
     init_run,
     publish_phase,
     reward_phase,
@@ -133,6 +134,11 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
         batch, m = reward_phase(cfg, batch)
         metrics.update(m)
         t["reward"] = time.perf_counter() - t1
+        if cfg.filter_groups is not None:
+            t1 = time.perf_counter()
+            batch, m = dynamic_sampling_phase(cfg, batch, ckpt, step=step)
+            metrics.update(m)
+            t["dynamic_sampling"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         batch, m = advantage_phase(cfg, batch, ckpt)
         metrics.update(m)

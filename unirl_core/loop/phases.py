@@ -16,6 +16,7 @@ import torch.distributed
 
 from unirl_core.advantage.batch import assign_advantages
 from unirl_core.advantage.tracker import PerPromptStatTracker
+from unirl_core.algorithms.overlong import apply_overlong_penalty
 from unirl_core.checkpoint import (
     CheckpointRef,
     load_checkpoint,
@@ -28,6 +29,7 @@ from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
 from unirl_core.loop import build, resume
+from unirl_core.loop.dynamic_sampling import MAX_ROUNDS, fill_groups
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
 from unirl_core.rollout.logp_check import check_logp_agreement, replay_agreement
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 TRACKER_KEY = "unirl.tracker_state"
 EMA_POLICY_VERSION = -2
 """Policy version stamped on Parts sampled with EMA weights: no trainer version ever equals it."""
+REFILL_STREAM = 1 << 24
+"""Prompt-stream batch index where dynamic sampling's extra rounds start (far past any run's steps)."""
 
 
 def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None = None) -> CheckpointRef:
@@ -164,20 +168,31 @@ def _fork(cfg: RunConfig, parent: CheckpointRef) -> CheckpointRef:
     return ref
 
 
-def step_prompts(cfg: RunConfig, step: int, shard: int = 0, num_shards: int = 1) -> list[PromptRecord]:
-    """Prompts of training step ``step`` (1-based) for one shard; group ids are unique per step."""
+def step_prompts(cfg: RunConfig, step: int, shard: int = 0, num_shards: int = 1,
+                 gen_round: int = 0) -> list[PromptRecord]:
+    """Prompts of training step ``step`` (1-based) for one shard; group ids are unique per step.
+
+    ``gen_round`` > 0: an extra round of dynamic sampling (``filter_groups``). Its prompts come from a region
+    of the prompt stream no regular step reaches (``REFILL_STREAM``), so refilling leaves every step's own
+    prompts unchanged; its group ids carry the round."""
     if not (0 <= shard < num_shards) or cfg.data.prompts_per_step % num_shards:
         raise field_error(ConfigError, "shard/num_shards", (shard, num_shards),
                           f"0 <= shard < num_shards dividing prompts_per_step={cfg.data.prompts_per_step}",
                           "set loop.rollout_shards to a divisor of data.prompts_per_step")
-    recs = build.dataset(cfg).batch(step - 1, cfg.data.prompts_per_step)
+    if not (0 <= gen_round < MAX_ROUNDS):
+        raise field_error(ConfigError, "gen_round", gen_round, f"0 <= gen_round < {MAX_ROUNDS}",
+                          "lower filter_groups.max_num_gen_batches")
+    index = step - 1 if gen_round == 0 else REFILL_STREAM + (step - 1) * MAX_ROUNDS + gen_round
+    recs = build.dataset(cfg).batch(index, cfg.data.prompts_per_step)
     per = len(recs) // num_shards
-    return [PromptRecord(prompt_id=f"s{step:06d}-{r.prompt_id}", prompt=r.prompt, targets=dict(r.targets))
+    tag = f"s{step:06d}" if gen_round == 0 else f"s{step:06d}r{gen_round}"
+    return [PromptRecord(prompt_id=f"{tag}-{r.prompt_id}", prompt=r.prompt, targets=dict(r.targets))
             for r in recs[shard * per:(shard + 1) * per]]
 
 
 def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int = 0, num_shards: int = 1,
-                  weights: Literal["policy", "ema"] = "policy") -> tuple[SampleBatch, dict[str, float]]:
+                  weights: Literal["policy", "ema"] = "policy",
+                  gen_round: int = 0) -> tuple[SampleBatch, dict[str, float]]:
     """Sample one shard of step ``step`` with the weights of ``ckpt``: the trainside engine, or the process's
     dedicated engine after syncing ``ckpt`` to it (then checked against the trainer's replay, fail-closed).
 
@@ -185,10 +200,14 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
     weights in the model dtype, the view the trainer's compute context reproduces. ``weights='ema'`` samples
     with the EMA weights stored in ``ckpt`` (``train.ema_decay`` set), e.g. for evaluation or EMA rollouts;
     such a batch is off-policy for the trainer's first-update check, which only runs on equal versions.
+    ``gen_round`` > 0: an extra round of dynamic sampling (new prompts and seeds, see ``step_prompts``).
 
     With ``pool.execution: pool`` the step runs on the pool's engine actor (``unirl_core.pool.phases``).
     """
     if cfg.pool.execution == "pool":
+        if gen_round:
+            raise field_error(ConfigError, "filter_groups", "set", "unset with pool.execution='pool'",
+                              "dynamic sampling runs in pods mode only")
         from unirl_core.pool import phases as pool_phases
 
         return pool_phases.rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights)
@@ -196,15 +215,17 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
     policy = build.bundle(cfg)
     build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
     return sample_step(cfg, policy, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights,
-                       started=t0)
+                       started=t0, gen_round=gen_round)
 
 
 def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
-                weights: Literal["policy", "ema"], started: float) -> tuple[SampleBatch, dict[str, float]]:
+                weights: Literal["policy", "ema"], started: float,
+                gen_round: int = 0) -> tuple[SampleBatch, dict[str, float]]:
     """The sampling of ``rollout_phase`` with ``policy`` already holding ``ckpt``'s (or its EMA) weights;
     ``started`` is the ``perf_counter`` the phase began at (``rollout/seconds``)."""
     t0 = started
-    seed = stable_seed(cfg.loop.seed, "rollout", step, shard) % (2**63)
+    key = ("rollout", step, shard) if gen_round == 0 else ("rollout", step, shard, "refill", gen_round)
+    seed = stable_seed(cfg.loop.seed, *key) % (2**63)
     section = cfg.section
     sampling = section.sampling.params(policy.family) if cfg.family == "diffusion" else section.sampling
     version = ckpt.policy_version if weights == "policy" else EMA_POLICY_VERSION
@@ -212,7 +233,7 @@ def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard
     if dedicated and sampling.seed is None:
         # A server draws unseeded requests from its own stream; seed them from the step instead.
         sampling = dataclasses.replace(sampling, seed=seed)
-    request = SampleBatch.from_prompts(step_prompts(cfg, step, shard, num_shards),
+    request = SampleBatch.from_prompts(step_prompts(cfg, step, shard, num_shards, gen_round),
                                        samples_per_prompt=cfg.data.samples_per_prompt, kind=cfg.family
                                        if cfg.family == "diffusion" else "ar", sampling=sampling,
                                        policy_version=version,
@@ -281,9 +302,40 @@ def reward_phase(cfg: RunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[
     if cfg.pool.execution == "pool":
         from unirl_core.pool import phases as pool_phases
 
-        return pool_phases.reward_phase(cfg, batch)
-    scored, stats = build.reward_service(cfg).score_with_stats(batch)
-    return scored, stats.as_metrics()
+        scored, metrics = pool_phases.reward_phase(cfg, batch)
+    else:
+        scored, stats = build.reward_service(cfg).score_with_stats(batch)
+        metrics = stats.as_metrics()
+    return scored, {**metrics, **shape_rewards(cfg, scored)}
+
+
+def shape_rewards(cfg: RunConfig, batch: SampleBatch) -> dict[str, float]:
+    """Reward shaping the LM algorithm asks for, applied in place to the scored batch: DAPO's overlong
+    penalty (``lm.algorithm.overlong_buffer_len``) against ``lm.sampling.max_new_tokens``."""
+    algo = cfg.lm.algorithm if cfg.family == "lm" else None
+    if getattr(algo, "overlong_buffer_len", None) is None:
+        return {}
+    return apply_overlong_penalty(batch, max_tokens=cfg.lm.sampling.max_new_tokens,
+                                  buffer_len=algo.overlong_buffer_len, penalty_factor=algo.overlong_penalty_factor)
+
+
+def dynamic_sampling_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
+                           step: int) -> tuple[SampleBatch, dict[str, float]]:
+    """DAPO dynamic sampling between reward and advantage (``filter_groups`` set; else ``batch`` unchanged):
+    drop groups whose rewards are all equal and refill with extra rounds of rollout + reward over new prompts
+    (``unirl_core.loop.dynamic_sampling.fill_groups``). The result always has ``data.prompts_per_step`` groups."""
+    fg = cfg.filter_groups
+    if fg is None:
+        return batch, {}
+    shards = cfg.loop.rollout_shards
+
+    def more(gen_round: int) -> SampleBatch:
+        parts = [rollout_phase(cfg, ckpt, step=step, shard=s, num_shards=shards, gen_round=gen_round)[0]
+                 for s in range(shards)]
+        return reward_phase(cfg, SampleBatch.concat(parts))[0]
+
+    return fill_groups(batch, more, groups=cfg.data.prompts_per_step, max_rounds=fg.max_num_gen_batches,
+                       atol=cfg.advantage.zero_std_atol)
 
 
 def advantage_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) -> tuple[SampleBatch, dict[str, float]]:

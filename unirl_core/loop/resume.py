@@ -71,6 +71,7 @@ RESUME_RULES: dict[str, Rule] = {
     "lm.engine.stop_check_interval": "apply",
     "lm.engine.finish_check_interval": "apply",
     "lm.algorithm": "apply",
+    "filter_groups": "apply",  # which rewarded groups are trained, not the trajectory layout
     "lm.deployment": "apply",
     "lm.vllm": "apply",
     "lm.sglang": "apply",

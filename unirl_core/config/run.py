@@ -11,6 +11,7 @@ from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo import GRPOConfig
 from unirl_core.algorithms.registry import AlgorithmChoice
 from unirl_core.data.prompts import PromptDataConfig
+from unirl_core.data.shapes import ShapesPromptsConfig
 from unirl_core.data.toy import ToyArithmeticConfig
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.loop.dynamic_sampling import FilterGroupsConfig
@@ -30,7 +31,7 @@ from unirl_core.types import ARSamplingParams, DiffusionSamplingParams, SDEType
 
 Family = Literal["diffusion", "lm"]
 ScheduleKind = Literal["auto", "sd3", "flux"]
-PromptSource = Literal["inline", "toy_arithmetic", "file"]
+PromptSource = Literal["inline", "toy_arithmetic", "file", "shapes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,13 +127,16 @@ class DataConfig:
     """Where prompts come from and how many go into one step."""
 
     source: PromptSource = "inline"
-    """``inline`` (``prompts`` below), ``toy_arithmetic`` (built-in verifiable task) or ``file`` (jsonl/parquet/HF)."""
+    """``inline`` (``prompts`` below), ``toy_arithmetic`` (built-in verifiable task), ``file`` (jsonl/parquet/HF)
+    or ``shapes`` (captions of the shapes world, scored by the ``shapes_*`` rewards)."""
     prompts: tuple[str, ...] = ()
     """Inline prompt texts (``source='inline'``)."""
     toy: ToyArithmeticConfig = field(default_factory=ToyArithmeticConfig)
     """Toy arithmetic task shape (``source='toy_arithmetic'``)."""
     file: PromptDataConfig | None = None
     """Prompt file (``source='file'``)."""
+    shapes: ShapesPromptsConfig = field(default_factory=ShapesPromptsConfig)
+    """Shapes-world prompt set (``source='shapes'``): ``num_prompts``, ``seed``, ``world``."""
     prompts_per_step: int = 4
     """Distinct prompts (groups) per step."""
     samples_per_prompt: int = 4

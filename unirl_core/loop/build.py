@@ -29,6 +29,7 @@ from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_weights
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.data.prompts import PromptDataset, load_prompts
+from unirl_core.data.shapes import shapes_prompts
 from unirl_core.data.toy import toy_arithmetic_prompts
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionBundle
@@ -105,6 +106,8 @@ def _build_dataset(cfg: RunConfig) -> PromptDataset:
         return PromptDataset(records, seed=d.seed)
     if d.source == "toy_arithmetic":
         return PromptDataset(toy_arithmetic_prompts(d.toy), seed=d.seed)
+    if d.source == "shapes":
+        return PromptDataset(shapes_prompts(d.shapes), seed=d.seed)
     return load_prompts(d.file)
 
 

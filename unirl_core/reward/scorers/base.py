@@ -63,6 +63,11 @@ _REGISTRY: dict[str, str | Callable[..., Scorer]] = {
     "format": "unirl_core.reward.scorers.text:FormatScorer",
     "length_penalty": "unirl_core.reward.scorers.text:LengthPenalty",
     "toy_arithmetic": "unirl_core.data.toy:ToyArithmeticScorer",
+    "shapes_compositional": "unirl_core.reward.scorers.shapes:ShapesCompositional",
+    "shapes_object": "unirl_core.reward.scorers.shapes:ShapesObjectScore",
+    "shapes_count": "unirl_core.reward.scorers.shapes:ShapesCountScore",
+    "shapes_color": "unirl_core.reward.scorers.shapes:ShapesColorScore",
+    "shapes_position": "unirl_core.reward.scorers.shapes:ShapesPositionScore",
 }
 
 

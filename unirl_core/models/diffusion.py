@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 DiffusionFamily = Literal["sd3", "flux"]
 FAMILIES: tuple[str, ...] = ("sd3", "flux")
-TINY_PRESETS = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-flux-guidance": "flux"}
+TINY_PRESETS = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-flux-guidance": "flux", "shapes-sd3-init": "sd3",
+                "shapes-sd3": "sd3"}
+"""Presets built in code (no download); their T5 context is 32 tokens."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 LORA_TARGETS: dict[str, tuple[str, ...]] = {
@@ -75,7 +77,9 @@ class DiffusionModelConfig:
     """Which diffusion model to load and how to train it."""
 
     source: str = "tiny-sd3"
-    """``tiny-sd3`` / ``tiny-flux`` / ``tiny-flux-guidance`` (built from config), or a local dir / hub id for ``from_pretrained``."""
+    """``tiny-sd3`` / ``tiny-flux`` / ``tiny-flux-guidance`` (built from config), ``shapes-sd3-init`` / ``shapes-sd3``
+    (the shapes-world model, random or with its shipped weights: ``diffusion_shapes.py``), or a local dir / hub id
+    for ``from_pretrained``."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of every component (and, by default, of the stored trajectory)."""
     device: str = "cpu"
@@ -351,6 +355,12 @@ def _load_pipeline(config: DiffusionModelConfig):
 
     if config.source == "tiny-sd3":
         return diffusion_tiny.tiny_sd3_pipeline(seed=config.seed), "sd3"
+    if config.source in ("shapes-sd3-init", "shapes-sd3"):
+        from unirl_core.models import diffusion_shapes
+
+        if config.source == "shapes-sd3":
+            return diffusion_shapes.shipped_shapes_pipeline(), "sd3"
+        return diffusion_shapes.shapes_sd3_pipeline(seed=config.seed), "sd3"
     if config.source in ("tiny-flux", "tiny-flux-guidance"):
         return diffusion_tiny.tiny_flux_pipeline(seed=config.seed,
                                                  guidance_embeds=config.source == "tiny-flux-guidance"), "flux"

@@ -144,6 +144,8 @@ class SFTLoopConfig:
     """Base seed of the noise / sigma / caption-dropout draws (per step: ``stable_seed(seed, 'sft', step)``)."""
     log_every: int = 10
     """Steps between progress lines."""
+    export_ema: bool = False
+    """Export (``export_model``) the EMA weights instead of the trained ones; needs ``train.ema_decay``."""
 
     def __post_init__(self) -> None:
         for name in ("total_steps", "steps_per_chunk", "log_every"):
@@ -192,6 +194,9 @@ class SFTConfig:
         if self.train.old_logp_source != "rollout":
             raise field_error(ConfigError, "train.old_logp_source", self.train.old_logp_source,
                               "'rollout' for SFT (there is no pi_old to replay)", "remove the field")
+        if self.loop.export_ema and self.train.ema_decay is None:
+            raise field_error(ConfigError, "loop.export_ema", True, "False unless train.ema_decay is set",
+                              "set train.ema_decay (e.g. 0.99) or export the trained weights")
         if self.family == "lm" and self.data.source == "shapes":
             raise field_error(ConfigError, "data.source", "shapes", "'jsonl' for family='lm'",
                               "the shapes world makes images; give prompt/completion rows in a .jsonl file")

@@ -197,8 +197,10 @@ def export_model(cfg: SFTConfig, ckpt: CheckpointRef, uri: str | None = None) ->
     bundle = fresh_bundle(cfg)
     from unirl_core.loop.build import apply_policy_weights
 
-    apply_policy_weights(bundle, load_weights(ckpt, storage_options=cfg.checkpoint.storage_options), where=ckpt.uri)
-    marker = {"run": cfg.name, "step": ckpt.step, "policy_version": ckpt.policy_version, "version_uri": ckpt.uri,
+    ema = cfg.loop.export_ema
+    weights = load_weights(ckpt, storage_options=cfg.checkpoint.storage_options, ema=ema)
+    apply_policy_weights(bundle, weights, where=ckpt.uri)
+    marker = {"weights": "ema" if ema else "model", "run": cfg.name, "step": ckpt.step, "policy_version": ckpt.policy_version, "version_uri": ckpt.uri,
               "family": cfg.family, "model": to_dict(cfg.section.model)}
     if cfg.family == "diffusion":
         marker["max_sequence_length"] = bundle.max_sequence_length

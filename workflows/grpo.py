@@ -17,6 +17,7 @@ from flytekit import dynamic, map_task, workflow
 from images import train_image
 from tasks.advantage import advantage_task
 from tasks.common import CPU_TASK
+from tasks.dynamic_sampling import dynamic_sampling_task
 from tasks.publish import publish_task
 from tasks.report import report_task
 from tasks.reward import reward_task
@@ -58,6 +59,9 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
     for step in range(first, last + 1):
         joined = rollout_step(cfg=cfg, ckpt=state, step=step, num_shards=shards, shards=list(range(shards)))
         scored = reward_task(cfg=cfg, batch=joined.batch)
+        if cfg.filter_groups is not None:  # DAPO dynamic sampling: flat groups dropped, refilled by extra rounds
+            scored = dynamic_sampling_task(cfg=cfg, batch=scored.batch, ckpt=state, step=step,
+                                           reward_metrics=scored.metrics)
         adv = advantage_task(cfg=cfg, batch=scored.batch, ckpt=state)
         trained = train(cfg=cfg, batch=adv.batch, ckpt=state, step=step)
         published = publish_task(cfg=cfg, ckpt=trained.ckpt)

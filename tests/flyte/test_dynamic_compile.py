@@ -50,6 +50,15 @@ def test_a_chunk_is_k_steps_then_the_next_chunk():
     assert spec.subworkflows[0].id.name == "workflows.grpo.rollout_step"  # holds the map task
 
 
+def test_filter_groups_wires_dynamic_sampling_between_reward_and_advantage():
+    spec = _compile(["loop.total_steps=1", "filter_groups={max_num_gen_batches: 3}", "train.old_logp_source=replay"])
+    names = [t.rsplit(".", 1)[1] for t in _targets(spec)]
+    assert names == ["rollout_step", "reward_task", "dynamic_sampling_task", "advantage_task", "train_task",
+                     "publish_task", "report_task"]
+    task = next(t for t in spec.tasks if t.id.name.endswith("dynamic_sampling_task"))
+    assert task.container.resources.requests  # it samples: the rollout task's resources
+
+
 def test_cluster_section_picks_the_elastic_train_task():
     spec = _compile(["loop.total_steps=1", "cluster.train_nnodes=2", "cluster.train_nproc_per_node=8"])
     assert "tasks.train.train_elastic_2x8" in _targets(spec)

@@ -99,6 +99,34 @@ def test_pool_equals_pods_bitwise(tmp_path, recipe):
         assert part.segment.latents.numel() == 0 and part.media
 
 
+@pytest.mark.parametrize("recipe", ["tiny-grpo", "tiny-flow-grpo"])
+def test_collective_publish_equals_store_reload_bitwise(tmp_path, recipe):
+    """The trainer broadcasts each version to the engines over a gloo group (NCCL on GPUs): the same per-step
+    rewards (fp32, bitwise) as pods, whose rollouts reload every version from the checkpoint store, and as the
+    object-store publish; the engines serve the published version after every step without reading the store."""
+    steps = 3
+    two = [*POOL, "pool.num_engines=2", "loop.rollout_shards=2", "pool.engine.num_cpus=0.5"]
+    if recipe == "tiny-grpo":  # 4 samples per shard: the train slices must equal the engine's
+        two += ["train.micro_batch_size=4", "lm.engine.forward_batch_size=4"]
+    store_path = run_local(_cfg(recipe, tmp_path / "store", steps, *two, "pool.publish=object_store"))
+    reload = run_local(_cfg(recipe, tmp_path / "reload", steps, *two[1:]))  # pods: weights from the store
+    collective = run_local(_cfg(recipe, tmp_path / "coll", steps, *two))
+    rewards = [h["reward/mean"] for h in collective]
+    assert rewards == [h["reward/mean"] for h in reload] == [h["reward/mean"] for h in store_path]
+    assert [h["pool/publish_collective"] for h in collective] == [1.0] * steps
+    assert [h["pool/engines_serving"] for h in collective] == [2.0] * steps  # served == published, every step
+    assert [h["pool/publish_group_opened"] for h in collective] == [1.0, 0.0, 0.0]
+    assert [h["pool/weights_from_store"] for h in collective] == [1.0, 0.0, 0.0]
+    assert all(h["pool/publish_bytes"] > 0 for h in collective)
+    assert [h["pool/publish_collective"] for h in store_path] == [0.0] * steps
+    for k in range(1, steps + 1):
+        assert _same_weights(_weights(tmp_path / "coll", recipe, k), _weights(tmp_path / "store", recipe, k))
+    pool = cluster.current_pool()
+    latest = CheckpointStore(str(tmp_path / "coll"), recipe).latest()
+    for name in ("engine-0", "engine-1"):
+        assert tuple(pool.call(name, "served_version", what="test")) == (latest.uri, steps)
+
+
 def test_killed_actors_raise_typed_errors_and_the_retry_is_bitexact(tmp_path):
     recipe, steps = "tiny-grpo", 4
     cfg = _cfg(recipe, tmp_path / "pool", steps, *POOL)

@@ -148,7 +148,8 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
         metrics.update(m)
         t["train"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        publish_phase(cfg, ckpt)
+        published = publish_phase(cfg, ckpt)
+        metrics.update({k: float(v) for k, v in published.items() if k.startswith("pool/")})
         t["publish"] = time.perf_counter() - t1
         step_seconds = time.perf_counter() - t0
         metrics.update({f"time/{k}": v for k, v in t.items()})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 
 import torch
@@ -17,9 +18,19 @@ import torch
 from unirl_core.checkpoint import CheckpointRef, restore_train_checkpoint, save_train_checkpoint
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
+from unirl_core.errors import field_error
 from unirl_core.loop import build, phases
 from unirl_core.pool.config import Emit
 from unirl_core.pool.projection import for_training, project
+from unirl_core.train.weight_sync import (
+    SyncScope,
+    WeightReceiver,
+    WeightSender,
+    WeightSyncConfig,
+    WeightSyncError,
+    sync_names,
+    sync_sources,
+)
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
@@ -43,6 +54,38 @@ class _Actor:
         """The worker process id (tests kill it to simulate a lost node)."""
         return os.getpid()
 
+    def placement(self) -> tuple[str, tuple[str, ...]]:
+        """(node id, GPU ids) of this actor: two actors on one GPU cannot share an NCCL group."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", []))
+
+    # the publish group (trainer = rank 0, engine i = rank i + 1), identified by a token the driver draws
+    sync_token: str | None = None
+
+    def current_sync(self) -> str | None:
+        return self.sync_token
+
+    def close_sync(self) -> None:
+        peer, self._peer, self.sync_token = getattr(self, "_peer", None), None, None
+        if peer is not None:
+            peer.close()
+
+    def _sync_config(self, addr: str, port: int, num_engines: int) -> WeightSyncConfig:
+        p = self.cfg.pool
+        return WeightSyncConfig(master_addr=addr, master_port=port, num_engines=num_engines,
+                                bucket_mb=p.sync_bucket_mb, timeout_s=p.sync_timeout_s)
+
+
+def _scope(cfg: RunConfig) -> SyncScope:
+    """The wire scope of a publish: what a version's ``model.safetensors`` holds, by module name."""
+    return "full" if cfg.train.weights_scope == "full" else "trainable"
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
 
 class EngineActor(_Actor):
     """The rollout bundle and the trainside engine; holds one set of weights, labelled by version."""
@@ -63,6 +106,36 @@ class EngineActor(_Actor):
         build.apply_policy_weights(self.policy, weights, where=f"{self.name} <- trainer ({ckpt.uri})")
         self.served = _version(ckpt)
         return time.perf_counter() - t0
+
+    def sync_dtypes(self) -> dict[str, str]:
+        """Wire name -> dtype of the tensors a publish writes into (the trainer casts its fp32 masters to these
+        on its device, rounding exactly as a load from the store does)."""
+        targets = sync_names(self.policy.module, _scope(self.cfg))
+        return {n: str(t.dtype).removeprefix("torch.") for n, t in targets.items()}
+
+    def join_sync(self, token: str, addr: str, port: int, rank: int, num_engines: int) -> None:
+        """Join the publish group as ``rank``; blocks until the trainer and every engine have joined."""
+        self.close_sync()
+        module = self.policy.module
+        self._peer = WeightReceiver(self._sync_config(addr, port, num_engines), module, rank=rank,
+                                    scope=_scope(self.cfg), device=_device(module))
+        self.sync_token = token
+
+    def receive_weights(self, ckpt: CheckpointRef) -> dict[str, float]:
+        """Receive version ``ckpt`` from the trainer's broadcast, in place into the bundle's module."""
+        self.served = None  # from the first bucket on the module holds no version until the sync completes
+        try:
+            stats = self._peer.receive()
+        except Exception:
+            self.close_sync()
+            raise
+        if stats is None or stats.version != ckpt.policy_version:
+            self.close_sync()
+            raise field_error(WeightSyncError, f"{self.name}: publish of {ckpt.uri}", None if stats is None
+                              else stats.version, f"policy version {ckpt.policy_version}",
+                              "the trainer broadcast another version; the engine loads it from the store")
+        self.served = _version(ckpt)
+        return {"seconds": stats.seconds, "bytes": float(stats.bytes), "version": float(stats.version)}
 
     def rollout(self, ckpt: CheckpointRef, step: int, shard: int, num_shards: int,
                 emit: Emit) -> tuple[SampleBatch, dict[str, float]]:
@@ -126,6 +199,44 @@ class TrainerActor(_Actor):
         out = {f"train/{k}": float(v) for k, v in metrics.items()}
         out["pool/trainer_restored"] = float(restored)
         return ref, out
+
+    def holds(self, ckpt: CheckpointRef) -> bool:
+        """True when the resident weights are exactly version ``ckpt`` (the trainer can publish it)."""
+        return self.state == _version(ckpt)
+
+    def sync_endpoint(self) -> tuple[str, int]:
+        """(address, free port) where this trainer will host the publish group's rendezvous store."""
+        import ray
+
+        addr = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            return addr, s.getsockname()[1]
+
+    def open_sync(self, token: str, addr: str, port: int, num_engines: int, dtypes: dict[str, str]) -> None:
+        """Host the publish group as rank 0; blocks until every engine has joined. ``dtypes``: the engines'
+        tensor dtypes (``EngineActor.sync_dtypes``), the casts of every later broadcast."""
+        self.close_sync()
+        module = self.backend.policy.module
+        self._peer = WeightSender(self._sync_config(addr, port, num_engines), device=_device(module))
+        self._cast = {n: getattr(torch, d) for n, d in dtypes.items()}
+        self.sync_token = token
+
+    def broadcast_weights(self, ckpt: CheckpointRef) -> dict[str, float]:
+        """Broadcast the resident weights, version ``ckpt``, to the publish group: straight from the module's
+        tensors on its device (a sharded module is gathered one bucket at a time), cast to the engines' dtypes."""
+        if self.state != _version(ckpt):
+            raise field_error(WeightSyncError, f"{self.name}: publish", ckpt.uri, f"the resident version "
+                              f"{self.state}", "publish the version the trainer holds; engines load others "
+                              "from the store")
+        module = self.backend.policy.module
+        try:
+            stats = self._peer.send(sync_sources(module, _scope(self.cfg)), ckpt.policy_version,
+                                    scope=_scope(self.cfg), cast=self._cast)
+        except Exception:
+            self.close_sync()
+            raise
+        return {"seconds": stats.seconds, "bytes": float(stats.bytes), "buckets": float(stats.num_buckets)}
 
     def weights(self, ckpt: CheckpointRef) -> list:
         """``[ObjectRef]`` of the state dict of version ``ckpt`` (``model_state_dict``), or ``[]`` when the

@@ -11,6 +11,7 @@ from unirl_core.errors import ConfigError, field_error
 Execution = Literal["pods", "pool"]
 Placement = Literal["colocate", "separate"]
 Emit = Literal["projection", "full"]
+Publish = Literal["collective", "object_store"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +56,17 @@ class PoolConfig:
     emit: Emit = "projection"
     """What the rollout phase returns as its SampleBatch artifact: ``projection`` (media, text, tokens,
     log-probs, rewards; diffusion latents emptied and replay conditions dropped) or ``full`` trajectories."""
+    publish: Publish = "collective"
+    """How a published version reaches the engines: ``collective`` broadcasts it from the trainer actor over a
+    torch.distributed group of trainer + engines (NCCL on GPUs, gloo on CPU; ``unirl_core.train.weight_sync``),
+    ``object_store`` sends the trainer's state dict through Ray's object store. Either way an engine that
+    missed a version loads it from the checkpoint store before its next rollout."""
+    sync_bucket_mb: float = 256.0
+    """Bucket size of the collective publish (MiB): a sharded trainer gathers one bucket at a time on its
+    device, so this bounds the extra memory of a publish (plus the largest single tensor)."""
+    sync_timeout_s: float = 300.0
+    """Rendezvous and per-collective timeout of the publish group; a peer that vanished fails the publish
+    after it (the engines then load the version from the store)."""
     placement_timeout_s: float = 60.0
     """How long setup waits for the placement group before failing with the resources it asked for."""
     connect_timeout_s: float = 10.0
@@ -67,10 +79,15 @@ class PoolConfig:
             raise field_error(ConfigError, "pool.num_engines", self.num_engines, "an integer >= 1", "use 1")
         for role in ("engine", "trainer", "reward"):
             getattr(self, role).check(f"pool.{role}")
-        for name in ("placement_timeout_s", "connect_timeout_s", "call_timeout_s"):
+        if self.publish not in ("collective", "object_store"):
+            raise field_error(ConfigError, "pool.publish", self.publish, "'collective' or 'object_store'",
+                              "use 'collective' (NCCL / gloo broadcast trainer -> engines)")
+        for name in ("placement_timeout_s", "connect_timeout_s", "call_timeout_s", "sync_bucket_mb",
+                     "sync_timeout_s"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
-                raise field_error(ConfigError, f"pool.{name}", v, "a finite number of seconds > 0", "e.g. 60")
+                unit = "MiB" if name.endswith("_mb") else "seconds"
+                raise field_error(ConfigError, f"pool.{name}", v, f"a finite number of {unit} > 0", "e.g. 60")
         if self.address is not None and not self.address.strip():
             raise field_error(ConfigError, "pool.address", self.address, "None or host:port",
                               "leave it unset to start a local head")

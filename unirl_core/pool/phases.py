@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Literal
 
 from unirl_core.checkpoint import CheckpointRef
@@ -71,24 +72,95 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
 def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
     """After ``ckpt`` is the run's published version: the trainer's weights to every engine, in-pool.
 
-    The trainer's state dict goes through the Ray object store (one ``ray.put``, each engine reads it); on a
-    GPU cluster this is the place for the NCCL broadcast of ``unirl_core.train.weight_sync`` (trainer rank 0
-    -> engine ranks). An engine that already serves ``ckpt`` is skipped (nothing is published twice). A dead
-    actor or a trainer holding another version is not an error here: the version is in the store, and an
-    engine that missed it loads it from there before its next rollout."""
+    ``pool.publish: collective`` broadcasts them from the trainer actor over a torch.distributed group of the
+    trainer and the engines (NCCL on GPUs, gloo on CPU; opened on first use and again after an actor was
+    re-created); ``object_store`` (and engines that share the trainer's GPU, where NCCL refuses two ranks)
+    passes the state dict through Ray's object store. Engines that all serve ``ckpt`` already are skipped
+    (nothing is published twice). A dead actor or a trainer holding another version is not an error here:
+    the version is in the store, and an engine that missed it loads it from there before its next rollout.
+    An engine whose tensors do not fit the trainer's refuses the broadcast: ``WeightSyncError`` naming the
+    tensor, raised."""
     pool = Pool.get(cfg)
     t0 = time.perf_counter()
     want = (ckpt.uri, ckpt.policy_version)
-    pushed = 0
+    engines = [engine_name(i) for i in range(cfg.pool.num_engines)]
+    out = {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0}
     try:
-        stale = [engine_name(i) for i in range(cfg.pool.num_engines)
-                 if tuple(pool.call(engine_name(i), "served_version", what="publish") or ()) != want]
-        weights = pool.call(TRAINER, "weights", ckpt, what=f"publish v{ckpt.policy_version}") if stale else []
-        if weights:
-            pending = [(name, pool.actor(name).load_weights.remote(weights[0], ckpt)) for name in stale]
-            for name, r in pending:
-                pool.wait(name, r, what=f"publish v{ckpt.policy_version}")
-                pushed += 1
+        stale = [name for name in engines if tuple(pool.call(name, "served_version", what="publish") or ()) != want]
+        if stale and pool.call(TRAINER, "holds", ckpt, what=f"publish v{ckpt.policy_version}"):
+            if cfg.pool.publish == "collective" and _collective_fits(pool, engines):
+                out.update(_broadcast(pool, engines, ckpt))
+            else:
+                out.update(_through_object_store(pool, stale, ckpt))
     except PoolActorDied as e:
         log.warning("pool: in-pool publication of %s skipped (%s); engines load it from the store", ckpt.uri, e)
-    return {"pool/engines_pushed": float(pushed), "pool/publish_s": time.perf_counter() - t0}
+    served = [pool.call(name, "served_version", what="publish") for name in engines]
+    out["pool/engines_serving"] = float(sum(tuple(v or ()) == want for v in served))
+    out["pool/publish_s"] = time.perf_counter() - t0
+    return out
+
+
+def _collective_fits(pool: Pool, engines: list[str]) -> bool:
+    """False when an engine shares a GPU with the trainer (a colocated fractional GPU): NCCL refuses two ranks
+    on one device, so those versions go through the object store."""
+    node, gpus = pool.call(TRAINER, "placement", what="publish")
+    for name in engines:
+        other_node, other_gpus = pool.call(name, "placement", what="publish")
+        if other_node == node and set(gpus) & set(other_gpus):
+            log.info("pool: %s shares GPU %s with the trainer; publishing through the object store", name,
+                     sorted(set(gpus) & set(other_gpus)))
+            return False
+    return True
+
+
+def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
+    """Wait for every call of one collective; when any failed, close the publish group on every actor that is
+    still alive and raise the first failure (a dead actor's ``PoolActorDied`` first)."""
+    results, errors = [], []
+    for name, ref in calls:
+        try:
+            results.append(pool.wait(name, ref, what=what))
+        except Exception as e:  # noqa: BLE001 - collected, the group closed, then re-raised below
+            errors.append(e)
+    if errors:
+        for name, _ in calls:
+            if name in pool.live:
+                try:
+                    pool.call(name, "close_sync", what="closing the publish group")
+                except PoolActorDied:
+                    pass
+        raise next((e for e in errors if isinstance(e, PoolActorDied)), errors[0])
+    return results
+
+
+def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str, float]:
+    members = [TRAINER, *engines]
+    tokens = {pool.call(name, "current_sync", what="publish") for name in members}
+    opened = 0.0
+    if len(tokens) != 1 or None in tokens:  # first publish, or an actor was re-created since
+        token = uuid.uuid4().hex
+        addr, port = pool.call(TRAINER, "sync_endpoint", what="publish")
+        dtypes = pool.call(engines[0], "sync_dtypes", what="publish")
+        n = len(engines)
+        calls = [(TRAINER, pool.actor(TRAINER).open_sync.remote(token, addr, port, n, dtypes))]
+        calls += [(name, pool.actor(name).join_sync.remote(token, addr, port, i + 1, n))
+                  for i, name in enumerate(engines)]
+        _gather(pool, calls, "opening the publish group")
+        opened = 1.0
+    what = f"publish v{ckpt.policy_version} (collective)"
+    calls = [(TRAINER, pool.actor(TRAINER).broadcast_weights.remote(ckpt))]
+    calls += [(name, pool.actor(name).receive_weights.remote(ckpt)) for name in engines]
+    sent, *received = _gather(pool, calls, what)
+    return {"pool/engines_pushed": float(len(received)), "pool/publish_collective": 1.0,
+            "pool/publish_group_opened": opened, "pool/publish_bytes": sent["bytes"],
+            "pool/publish_send_s": sent["seconds"]}
+
+
+def _through_object_store(pool: Pool, stale: list[str], ckpt: CheckpointRef) -> dict[str, float]:
+    weights = pool.call(TRAINER, "weights", ckpt, what=f"publish v{ckpt.policy_version}")
+    if not weights:
+        return {}
+    pending = [(name, pool.actor(name).load_weights.remote(weights[0], ckpt)) for name in stale]
+    for name, r in pending:
+        pool.wait(name, r, what=f"publish v{ckpt.policy_version}")
+    return {"pool/engines_pushed": float(len(pending))}

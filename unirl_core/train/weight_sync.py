@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 
 PROTOCOL = 1
 SyncBackend = Literal["auto", "nccl", "gloo"]
-SyncScope = Literal["full", "lora"]
+SyncScope = Literal["full", "lora", "trainable"]
+"""``full``: every state-dict entry; ``lora``: the adapter, keys without peft's adapter name; ``trainable``: the
+parameters with ``requires_grad``, by module name (the pool's scope: what ``TrainBackend.model_state_dict`` holds)."""
+Cast = torch.dtype | Mapping[str, torch.dtype] | None
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
     torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -208,6 +211,13 @@ def specs_of_header(header: dict) -> list[TensorSpec]:
 def sync_names(module: nn.Module, scope: SyncScope) -> dict[str, Tensor]:
     """The receiver's in-place targets by wire name: every state-dict entry, or the LoRA adapter only
     (keys without peft's adapter name, as ``unirl_core.models.lora.lora_state_dict`` writes them)."""
+    if scope == "trainable":
+        out = {n: p for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+        if not out:
+            raise field_error(WeightSyncError, "weight_sync.scope", scope, f"trainable parameters in "
+                              f"{type(module).__name__}", "mark the trainer's trainable parameters (or its LoRA "
+                              "layers) on the engine's module too")
+        return out
     state = module.state_dict(keep_vars=True)
     if scope == "full":
         return dict(state)
@@ -262,6 +272,69 @@ def gather_for_sync(module: nn.Module, scope: SyncScope = "full") -> dict[str, T
     if scope == "lora":
         state = {k.replace(_LORA_TAG, "."): v for k, v in state.items() if "lora_" in k}
     return state
+
+
+def sync_sources(module: nn.Module, scope: SyncScope = "full") -> dict[str, Tensor]:
+    """The trainer's tensors to send, by wire name, WITHOUT gathering: under FSDP2 they stay DTensor shards
+    on the module's device, and ``send`` / ``follow_send`` gather each one (``full_tensor``) only while its
+    bucket is packed, so a publish holds at most one bucket plus one full tensor beyond the shards
+    (``gather_for_sync`` instead copies the whole state to rank 0's CPU first)."""
+    if scope == "trainable":
+        return {n: p.detach() for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    state = {k: v.detach() for k, v in module.state_dict().items()}
+    if scope == "lora":
+        state = {k.replace(_LORA_TAG, "."): v for k, v in state.items() if "lora_" in k}
+    return state
+
+
+def _full(t: Tensor) -> Tensor:
+    """``t`` whole: a DTensor is gathered on its own device (a collective of its mesh), others as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _is_sharded(t: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _wire_dtype(name: str, t: Tensor, cast: Cast) -> torch.dtype:
+    if cast is None or not t.is_floating_point():
+        return t.dtype
+    if isinstance(cast, torch.dtype):
+        return cast
+    return cast.get(name, t.dtype)
+
+
+def _wire_plan(state: Mapping[str, Tensor], cast: Cast, bucket_bytes: int,
+               direct_bytes: int) -> tuple[list[str], list[TensorSpec], list[Bucket]]:
+    """Names, wire specs (global shapes, wire dtypes) and buckets of one sync; the same on every train rank."""
+    names = list(state)
+    specs = []
+    for n in names:
+        dtype = str(_wire_dtype(n, state[n], cast)).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise field_error(WeightSyncError, f"weights[{n!r}].dtype", dtype, f"one of {sorted(_DTYPES)}",
+                              "cast the tensor before syncing")
+        specs.append(TensorSpec(n, tuple(int(x) for x in state[n].shape), dtype))
+    return names, specs, plan_buckets(specs, bucket_bytes, direct_bytes)
+
+
+def follow_send(state: Mapping[str, Tensor], *, cast: Cast = None, bucket_bytes: int, direct_bytes: int,
+                verdict: Tensor) -> None:
+    """A train rank other than 0 of a sharded trainer during ``WeightSender.send(..., train_group=True)``:
+    receives rank 0's verdict on the header (``verdict``: an int32 ``[1]`` on the train group's device), then
+    takes part in every ``full_tensor`` gather in the sender's order and drops the result."""
+    dist.broadcast(verdict, src=0)
+    if int(verdict.item()):
+        return
+    names, specs, buckets = _wire_plan(state, cast, bucket_bytes, direct_bytes)
+    for b in buckets:
+        for i, _, _ in b.entries:
+            if _is_sharded(state[names[i]]):
+                _full(state[names[i]])  # the sender gathers each tensor exactly once, in this order
 
 
 # ------------------------------------------------------------------------------ the sync group
@@ -395,44 +468,58 @@ class WeightSender:
         self.group = _SyncGroup(cfg, 0, _sync_device(device))
 
     def send(self, state: Mapping[str, Tensor], version: int, *, scope: SyncScope = "full",
-             cast: torch.dtype | None = None, bucket_mb: float | None = None) -> SyncStats:
-        """Broadcast ``state`` (wire name -> tensor, any device) as policy ``version``.
+             cast: Cast = None, bucket_mb: float | None = None, train_group: bool = False) -> SyncStats:
+        """Broadcast ``state`` (wire name -> tensor, any device; DTensor shards are gathered bucket by bucket)
+        as policy ``version``.
 
-        ``cast`` converts floating-point tensors to the engine's dtype while packing (no extra copy);
-        ``bucket_mb`` overrides the config's bucket size for this sync (the header carries it).
+        ``cast`` converts floating-point tensors to the engine's dtype while packing (one dtype, or one per
+        name); ``bucket_mb`` overrides the config's bucket size for this sync (the header carries it).
+        ``train_group``: this is rank 0 of a sharded trainer whose other ranks call ``follow_send`` with the
+        same state, cast and bucket sizes; the engines' verdict on the header goes to them over the default
+        group, and each DTensor is gathered there collectively.
         Raises ``WeightSyncError`` when an engine rejects the header; no bucket has travelled then.
         """
         t0 = time.perf_counter()
-        names = list(state)
-        tensors = [state[n] for n in names]
-        specs = [spec_of(n, t if cast is None or not t.is_floating_point() else t.to(dtype=cast, device="meta"))
-                 for n, t in zip(names, tensors)]
         bucket_bytes = self.cfg.bucket_bytes if bucket_mb is None else max(1, int(bucket_mb * 2**20))
         direct = self.cfg.direct_bytes
+        names, specs, buckets = _wire_plan(state, cast, bucket_bytes, direct)
         self.group.send_header(weights_header(specs, version=version, scope=scope, bucket_bytes=bucket_bytes,
                                               direct_bytes=direct))
         rejects = self.group.vote(False)
+        if train_group:
+            dist.broadcast(torch.tensor([int(rejects > 0)], dtype=torch.int32, device=self.group.device), src=0)
         if rejects:
             raise field_error(WeightSyncError, "weight_sync.version", version,
                               "every engine to accept the header", f"{rejects} engine(s) refused it; "
                               "their logs name the tensor (model config, LoRA targets or dtype differ)")
-        buckets = plan_buckets(specs, bucket_bytes, direct)
         total = 0
         with torch.no_grad():
             for b in buckets:
-                buf = _direct_view(tensors[b.entries[0][0]], b, self.group.device)
-                if buf is None:
-                    buf = torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=self.group.device)
-                    for i, off, n in b.entries:
-                        buf[off:off + n].copy_(tensors[i].reshape(-1), non_blocking=True)
+                buf = self._bucket(b, names, state, specs)
                 self.group.broadcast(buf, f"bucket[{b.dtype}]")
                 total += buf.numel() * buf.element_size()
+                del buf
         self.group.vote(False)  # every engine has copied the buckets into its module
         stats = SyncStats(version=version, num_tensors=len(specs), num_buckets=len(buckets), bytes=total,
                           seconds=time.perf_counter() - t0)
         log.info("weight sync v%d: %d tensors, %d buckets, %.1f MB in %.3f s", version, stats.num_tensors,
                  stats.num_buckets, total / 1e6, stats.seconds)
         return stats
+
+    def _bucket(self, b: Bucket, names: list[str], state: Mapping[str, Tensor], specs: list[TensorSpec]) -> Tensor:
+        """The flat wire buffer of ``b``: a tensor that alone fills it and already has the wire layout is sent
+        as it is; everything else (DTensors gathered just now) is cast and packed into a fresh buffer."""
+        device = self.group.device
+        buf = None
+        for i, off, n in b.entries:
+            whole = _full(state[names[i]]).detach()  # once per tensor: follow_send gathers in the same order
+            if len(b.entries) == 1 and (direct := _direct_view(whole, b, device)) is not None:
+                return direct
+            if buf is None:
+                buf = torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device)
+            buf[off:off + n].copy_(whole.reshape(-1), non_blocking=True)
+            del whole
+        return buf if buf is not None else torch.empty(b.numel, dtype=_DTYPES[b.dtype], device=device)
 
     def close(self) -> None:
         """Tell every engine the stream ended (their ``receive`` returns None), then leave the group."""

@@ -27,6 +27,9 @@ def test_pods_is_the_default():
     ("pool.num_engines=0", "pool.num_engines"),
     ("pool.trainer.num_cpus=-1", "pool.trainer.num_cpus"),
     ("pool.placement_timeout_s=0", "pool.placement_timeout_s"),
+    ("pool.publish=nccl", "pool.publish"),
+    ("pool.sync_bucket_mb=0", "pool.sync_bucket_mb"),
+    ("pool.sync_timeout_s=-1", "pool.sync_timeout_s"),
 ])
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):

@@ -1,7 +1,8 @@
 """Dynamic sampling (DAPO, ``filter_groups``): drop flat groups of the scored batch, refill with extra rounds.
 
-It samples (extra rounds of rollout + reward over new prompts), so it runs where rollouts run: the rollout image
-on a GPU. The workflow wires it between reward and advantage only when ``filter_groups`` is set.
+It samples and scores (extra rounds of rollout + reward over new prompts), so it runs on the reward image (the
+rollout image's model stack plus the scorers) with a GPU. The workflow wires it between reward and advantage
+only when ``filter_groups`` is set.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import NamedTuple
 
 from flytekit import task
 
-from images import rollout_image
+from images import reward_image
 from tasks.common import CACHE_VERSION, DECK, DEFAULT_ACCELERATOR, GPU_TASK, ROLLOUT_TIMEOUT, deck, phase
 from tasks.types import HashedSampleBatch
 from unirl_core.checkpoint import CheckpointRef
@@ -18,7 +19,7 @@ from unirl_core.config import RunConfig
 from unirl_core.report.phase_html import reward_html
 from unirl_core.types import SampleBatch
 
-if rollout_image.is_container():
+if reward_image.is_container():
     from unirl_core.loop import phases
 
 
@@ -27,7 +28,7 @@ class Filtered(NamedTuple):
     metrics: dict[str, float]
 
 
-@task(container_image=rollout_image, **GPU_TASK, accelerator=DEFAULT_ACCELERATOR, retries=2,
+@task(container_image=reward_image, **GPU_TASK, accelerator=DEFAULT_ACCELERATOR, retries=2,
       timeout=ROLLOUT_TIMEOUT, cache=True, cache_version=CACHE_VERSION, **DECK)
 def dynamic_sampling_task(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, step: int,
                           reward_metrics: dict[str, float]) -> Filtered:

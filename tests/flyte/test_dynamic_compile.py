@@ -56,7 +56,10 @@ def test_filter_groups_wires_dynamic_sampling_between_reward_and_advantage():
     assert names == ["rollout_step", "reward_task", "dynamic_sampling_task", "advantage_task", "train_task",
                      "publish_task", "report_task"]
     task = next(t for t in spec.tasks if t.id.name.endswith("dynamic_sampling_task"))
-    assert task.container.resources.requests  # it samples: the rollout task's resources
+    reward = next(t for t in spec.tasks if t.id.name.endswith("reward_task"))
+    # it samples and scores: a GPU like the rollout and reward tasks, the reward image (a superset of rollout's)
+    assert task.container.resources == reward.container.resources and task.container.resources.requests
+    assert task.container.image == reward.container.image
 
 
 def test_cluster_section_picks_the_elastic_train_task():

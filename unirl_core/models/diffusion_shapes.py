@@ -180,3 +180,27 @@ def shipped_shapes_pipeline():
     pipe = shapes_sd3_pipeline()
     load_pipeline_state(pipe, load_file(str(WEIGHTS_FILE)), where=WEIGHTS_FILE.name)
     return pipe
+
+
+def pack_weights(pipeline_dir: str, out: str | Path) -> Path:
+    """Write the weights file of a trained shapes-sd3 pipeline folder (an SFT export) for the ``shapes-sd3`` preset.
+
+    The folder is loaded with ``from_pretrained`` and must have the preset's architecture (checked by loading
+    the packed tensors strictly into a fresh ``shapes-sd3-init`` build before writing)."""
+    from diffusers import StableDiffusion3Pipeline
+    from safetensors.torch import save_file
+
+    state = pipeline_state(StableDiffusion3Pipeline.from_pretrained(pipeline_dir))
+    load_pipeline_state(shapes_sd3_pipeline(), state, where=str(pipeline_dir))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out), metadata={"preset": "shapes-sd3", "source": Path(pipeline_dir).name})
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m unirl_core.models.diffusion_shapes <sft export folder> <out.safetensors>")
+    print(pack_weights(sys.argv[1], sys.argv[2]))

@@ -82,17 +82,20 @@ def color_alpha(img: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
     return alpha, ((rel - alpha[..., None] * v) ** 2).sum(-1)
 
 
-def color_labels(img: np.ndarray, names: Sequence[str], max_distance: float) -> np.ndarray:
-    """``[H, W]`` int: k+1 where ``names[k]`` is the colour whose segment lies nearest to the pixel, within
-    ``max_distance``, with alpha >= 0.5 (an edge pixel counts when a shape covers at least half of it); else 0."""
+def color_labels(img: np.ndarray, names: Sequence[str], max_distance: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(labels, nearest)``, both ``[H, W]`` int. ``nearest`` is k+1 for the colour ``names[k]`` whose
+    background-to-colour segment lies nearest to the pixel (within ``max_distance``; else 0); ``labels`` keeps
+    it where the pixel is also at least half way along that segment (a shape covers at least half of it)."""
     best_d2 = np.full(img.shape[:2], max_distance ** 2, dtype=np.float32)
-    out = np.zeros(img.shape[:2], dtype=np.int64)
+    nearest = np.zeros(img.shape[:2], dtype=np.int64)
+    labels = np.zeros(img.shape[:2], dtype=np.int64)
     for k, name in enumerate(names, start=1):
         alpha, d2 = color_alpha(img, name)
-        take = (alpha >= 0.5) & (d2 <= best_d2)
-        out[take] = k
+        take = d2 < best_d2
+        nearest[take] = k
+        labels[take] = np.where(alpha[take] >= 0.5, k, 0)
         best_d2 = np.where(take, d2, best_d2)
-    return out
+    return labels, nearest
 
 
 def components(mask: np.ndarray) -> np.ndarray:
@@ -163,7 +166,7 @@ def detect(image: np.ndarray, cfg: ShapesDetectorConfig | None = None) -> Scene:
         raise field_error(RewardError, "image.shape", image.shape, "[H, W, 3] with H, W >= 8", "pass an RGB image")
     img = _downsample(image, cfg.work_size)
     names = cfg.colors or tuple(PALETTE)
-    labels = color_labels(img, names, cfg.max_color_distance)
+    labels, nearest = color_labels(img, names, cfg.max_color_distance)
     h, w = labels.shape
     min_px = max(3, math.ceil(cfg.min_area * h * w))
     found = []
@@ -172,9 +175,9 @@ def detect(image: np.ndarray, cfg: ShapesDetectorConfig | None = None) -> Scene:
         ids, counts = np.unique(comp[comp > 0], return_counts=True)
         if not (counts >= min_px).any():
             continue
-        alpha, d2 = color_alpha(img, name)
-        # Soft edge: unlabelled pixels near this colour's segment, not faint (noise), next to the component.
-        soft = np.where((alpha >= _MIN_ALPHA) & (d2 <= cfg.max_color_distance ** 2) & (labels == 0), alpha, 0.0)
+        alpha, _ = color_alpha(img, name)
+        # Soft edge: unlabelled pixels nearest to this colour, not faint (noise), next to the component.
+        soft = np.where((alpha >= _MIN_ALPHA) & (nearest == k) & (labels == 0), alpha, 0.0)
         for cid in ids[counts >= min_px]:
             ys, xs = np.nonzero(comp == cid)
             bh, bw = int(ys.max() - ys.min()) + 1, int(xs.max() - xs.min()) + 1

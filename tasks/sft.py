@@ -17,7 +17,16 @@ from flytekit.models.literals import Literal, Primitive, Scalar
 from flytekit.models.types import LiteralType, SimpleType
 
 from images import train_image
-from tasks.common import CPU_TASK, DECK, DEFAULT_ACCELERATOR, GPU_TASK, SMALL_TIMEOUT, TRAIN_TIMEOUT, deck, phase
+from tasks.common import (
+    CPU_TASK,
+    DECK,
+    DEFAULT_ACCELERATOR,
+    GPU_TASK,
+    SMALL_TIMEOUT,
+    TRAIN_TIMEOUT,
+    deck,
+    phase,
+)
 from tasks.run_types import HashedCheckpointRef, use_storage_options
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.loader import from_dict, to_dict

@@ -127,8 +127,17 @@ def _collect(conv: torch.nn.Conv2d, *, out_mean: int, logvar: float | None) -> N
 
 def shapes_sd3_pipeline(*, seed: int = 0, spec: ShapesModelSpec = SHAPES_SPEC):
     """The ``shapes-sd3-init`` pipeline: seeded random transformer and text encoders, identity pixel autoencoder."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        T5Config,
+        T5EncoderModel,
+    )
 
     torch.manual_seed(seed)
     vocab = len(VOCAB)

@@ -25,9 +25,17 @@ REPORT_DIR = "report"
 def sample_images(bundle, prompts: list[str], *, height: int, width: int, num_steps: int = 20, shift: float = 3.0,
                   guidance_scale: float = 1.0, seed: int = 0) -> list[bytes]:
     """PNG bytes of one image per prompt, ODE sampling through the rollout engine (deterministic per seed)."""
-    from unirl_core.rollout.diffusion import DiffusionEngineConfig, TrainsideDiffusionEngine
+    from unirl_core.rollout.diffusion import (
+        DiffusionEngineConfig,
+        TrainsideDiffusionEngine,
+    )
     from unirl_core.sde.schedules import flow_sigmas
-    from unirl_core.types import DiffusionSamplingParams, NoiseRecipe, PromptRecord, SampleBatch
+    from unirl_core.types import (
+        DiffusionSamplingParams,
+        NoiseRecipe,
+        PromptRecord,
+        SampleBatch,
+    )
 
     sampling = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=num_steps, shift=shift), sde_type="ode",
                                        noise_level=0.0, guidance_scale=guidance_scale, height=height, width=width)

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     bundle = DiffusionBundle.build(DiffusionModelConfig(source=args.source, finetune="full", reference_copy=False,
                                                         max_sequence_length=args.max_sequence_length))
-    metrics, prompts, pngs = evaluate_model(bundle, num_prompts=args.prompts, num_steps=args.steps, shift=args.shift,
+    metrics, _, pngs = evaluate_model(bundle, num_prompts=args.prompts, num_steps=args.steps, shift=args.shift,
                                             guidance_scale=args.guidance, seed=args.seed)
     print(json.dumps({"source": args.source, "steps": args.steps, "shift": args.shift, "guidance": args.guidance,
                       "model": metrics, "renderer": renderer_ceiling(args.prompts)}, indent=1))

@@ -9,7 +9,13 @@ import torch
 
 from unirl_core.errors import InvariantError
 from unirl_core.sft.config import FlowMatchingConfig
-from unirl_core.sft.losses import completion_nll, draw_noise, flow_matching_loss, flow_matching_pair, sample_sigmas
+from unirl_core.sft.losses import (
+    completion_nll,
+    draw_noise,
+    flow_matching_loss,
+    flow_matching_pair,
+    sample_sigmas,
+)
 
 torch.set_num_threads(1)
 

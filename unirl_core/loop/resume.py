@@ -48,6 +48,7 @@ RESUME_RULES: dict[str, Rule] = {
     "loop": "apply",  # total_steps, steps_per_chunk, rollout_shards, seed
     "train": "apply",  # lr, betas, eps, weight_decay, schedule, warmup, clipping, updates per batch, sharding
     "train.micro_batch_size": "fork",
+    "train.micro_batch_tokens": "fork",
     "train.weights_scope": "never",
     "train.ema_decay": "never",
     "train.seed": "never",
@@ -65,9 +66,11 @@ RESUME_RULES: dict[str, Rule] = {
     "diffusion.algorithm": "apply",
     "lm.model": "never",
     "lm.model.attn_implementation": "apply",
+    "lm.model.device": "apply",
     "lm.sampling": "fork",
     "lm.engine": "fork",
     "lm.engine.decoder": "apply",
+    "lm.engine.decode_batch_size": "apply",
     "lm.engine.stop_check_interval": "apply",
     "lm.engine.finish_check_interval": "apply",
     "lm.algorithm": "apply",

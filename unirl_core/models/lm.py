@@ -84,6 +84,8 @@ class LMConfig:
     """``tiny``, ``qwen2.5`` (offline wheel), a directory or hub id; None uses ``model``'s own."""
     dtype: DType = "float32"
     """Parameter dtype of the loaded model."""
+    device: str = "cpu"
+    """Torch device the model lives on (``cuda``, ``cuda:1``); the engine and the trainer follow it."""
     finetune: FineTune = "full"
     """``full`` trains every weight (reference = frozen copy); ``lora`` trains adapters (reference = adapters off)."""
     lora_rank: int = 16
@@ -307,7 +309,7 @@ def load_lm(config: LMConfig) -> LMBundle:
             raise field_error(ConfigError, "lm.tokenizer", len(tok),
                               f"at most {model.get_input_embeddings().num_embeddings} tokens (model embeddings)",
                               "use the tokenizer the model was trained with")
-    return LMBundle(model.eval(), tok, config=config)
+    return LMBundle(model.to(config.device).eval(), tok, config=config)
 
 
 def build_tiny_lm(seed: int = 0, **changes) -> LMBundle:

@@ -1,0 +1,435 @@
+"""GRPO step at recipe shapes: the shipped loop (``run_local``) vs TRL ``GRPOTrainer``, same run, CPU or CUDA.
+
+Each side runs in its own subprocess (clean peak-memory accounting, nothing shared), alternating ours / TRL
+for ``--rounds`` rounds; a round's step i of ours and step i of TRL form a pair. Reported: median step time
+of each side, the median of the per-pair ratios ours / TRL, and peak memory (``torch.cuda.max_memory_allocated``
+on CUDA, RSS high-water mark on CPU) over the whole run of each side.
+
+Sides:
+- ``loop``: ``run_local`` over the tiny-grpo recipe with the preset's shape: the phase functions the Flyte tasks
+  call, a rollout bundle and a trainer bundle, every version checkpointed (weights + optimizer state) and
+  published to ``--checkpoint-root`` (a full fine-tune writes ~12 bytes per parameter per step there);
+- ``backend``: the same engine, reward service, advantages and ``TrainBackend`` without the store: weights go
+  trainer -> rollout bundle in memory each step (what the pool does in-pool); shows what the store costs;
+- ``trl``: TRL ``GRPOTrainer`` with matched settings: per_device_train_batch_size = micro-batch,
+  gradient_accumulation_steps = steps_per_generation = samples / micro-batch (one generation of all samples,
+  then the same micro-batches and one optimizer step), num_generations = group, num_iterations = 1,
+  temperature 1, top_p 1, top_k 0, beta 0, the preset's loss_type / epsilons, constant lr, adamw_torch,
+  max_grad_norm 1, gradient checkpointing as ours, bf16 = the model dtype on CUDA. TRL keeps bf16 weights and
+  optimizer state (ours: fp32 master weights + fp32 AdamW state) and does not rescore (ours records exact
+  log-probs with one extra no-grad forward so the first ratio is exactly 1).
+
+Models: random init from config (seed 0; no hub). ``tiny`` is the offline tiny preset; the Qwen3 shapes use a
+word-level tokenizer over the real 151,936-token vocabulary. Reward (both sides): a deterministic hash of the
+completion text in [0, 1] (varied within a group, so advantages and gradients are non-zero).
+
+Presets (``--preset``; every field can be overridden by its flag):
+- ``tiny``: tiny preset, fp32, 2 prompts x 4 samples x 8 new tokens, prompt 8: the quick CPU check;
+- ``0.6b``: Qwen3-0.6B shape, bf16, 8 prompts x 8 samples x 256 new tokens, prompt 64, micro-batch 8, decode 64;
+- ``math``: the qwen3-math recipe's shape: Qwen3-1.7B, bf16, 1 prompt x 16 samples x 1024 new tokens (16 x 1025
+  kept positions), prompt 128, micro-batch 16, DAPO loss (eps 0.2 / 0.28), gradient checkpointing;
+- ``4b``: Qwen3-4B shape, bf16, 8 x 8 x 256, gradient checkpointing, ``backend`` side only (a full fine-tune
+  version is ~48 GB; TRL is left out by default: add ``--sides backend,trl`` to try it).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_grpo_recipe.py --preset tiny
+    python benchmarks/bench_grpo_recipe.py --preset 0.6b --device cuda
+    python benchmarks/bench_grpo_recipe.py --preset math --device cuda --checkpoint-root /dev/shm/unirl-bench
+    python benchmarks/bench_grpo_recipe.py --preset 4b --device cuda
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+RESULTS = HERE / "results"
+PRESETS = {
+    "tiny": dict(shape="tiny", dtype="float32", prompts=2, group=4, new_tokens=8, prompt_len=8, micro_batch=4,
+                 decode_batch=8, loss="grpo", grad_ckpt=False, lr=1e-3, sides="loop,backend,trl"),
+    "0.6b": dict(shape="qwen3-0.6b", dtype="bfloat16", prompts=8, group=8, new_tokens=256, prompt_len=64,
+                 micro_batch=8, decode_batch=64, loss="grpo", grad_ckpt=False, lr=1e-6, sides="loop,backend,trl"),
+    "math": dict(shape="qwen3-1.7b", dtype="bfloat16", prompts=1, group=16, new_tokens=1024, prompt_len=128,
+                 micro_batch=16, decode_batch=16, loss="dapo", grad_ckpt=True, lr=1e-6, sides="loop,backend,trl"),
+    "4b": dict(shape="qwen3-4b", dtype="bfloat16", prompts=8, group=8, new_tokens=256, prompt_len=64,
+               micro_batch=8, decode_batch=64, loss="grpo", grad_ckpt=True, lr=1e-6, sides="backend"),
+}
+QWEN3 = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
+             rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+SHAPES = {"qwen3-0.6b": QWEN3,
+          "qwen3-1.7b": dict(QWEN3, hidden_size=2048, intermediate_size=6144),
+          "qwen3-4b": dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                           num_attention_heads=32)}
+EOS, PAD = 151_645, 151_643
+
+
+def text_reward(text: str) -> float:
+    """The benchmark's reward, identical on both sides: a hash of the completion text in [0, 1]."""
+    return (zlib.crc32(text.strip().encode()) % 11) / 10
+
+
+class TextHashScorer:
+    def __call__(self, items) -> list[float]:
+        return [text_reward(it.text or "") for it in items]
+
+
+# ----------------------------------------------------------------------------- models and prompts
+
+
+def build_model(a):
+    """``(module, tokenizer)`` of the shape, random init (seed 0), in its dtype on the device."""
+    import torch
+
+    dtype = getattr(torch, a.dtype)
+    if a.shape == "tiny":
+        from unirl_core.models.lm import build_tiny_lm
+
+        bundle = build_tiny_lm(seed=0, keep_reference=False, dtype=a.dtype)
+        return bundle.module.to(a.device), bundle.tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**SHAPES[a.shape], pad_token_id=PAD, eos_token_id=EOS, bos_token_id=PAD)
+    torch.manual_seed(0)
+    with torch.device(a.device):
+        model = Qwen3ForCausalLM(cfg)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, PAD
+    return model.to(dtype).eval(), tokenizer(a.shape)
+
+
+def tokenizer(shape: str):
+    if shape == "tiny":
+        from unirl_core.models.tokenizer import load_tokenizer
+
+        return load_tokenizer("tiny")
+    from bench_ar_rollout import _word_tokenizer
+
+    return _word_tokenizer(SHAPES[shape]["vocab_size"], EOS, PAD)
+
+
+def prompt_texts(a, tokenizer, count: int = 64) -> list[str]:
+    """``count`` prompts of ``prompt_len`` random non-special tokens (seeded)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    special, vocab = set(tokenizer.all_special_ids), len(tokenizer)
+    out = []
+    while len(out) < count:
+        ids = [i for i in torch.randint(0, vocab, (a.prompt_len * 2,), generator=g).tolist() if i not in special]
+        text = tokenizer.decode(ids[:a.prompt_len])
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) == a.prompt_len:
+            out.append(text)
+    return out
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def run_config(a, texts: list[str], root: str):
+    from unirl_core.config.loader import from_dict
+    from unirl_core.config.recipes import load_recipe_dict
+    from unirl_core.config.run import RunConfig
+
+    n = a.prompts * a.group
+    over = [f"checkpoint.root={root}", "checkpoint.keep_last=1", f"loop.total_steps={a.warmup + a.steps}",
+            f"lm.model.dtype={a.dtype}", f"lm.model.device={a.device}", "lm.model.finetune=full",
+            "lm.model.keep_reference=false", f"lm.model.gradient_checkpointing={str(a.grad_ckpt).lower()}",
+            f"lm.sampling.max_new_tokens={a.new_tokens}", "lm.sampling.temperature=1.0", "lm.sampling.top_p=1.0",
+            "lm.sampling.top_k=0", f"lm.engine.forward_batch_size={a.micro_batch}",
+            f"lm.engine.decode_batch_size={a.decode_batch}", "lm.engine.apply_chat_template=false",
+            f"lm.algorithm.loss_agg={a.loss}", "lm.algorithm.epsilon=0.2", "lm.algorithm.beta=0.0",
+            f"lm.algorithm.epsilon_high={0.28 if a.loss == 'dapo' else 0.2}",
+            f"lm.algorithm.max_response_tokens={a.new_tokens}", f"train.micro_batch_size={a.micro_batch}",
+            f"train.lr={a.lr}", "train.max_grad_norm=1.0", "advantage.unbiased_std=true", "report.progress=false",
+            "report.tensorboard=true"]
+    data = load_recipe_dict("tiny-grpo", over)
+    data["data"] = {"source": "inline", "prompts": texts, "prompts_per_step": a.prompts,
+                    "samples_per_prompt": a.group}
+    data["reward"] = {"components": [{"name": "bench_text_hash", "weight": 1.0}]}
+    if n % a.micro_batch:
+        raise SystemExit(f"--micro-batch {a.micro_batch} must divide prompts x group = {n}")
+    return from_dict(RunConfig, data, "bench")
+
+
+def _prepare_ours(a):
+    """Registers the reward and, for the Qwen3 shapes, makes the loop build the shaped random-init model."""
+    from unirl_core.loop import build
+    from unirl_core.models.lm import LMBundle
+    from unirl_core.reward import register_scorer
+
+    register_scorer("bench_text_hash", TextHashScorer, replace=True)
+    if a.shape != "tiny":
+        def fresh_bundle(cfg):
+            module, tok = build_model(a)
+            return LMBundle(module, tok, config=cfg.lm.model)
+
+        build.fresh_bundle = fresh_bundle
+
+
+def ours_loop(a, cfg) -> dict:
+    from unirl_core.loop.local import run_local
+
+    hist = run_local(cfg, progress=False)[a.warmup:]
+    phases = {k: statistics.median(h[k] for h in hist) for k in hist[0]
+              if k.startswith("time/") or k.startswith("train/time_")}
+    return {"times": [h["time/step"] for h in hist], "lengths": [h["train/response_len_mean"] for h in hist],
+            "rewards": [h["reward/mean"] for h in hist], "phases": phases,
+            "ratio_max_dev": max(max(abs(h["train/ratio_max"] - 1), abs(h["train/ratio_min"] - 1)) for h in hist)}
+
+
+def ours_backend(a, cfg) -> dict:
+    import dataclasses
+
+    import torch
+
+    from unirl_core.advantage.batch import assign_advantages
+    from unirl_core.loop import build, phases
+    from unirl_core.rollout.ar import TrainsideAREngine
+    from unirl_core.types import SampleBatch
+
+    policy, backend = build.bundle(cfg), build.trainer(cfg)
+    build.apply_policy_weights(policy, backend.model_state_dict(), where="trainer")
+    service = build.reward_service(cfg)
+    times, lengths, rewards, dev = [], [], [], 0.0
+    for step in range(1, a.warmup + a.steps + 1):
+        _sync(a.device)
+        t0 = time.perf_counter()
+        request = SampleBatch.from_prompts(phases.step_prompts(cfg, step), samples_per_prompt=a.group, kind="ar",
+                                           sampling=cfg.lm.sampling, policy_version=backend.policy_version)
+        engine_cfg = dataclasses.replace(cfg.lm.engine, seed=step, micro_batch_tokens=cfg.train.micro_batch_tokens)
+        batch = TrainsideAREngine(policy, engine_cfg, policy_version=backend.policy_version).generate(request)
+        batch, _ = service.score_with_stats(batch)
+        batch, _ = assign_advantages(batch, cfg.advantage, None)
+        m = backend.step(batch)
+        with torch.no_grad():
+            build.apply_policy_weights(policy, backend.model_state_dict(), where="trainer")
+        _sync(a.device)
+        times.append(time.perf_counter() - t0)
+        lengths.append(m.metrics["response_len_mean"])
+        rewards.append(sum(p.reward for p in batch.generated) / len(batch))
+        dev = max(dev, abs(m.metrics["ratio_max"] - 1), abs(m.metrics["ratio_min"] - 1))
+    return {"times": times[a.warmup:], "lengths": lengths[a.warmup:], "rewards": rewards, "phases": {},
+            "ratio_max_dev": dev}
+
+
+# ----------------------------------------------------------------------------- TRL
+
+
+def trl_side(a, texts: list[str]) -> dict:
+    import datasets
+    import torch
+    import trl
+    from transformers import TrainerCallback
+
+    model, tok = build_model(a)
+    ds = datasets.Dataset.from_list([{"prompt": t} for t in texts])
+
+    def reward(completions, **_):
+        return [text_reward(c) for c in completions]
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.times, self.rewards, self.lengths, self._t = [], [], [], 0.0
+
+        def on_step_begin(self, *args, **kw):
+            _sync(a.device)
+            self._t = time.perf_counter()
+
+        def on_step_end(self, *args, **kw):
+            _sync(a.device)
+            self.times.append(time.perf_counter() - self._t)
+
+        def on_log(self, _args, _state, _control, logs=None, **kw):
+            if logs and "reward" in logs:
+                self.rewards.append(logs["reward"])
+                self.lengths.append(logs.get("completions/mean_length", float("nan")))
+
+    n = a.prompts * a.group
+    cuda = a.device.startswith("cuda")
+    cfg = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=a.micro_batch, num_generations=a.group,
+        gradient_accumulation_steps=n // a.micro_batch, steps_per_generation=n // a.micro_batch, num_iterations=1,
+        max_completion_length=a.new_tokens, temperature=1.0, top_p=1.0, top_k=0, loss_type=a.loss, beta=0.0,
+        epsilon=0.2, epsilon_high=0.28 if a.loss == "dapo" else 0.2, scale_rewards="group", learning_rate=a.lr,
+        lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0,
+        gradient_checkpointing=a.grad_ckpt, use_cpu=not cuda, bf16=cuda and a.dtype == "bfloat16",
+        logging_steps=1, report_to="none", save_strategy="no", max_steps=a.warmup + a.steps, seed=0,
+        disable_dropout=True, log_completions=False, dataloader_num_workers=0)
+    timer = Timer()
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
+                              callbacks=[timer])
+    trainer.train()
+    del trainer
+    return {"times": timer.times[a.warmup:], "lengths": timer.lengths[a.warmup:], "rewards": timer.rewards,
+            "phases": {}, "trl": trl.__version__, "ratio_max_dev": None}
+
+
+# ----------------------------------------------------------------------------- worker / driver
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peak_mib(device: str) -> float:
+    import resource
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker(a) -> None:
+    import logging
+
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if a.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    texts = prompt_texts(a, tokenizer(a.shape))
+    if a.checkpoint_root:
+        os.makedirs(a.checkpoint_root, exist_ok=True)
+    root = tempfile.mkdtemp(dir=a.checkpoint_root)
+    try:
+        if a.worker == "trl":
+            out = trl_side(a, texts)
+        else:
+            _prepare_ours(a)
+            cfg = run_config(a, texts, root)
+            out = ours_loop(a, cfg) if a.worker == "loop" else ours_backend(a, cfg)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out["peak_mib"] = _peak_mib(a.device)
+    Path(a.out).write_text(json.dumps(out))
+
+
+def run_side(a, side: str) -> dict:
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    argv = [sys.executable, __file__, "--worker", side, "--out", out]
+    for k in ("shape", "dtype", "device", "prompts", "group", "new_tokens", "prompt_len", "micro_batch",
+              "decode_batch", "loss", "lr", "steps", "warmup", "checkpoint_root"):
+        if getattr(a, k) is not None:
+            argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    if a.grad_ckpt:
+        argv.append("--grad-ckpt")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=a.timeout)
+    if proc.returncode != 0:
+        tail = proc.stderr[-3000:]
+        oom = "out of memory" in tail.lower()
+        print(f"[{side}] failed ({'OOM' if oom else f'rc {proc.returncode}'}):\n{tail}", file=sys.stderr)
+        return {"failed": "OOM" if oom else f"rc {proc.returncode}", "stderr_tail": tail[-800:]}
+    return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=tuple(PRESETS), default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", choices=("tiny", *SHAPES))
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"))
+    for k in ("prompts", "group", "new-tokens", "prompt-len", "micro-batch", "decode-batch"):
+        ap.add_argument(f"--{k}", type=int)
+    ap.add_argument("--loss", choices=("grpo", "dapo", "dr_grpo"))
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--grad-ckpt", action="store_true", default=None)
+    ap.add_argument("--sides", help="comma list of loop, backend, trl (default: the preset's)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of every side")
+    ap.add_argument("--checkpoint-root", default=None, help="where the loop side writes its versions (a tmp dir)")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per side and round")
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--worker", choices=("loop", "backend", "trl"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    for k, v in PRESETS[a.preset].items():
+        if getattr(a, k, None) is None:
+            setattr(a, k, v)
+    if a.worker:
+        return worker(a)
+    sides = [s.strip() for s in a.sides.split(",") if s.strip()]
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    for _ in range(a.rounds):
+        for side in sides:
+            runs[side].append(run_side(a, side))
+    report(a, sides, runs)
+
+
+def summarise(side: str, rounds: list[dict], base: list[dict] | None) -> dict:
+    ok = [r for r in rounds if "failed" not in r]
+    row: dict = {"side": side, "rounds_ok": len(ok), "failed": [r["failed"] for r in rounds if "failed" in r]}
+    if not ok:
+        return row
+    times = [t for r in ok for t in r["times"]]
+    row.update(median_step_s=statistics.median(times), min_step_s=min(times),
+               peak_mib=max(r["peak_mib"] for r in ok), completion_len_mean=statistics.fmean(
+                   x for r in ok for x in r["lengths"]), phases=ok[-1]["phases"],
+               ratio_max_dev=ok[-1].get("ratio_max_dev"))
+    if base is not None:
+        pairs = [t / u for r, b in zip(rounds, base) if "failed" not in r and "failed" not in b
+                 for t, u in zip(r["times"], b["times"])]
+        if pairs:
+            row["median_pair_ratio_vs_trl"] = statistics.median(pairs)
+            row["pairs"] = len(pairs)
+    return row
+
+
+def report(a, sides: list[str], runs: dict[str, list[dict]]) -> None:
+    from bench_ar_rollout import hardware
+
+    base = runs.get("trl")
+    rows = [summarise(s, runs[s], base if s != "trl" else None) for s in sides]
+    trl_row = next((r for r in rows if r["side"] == "trl" and "median_step_s" in r), None)
+    setup = (f"{a.preset}: {a.shape} ({a.dtype}, random init), {a.prompts} prompts x {a.group} samples x "
+             f"{a.new_tokens} new tokens, prompt {a.prompt_len}, micro-batch {a.micro_batch}, decode batch "
+             f"{a.decode_batch}, loss {a.loss}, grad ckpt {a.grad_ckpt}, {a.rounds} rounds x {a.steps} steps after "
+             f"{a.warmup} warm-up, device {a.device}")
+    print(setup)
+    mem = "peak GiB" if a.device.startswith("cuda") else "peak RSS GiB"
+    print(f"{'side':<10}{'median s':>10}{'min s':>9}{'vs TRL (medians)':>18}{'median pair ratio':>19}{mem:>14}"
+          f"{'len':>8}")
+    for r in rows:
+        if "median_step_s" not in r:
+            print(f"{r['side']:<10} failed: {r['failed']}")
+            continue
+        vs = f"{r['median_step_s'] / trl_row['median_step_s']:.3f}x" if trl_row and r is not trl_row else "-"
+        pair = f"{r['median_pair_ratio_vs_trl']:.3f}x" if "median_pair_ratio_vs_trl" in r else "-"
+        print(f"{r['side']:<10}{r['median_step_s']:>10.3f}{r['min_step_s']:>9.3f}{vs:>18}{pair:>19}"
+              f"{r['peak_mib'] / 1024:>14.2f}{r['completion_len_mean']:>8.1f}")
+    loop = next((r for r in rows if r["side"] == "loop" and r.get("phases")), None)
+    if loop:
+        print("loop phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(loop["phases"].items())))
+    out = Path(a.results)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}"
+    args = {k: v for k, v in vars(a).items() if k not in ("worker", "out")}
+    (out / f"{name}.json").write_text(json.dumps({"setup": args, "hardware": hardware(), "rows": rows,
+                                                  "runs": runs}, indent=2))
+    print(f"wrote {out / (name + '.json')}")
+
+
+if __name__ == "__main__":
+    main()

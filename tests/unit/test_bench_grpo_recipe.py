@@ -1,0 +1,28 @@
+"""The recipe-shape GRPO benchmark runs its CPU path end to end (the GPU run uses the same code with --device cuda)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_preset_runs_every_side_and_writes_json(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_grpo_recipe.py"), "--preset", "tiny", "--steps", "2",
+           "--warmup", "1", "--rounds", "1", "--results", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "median pair ratio" in proc.stdout
+    out = json.loads((tmp_path / "bench_grpo_recipe_tiny_cpu.json").read_text())
+    rows = {r["side"]: r for r in out["rows"]}
+    assert set(rows) == {"loop", "backend", "trl"}
+    for side in ("loop", "backend"):
+        r = rows[side]
+        assert r["rounds_ok"] == 1 and r["pairs"] == 2 and r["median_pair_ratio_vs_trl"] > 0
+        assert r["ratio_max_dev"] == 0.0  # first update exact on both of our sides
+        assert r["peak_mib"] > 0 and r["completion_len_mean"] > 0
+    assert rows["trl"]["rounds_ok"] == 1 and len(out["runs"]["trl"][0]["times"]) == 2
+    assert "time/train" in rows["loop"]["phases"]

@@ -69,8 +69,10 @@ class _Actor:
 
     def close_sync(self) -> None:
         peer, self._peer, self.sync_token = getattr(self, "_peer", None), None, None
-        if peer is not None:
-            peer.close()
+        if peer is not None and peer.group.pg is not None:
+            # leave the group without the sender's "close" header: a member may be dead, and a broadcast
+            # to it would block until sync_timeout_s
+            peer.group.close()
 
     def _sync_config(self, addr: str, port: int, num_engines: int) -> WeightSyncConfig:
         p = self.cfg.pool

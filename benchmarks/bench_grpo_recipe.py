@@ -75,7 +75,10 @@ QWEN3 = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_h
 SHAPES = {"qwen3-0.6b": QWEN3,
           "qwen3-1.7b": dict(QWEN3, hidden_size=2048, intermediate_size=6144),
           "qwen3-4b": dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                           num_attention_heads=32)}
+                           num_attention_heads=32),
+          # the real vocabulary and word tokenizer on a 2-layer body: the CPU check of the Qwen3 shapes' code path
+          "qwen3-mini": dict(QWEN3, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16)}
 EOS, PAD = 151_645, 151_643
 
 

@@ -227,7 +227,7 @@ def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard
     key = ("rollout", step, shard) if gen_round == 0 else ("rollout", step, shard, "refill", gen_round)
     seed = stable_seed(cfg.loop.seed, *key) % (2**63)
     section = cfg.section
-    sampling = section.sampling.params(policy.family) if cfg.family == "diffusion" else section.sampling
+    sampling = section.sampling.params(policy.family, step) if cfg.family == "diffusion" else section.sampling
     version = ckpt.policy_version if weights == "policy" else EMA_POLICY_VERSION
     dedicated = cfg.family == "lm" and cfg.lm.dedicated is not None
     if dedicated and sampling.seed is None:

@@ -50,3 +50,22 @@ def select_train_steps(sde_mask: Tensor, *, fraction: float, generator: torch.Ge
     keep = max(1, math.ceil(fraction * len(candidates)))
     order = torch.randperm(len(candidates), generator=generator)[:keep]
     return sorted(candidates[i] for i in order.tolist())
+
+
+def sliding_window_start(step: int, *, num_steps: int, size: int, shift_interval: int, stride: int = 1) -> int:
+    """MixGRPO's progressive sliding window (arXiv 2507.21802): the first denoising step of the SDE window at
+    training step ``step`` (1-based).
+
+    The window ``[l, l + size)`` starts at the first denoising step and moves ``stride`` steps towards the
+    clean end every ``shift_interval`` training steps, then stays at the last position:
+    ``l(step) = min(stride * floor((step - 1) / shift_interval), num_steps - size)``.
+    """
+    if not (1 <= size <= num_steps):
+        raise field_error(ConfigError, "sampling.sde_window_size", size, f"an integer in [1, num_steps={num_steps}]",
+                          "shrink the window or add steps")
+    if not (shift_interval >= 1 and stride >= 1):
+        raise field_error(ConfigError, "sampling.sde_window_shift_interval/stride", (shift_interval, stride),
+                          "integers >= 1", "MixGRPO moves the window by 1 step every few training steps")
+    if step < 1:
+        raise field_error(ConfigError, "step", step, "a training step >= 1", "count steps from 1")
+    return min(stride * ((step - 1) // shift_interval), num_steps - size)

@@ -12,7 +12,7 @@ from tests.unit.reward.reward_images import noise_png, to_png
 from unirl_core.data.shapes import Scene, ShapeObject, caption, make_dataset, render, sample_prompt, sample_scene
 from unirl_core.errors import RewardError
 from unirl_core.reward import RewardConfig, RewardService, ScoreItem, build_scorer
-from unirl_core.reward.scorers.shapes import detect, shapes_accuracy
+from unirl_core.reward.scorers.shapes import ShapesDetectorConfig, detect, shapes_accuracy
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch
 
 torch.set_num_threads(1)
@@ -33,7 +33,7 @@ def _blur(img: np.ndarray, sigma: float) -> np.ndarray:
 
 
 def _degrade(img: np.ndarray, rng: np.random.Generator, noise: float = 20.0, blur: float = 0.6) -> np.ndarray:
-    f = _blur(img, blur) + rng.normal(0.0, noise, img.shape)
+    f = (_blur(img, blur) if blur > 0 else img.astype(np.float64)) + rng.normal(0.0, noise, img.shape)
     return np.clip(np.rint(f), 0, 255).astype(np.uint8)
 
 
@@ -92,9 +92,9 @@ def test_position_is_absent_value_without_a_relation():
     assert build_scorer("shapes_position", absent_value=0.0)([item]) == [0.0]
 
 
-@pytest.mark.parametrize("size,min_all", [(32, 0.95), (64, 0.99)])
+@pytest.mark.parametrize("size,min_all", [(32, 0.97), (64, 0.99)])
 def test_noisy_blurred_renders_still_score_high(size, min_all):
-    """Gaussian noise sigma 20/255 after a Gaussian blur of sigma 0.6 px (measured: 98% / 100% all-correct)."""
+    """Gaussian noise sigma 20/255 after a Gaussian blur of sigma 0.6 px (measured: 99.4% / 100% all-correct)."""
     rng = np.random.default_rng(size)
     pairs = [(c, _degrade(im, rng)) for c, im in _sampled(300, 2, size)]
     acc = shapes_accuracy([_item(c, im) for c, im in pairs])
@@ -105,7 +105,7 @@ def test_random_noise_scores_low_and_never_crashes():
     prompts = [caption(sample_prompt(random.Random(i))) for i in range(60)]
     items = [ScoreItem(prompt=p, media=noise_png(seed=i, size=(32, 64, 128)[i % 3])) for i, p in enumerate(prompts)]
     scores = build_scorer("shapes_compositional")(items)
-    assert np.mean(scores) < 0.1 and max(scores) <= 0.5, scores
+    assert np.mean(scores) < 0.05 and max(scores) <= 0.5, scores
     assert build_scorer("shapes_compositional", mode="all")(items) == [0.0] * len(items)
     flat = [ScoreItem(prompt=p, media=to_png(Image.new("RGB", (48, 40), (90, 90, 90)))) for p in prompts[:5]]
     assert build_scorer("shapes_compositional")(flat) == [0.0] * 5
@@ -166,3 +166,13 @@ def test_accuracy_report_counts_only_existing_constraints():
     acc = shapes_accuracy(items)
     assert acc["position"] == 0.5 and acc["object"] == acc["count"] == acc["color"] == 1.0
     assert acc["all"] == 2 / 3 and acc["fraction"] == pytest.approx((1 + 6 / 7 + 1) / 3)
+
+
+def test_median_filter_helps_strong_noise_at_64_px():
+    rng = np.random.default_rng(5)
+    items = [_item(c, _degrade(im, rng, noise=40.0, blur=0.0)) for c, im in _sampled(100, 11, 64)]
+    filtered = shapes_accuracy(items)["all"]
+    unfiltered = shapes_accuracy(items, ShapesDetectorConfig(median_from=None))["all"]
+    assert filtered >= 0.99 and unfiltered < filtered  # measured 1.0 vs 0.95
+    with pytest.raises(RewardError, match="median_from"):
+        ShapesDetectorConfig(median_from=2)

@@ -32,13 +32,17 @@ TEST_LIMIT_S = 120
 
 
 @pytest.fixture(autouse=True)
-def time_limit():
-    """Each test is bounded: a hung actor call fails the test instead of the CI run."""
+def time_limit(request):
+    """Each test is bounded: a hung actor call fails the test instead of the CI run. ``@pytest.mark.time_limit(s)``
+    gives a longer test its own bound."""
+    marker = request.node.get_closest_marker("time_limit")
+    limit = marker.args[0] if marker else TEST_LIMIT_S
+
     def expire(signum, frame):
-        raise TimeoutError(f"test ran past {TEST_LIMIT_S} s")
+        raise TimeoutError(f"test ran past {limit} s")
 
     old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_LIMIT_S)
+    signal.alarm(limit)
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, old)
@@ -99,6 +103,7 @@ def test_pool_equals_pods_bitwise(tmp_path, recipe):
         assert part.segment.latents.numel() == 0 and part.media
 
 
+@pytest.mark.time_limit(240)
 @pytest.mark.parametrize("recipe", ["tiny-grpo", "tiny-flow-grpo"])
 def test_collective_publish_equals_store_reload_bitwise(tmp_path, recipe):
     """The trainer broadcasts each version to the engines over a gloo group (NCCL on GPUs): the same per-step
@@ -156,6 +161,46 @@ def test_killed_actors_raise_typed_errors_and_the_retry_is_bitexact(tmp_path):
     ref = run_local(_cfg(recipe, tmp_path / "pods", steps))
     assert [h["reward/mean"] for h in rest] == [h["reward/mean"] for h in ref[2:]]
     assert _same_weights(_weights(tmp_path / "pool", recipe, 4), _weights(tmp_path / "pods", recipe, 4))
+
+
+@pytest.mark.time_limit(300)
+def test_sharded_state_every_n_steps_resumes_bitexact_after_a_trainer_crash(tmp_path):
+    """checkpoint.full_state=sharded, every_n_steps=2: versions carry weights every step, the full state is a
+    DCP folder every 2nd step (async) and at the end; a trainer killed after step 2 resumes from state-2
+    bit-exactly; killed after step 5 (no full state of step 5) the restart fails naming the setting."""
+    from unirl_core.checkpoint.sharded import state_versions
+    from unirl_core.errors import CheckpointError
+
+    recipe = "tiny-grpo"
+    state = ["checkpoint.full_state=sharded", "checkpoint.every_n_steps=2", "checkpoint.keep_last=10"]
+    cfg = _cfg(recipe, tmp_path / "pool", 4, *POOL, *state)
+    root = tmp_path / "pool" / recipe
+
+    def kill_trainer_after(k):
+        def hook(metrics, batch):
+            if metrics["step"] == float(k):
+                cluster.current_pool().call("trainer", "wait_state", what="test")  # the write has landed
+                os.kill(_pid("trainer"), signal.SIGKILL)
+        return hook
+
+    with pytest.raises(PoolActorDied, match="'trainer'.*train step 3"):
+        run_local(cfg, on_step=kill_trainer_after(2))
+    assert [s.step for s in state_versions(str(tmp_path / "pool"), recipe)] == [2]
+    assert not (root / "step-00000001" / "train_state.pt").exists()
+    assert not (root / "step-00000002" / "train_state.pt").exists()
+    rest = run_local(cfg)  # a new trainer loads state-2 (DCP), then trains 3 and 4
+    assert rest[0]["pool/trainer_restored"] == 1.0
+    assert [s.step for s in state_versions(str(tmp_path / "pool"), recipe)] == [2, 4]  # the end: complete
+    ref = run_local(_cfg(recipe, tmp_path / "pods", 4))
+    assert [h["reward/mean"] for h in rest] == [h["reward/mean"] for h in ref[2:]]
+    assert _same_weights(_weights(tmp_path / "pool", recipe, 4), _weights(tmp_path / "pods", recipe, 4))
+
+    longer = _cfg(recipe, tmp_path / "pool", 6, *POOL, *state)
+    with pytest.raises(PoolActorDied, match="'trainer'.*train step 6"):
+        run_local(longer, on_step=kill_trainer_after(5))
+    with pytest.raises(CheckpointError, match=r"checkpoint.every_n_steps=2: expected a full resumable state of "
+                                              r"step 5 .* step 4"):
+        run_local(longer)
 
 
 def test_batch_lost_between_rollout_and_train_is_resampled_and_checked(tmp_path):

@@ -7,7 +7,11 @@ import logging
 import torch.distributed as dist
 
 from unirl_core.checkpoint.ref import CheckpointRef
-from unirl_core.checkpoint.store import CheckpointStore, LoadedCheckpoint, load_checkpoint
+from unirl_core.checkpoint.store import (
+    CheckpointStore,
+    LoadedCheckpoint,
+    load_checkpoint,
+)
 from unirl_core.errors import CheckpointError, field_error
 from unirl_core.train.backend import TrainBackend
 from unirl_core.train.distributed import current_world
@@ -17,15 +21,20 @@ log = logging.getLogger(__name__)
 
 def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, config: object | None = None,
                           extra: dict[str, object] | None = None, publish: bool = True,
-                          overwrite: bool = False) -> CheckpointRef:
+                          overwrite: bool = False, full_state: bool = True) -> CheckpointRef:
     """Checkpoint the backend after its latest step: weights, EMA, optimizer/scheduler/RNG/counters, the run
     config and ``extra`` JSON state (e.g. the advantage stat tracker).
 
+    ``full_state=False`` writes the version without ``train_state.pt`` (weights, EMA, config, extra): the
+    resumable state is written elsewhen (``checkpoint.every_n_steps``) or elsewhere (``sharded.py``).
     Collective under FSDP: every rank gathers, rank 0 writes, all ranks return the same ref.
     """
     weights = backend.model_state_dict()
-    state = backend.state_dict()
-    ema = state.pop("ema")
+    if full_state:
+        state = backend.state_dict()
+        ema = state.pop("ema")
+    else:
+        state, ema = None, _full_ema(backend)
     rank, world = current_world()
     ref = None
     if rank == 0:
@@ -38,6 +47,15 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
         ref = box[0]
     assert ref is not None
     return ref
+
+
+def _full_ema(backend: TrainBackend) -> dict | None:
+    """The EMA weights as full CPU tensors (collective under FSDP), as ``state_dict()['ema']`` has them."""
+    from unirl_core.train.distributed import full_tensor
+
+    if backend.ema is None:
+        return None
+    return {n: full_tensor(t).detach().cpu().contiguous() for n, t in backend.ema.state_dict().items()}
 
 
 def restore_train_checkpoint(backend: TrainBackend, ref: CheckpointRef, *,

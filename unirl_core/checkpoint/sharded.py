@@ -296,3 +296,22 @@ def load_sharded_state(backend: TrainBackend, ref: StateRef, *,
                           f"{ref.policy_version} as in the manifest", "the state is inconsistent")
     log.info("restored sharded state %s (step %d)", ref.uri, ref.step)
     return manifest
+
+
+def prune_states(root: str, run: str, *, keep_last: int, keep_every: int | None = None,
+                 storage_options: dict[str, object] | None = None) -> list[int]:
+    """Delete complete states outside the newest ``keep_last`` and the multiples of ``keep_every`` (the
+    checkpoint store's retention), and partial folders older than the newest complete state (an interrupted
+    write). A doomed state loses its manifest first. Returns the deleted steps."""
+    run_folder = _run_folder(root, run, storage_options)
+    complete = [s.step for s in state_versions(root, run, storage_options=storage_options)]
+    keep = set(complete[-keep_last:]) | {s for s in complete if keep_every and s % keep_every == 0}
+    newest = complete[-1] if complete else -1
+    on_disk = sorted(int(m.group(1)) for n in run_folder.listdir() if (m := _STATE_DIR.match(n)))
+    doomed = [s for s in on_disk if s not in keep and (s in complete or s < newest)]
+    for step in doomed:
+        folder = Folder(run_folder.fs, run_folder.join(state_dirname(step)))
+        if step in complete:
+            folder.fs.rm_file(folder.join(MANIFEST))
+        folder.fs.rm(folder.path, recursive=True)
+    return doomed

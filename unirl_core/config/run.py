@@ -201,6 +201,13 @@ class CheckpointConfig:
     """Also keep every m-th step forever."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``); credentials come from the environment."""
+    every_n_steps: int = 1
+    """Steps between writes of the full resumable state (optimizer, RNG, counters) and at the last step; the
+    weights are a version every step. Above 1 only in pool mode (a pods train phase restores it every step)."""
+    full_state: Literal["file", "sharded"] = "file"
+    """``file``: ``train_state.pt`` in the version (gathered to rank 0, written before the step returns);
+    ``sharded``: ``state-<step>/`` per rank via torch.distributed.checkpoint, written asynchronously while the
+    next steps run (pool mode; ``unirl_core/checkpoint/sharded.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,6 +274,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise field_error(ConfigError, "name", self.name, "a non-empty run name without '/'", "e.g. tiny-grpo")
+        _check_full_state(self.checkpoint, self.pool)
         section = self.diffusion if self.family == "diffusion" else self.lm
         if section is None:
             raise field_error(ConfigError, self.family, None, f"a '{self.family}' section for family={self.family!r}",
@@ -456,3 +464,16 @@ def _check_weight_sync(lm: LMSection, kind: str, engine: VLLMEngineConfig | SGLa
         if engine.max_lora_rank < lm.model.lora_rank:
             raise field_error(ConfigError, f"lm.{kind}.max_lora_rank", engine.max_lora_rank,
                               f">= lm.model.lora_rank ({lm.model.lora_rank})", "raise max_lora_rank")
+
+
+def _check_full_state(ck: CheckpointConfig, pool: PoolConfig) -> None:
+    if not (isinstance(ck.every_n_steps, int) and ck.every_n_steps >= 1):
+        raise field_error(ConfigError, "checkpoint.every_n_steps", ck.every_n_steps, "an integer >= 1", "use 1")
+    if ck.full_state not in ("file", "sharded"):
+        raise field_error(ConfigError, "checkpoint.full_state", ck.full_state, "'file' or 'sharded'", "use 'file'")
+    if pool.execution != "pool":
+        for name, value, default in (("every_n_steps", ck.every_n_steps, 1), ("full_state", ck.full_state, "file")):
+            if value != default:
+                raise field_error(ConfigError, f"checkpoint.{name}", value, f"{default!r} with pool.execution="
+                                  f"{pool.execution!r}", "each pods train phase restores the full state of the "
+                                  "previous step; set pool.execution='pool' (its trainer keeps it resident)")

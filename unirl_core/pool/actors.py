@@ -15,10 +15,26 @@ import time
 
 import torch
 
-from unirl_core.checkpoint import CheckpointRef, restore_train_checkpoint, save_train_checkpoint
+from unirl_core.checkpoint import (
+    CheckpointRef,
+    restore_train_checkpoint,
+    save_train_checkpoint,
+)
+from unirl_core.checkpoint.sharded import (
+    latest_state,
+    load_sharded_state,
+    prune_states,
+    save_sharded_state,
+)
+from unirl_core.checkpoint.store import (
+    EXTRA,
+    TRAIN_STATE,
+    load_manifest,
+    load_version_json,
+)
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
-from unirl_core.errors import field_error
+from unirl_core.errors import CheckpointError, field_error
 from unirl_core.loop import build, phases
 from unirl_core.pool.config import Emit
 from unirl_core.pool.projection import for_training, project
@@ -186,8 +202,8 @@ class TrainerActor(_Actor):
         restored = self.state != _version(ckpt) or backend.step_count != ckpt.step
         if restored:
             self.state = None
-            loaded = restore_train_checkpoint(backend, ckpt, storage_options=cfg.checkpoint.storage_options)
-            self.state, self.extra = _version(ckpt), dict(loaded.extra)
+            self.extra = self._restore(ckpt)
+            self.state = _version(ckpt)
         batch = for_training(SampleBatch.concat(list(shards)), scored)
         phases.check_policy_lag(cfg, batch, ckpt)
         self.state = None  # from here on the resident state is no version until it is saved
@@ -195,12 +211,59 @@ class TrainerActor(_Actor):
         extra = dict(self.extra)
         if phases.TRACKER_KEY in batch.metadata:
             extra["tracker"] = json.loads(batch.metadata[phases.TRACKER_KEY])
+        ck = cfg.checkpoint
+        full_now = step % ck.every_n_steps == 0 or step >= cfg.loop.total_steps
         ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
-                                    overwrite=True)
+                                    overwrite=True, full_state=full_now and ck.full_state == "file")
+        if full_now and ck.full_state == "sharded":
+            self._write_sharded(last=step >= cfg.loop.total_steps)
         self.state, self.extra = _version(ref), extra
         out = {f"train/{k}": float(v) for k, v in metrics.items()}
         out["pool/trainer_restored"] = float(restored)
         return ref, out
+
+    def _write_sharded(self, *, last: bool) -> None:
+        """Start the sharded state write of the step just trained; the previous one must be complete first
+        (at most one in flight). The last step's write is waited for: the run ends with a complete state."""
+        cfg = self.cfg
+        self.wait_state()
+        self._pending = save_sharded_state(cfg.checkpoint.root, cfg.name, self.backend, asynchronous=not last,
+                                           storage_options=cfg.checkpoint.storage_options)
+        if last:
+            self.wait_state()
+
+    def wait_state(self) -> int | None:
+        """Finish the sharded state write in flight, if any; returns its step."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is None:
+            return None
+        step = pending.wait().step
+        ck = self.cfg.checkpoint
+        prune_states(ck.root, self.cfg.name, keep_last=ck.keep_last, keep_every=ck.keep_every,
+                     storage_options=ck.storage_options)
+        return step
+
+    def _restore(self, ckpt: CheckpointRef) -> dict[str, object]:
+        """Load version ``ckpt``'s full state: its ``train_state.pt``, else the sharded ``state-<step>/`` of
+        the same step. Returns the version's extra JSON state."""
+        cfg = self.cfg
+        opts = cfg.checkpoint.storage_options
+        try:
+            self.wait_state()
+        except CheckpointError as e:  # the write failed: that state is not there; restore decides below
+            log.warning("%s: %s", self.name, e)
+        if TRAIN_STATE in load_manifest(ckpt, storage_options=opts).files:
+            return dict(restore_train_checkpoint(self.backend, ckpt, storage_options=opts).extra)
+        state = latest_state(cfg.checkpoint.root, cfg.name, at_most=ckpt.step, storage_options=opts)
+        if state is None or state.step != ckpt.step:
+            have = "none" if state is None else f"step {state.step}"
+            raise field_error(CheckpointError, "checkpoint.every_n_steps", cfg.checkpoint.every_n_steps,
+                              f"a full resumable state of step {ckpt.step} (the version the trainer resumes "
+                              f"from); the newest complete one at or before it: {have}",
+                              "fork the run from the version of that step (fork_as=..., resume_from=<its "
+                              "step folder>) to retrain the steps since; a smaller every_n_steps loses fewer")
+        load_sharded_state(self.backend, state, storage_options=opts)
+        return dict(load_version_json(ckpt, EXTRA, storage_options=opts) or {})
 
     def holds(self, ckpt: CheckpointRef) -> bool:
         """True when the resident weights are exactly version ``ckpt`` (the trainer can publish it)."""

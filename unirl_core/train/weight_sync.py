@@ -330,7 +330,7 @@ def follow_send(state: Mapping[str, Tensor], *, cast: Cast = None, bucket_bytes:
     dist.broadcast(verdict, src=0)
     if int(verdict.item()):
         return
-    names, specs, buckets = _wire_plan(state, cast, bucket_bytes, direct_bytes)
+    names, _, buckets = _wire_plan(state, cast, bucket_bytes, direct_bytes)
     for b in buckets:
         for i, _, _ in b.entries:
             if _is_sharded(state[names[i]]):

@@ -30,10 +30,21 @@ def test_pods_is_the_default():
     ("pool.publish=nccl", "pool.publish"),
     ("pool.sync_bucket_mb=0", "pool.sync_bucket_mb"),
     ("pool.sync_timeout_s=-1", "pool.sync_timeout_s"),
+    ("checkpoint.every_n_steps=2", "checkpoint.every_n_steps"),  # pods restore the full state every step
+    ("checkpoint.full_state=sharded", "checkpoint.full_state"),
+    ("checkpoint.full_state=dcp", "checkpoint.full_state"),
 ])
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
         load_recipe("tiny-grpo", [override])
+
+
+def test_full_state_every_n_steps_in_pool_mode():
+    cfg = load_recipe("tiny-grpo", ["pool.execution=pool", "checkpoint.every_n_steps=4",
+                                    "checkpoint.full_state=sharded"])
+    assert cfg.checkpoint.every_n_steps == 4 and cfg.checkpoint.full_state == "sharded"
+    with pytest.raises(ConfigError, match="checkpoint.every_n_steps=0"):
+        load_recipe("tiny-grpo", ["pool.execution=pool", "checkpoint.every_n_steps=0"])
 
 
 def test_pool_refuses_a_dedicated_engine():

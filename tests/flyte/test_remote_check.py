@@ -49,3 +49,30 @@ def test_reachable_endpoint(tmp_path):
         s.listen(1)
         p = _run(tmp_path, FLYTECTL_CONFIG=_config(tmp_path, s.getsockname()[1]))
     assert p.returncode == 0 and p.stdout.startswith("ok: ") and len(_lines(p)) == 1
+
+
+def _pyflyte_remote(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """The real ``pyflyte run --remote`` (our flytekit plugin is registered by the project's install)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FLYTE", "FLYTECTL", "UNIRL_REMOTE"))}
+    base.update(HOME=str(tmp_path), COLUMNS="200", **env)
+    pyflyte = Path(sys.executable).with_name("pyflyte")
+    return subprocess.run([str(pyflyte), "run", "--remote", str(REPO / "workflows" / "grpo.py"), "grpo",
+                           "--recipe", "tiny-grpo"], cwd=tmp_path, env=base, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_pyflyte_remote_without_config_fails_in_one_message(tmp_path):
+    p = _pyflyte_remote(tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert "unirl: no Flyte config found" in out and "Traceback" not in out and "signed" not in out.lower()
+    assert len(_lines(p)) <= 6, out  # one message (rich draws a box around it), not flytekit's ~280 lines
+
+
+def test_pyflyte_remote_unreachable_endpoint_names_it(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = _pyflyte_remote(tmp_path, FLYTECTL_CONFIG=_config(tmp_path, port))
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and f"127.0.0.1:{port}" in out and "is not reachable" in out and "Traceback" not in out

@@ -185,9 +185,11 @@ def main() -> None:
                                (f"trl {trl.__version__}", t_trl, l_trl, r_trl)):
         rows.append({"method": name, "median_step_s": statistics.median(t), "min_step_s": min(t),
                      "completion_len_mean": statistics.fmean(length), "reward_first": r[0], "reward_last": r[-1]})
-    for r in rows:
+    for r, t in zip(rows, (t_ph, t_ours, t_dec, t_trl)):
         r["median_ratio_vs_trl"] = r["median_step_s"] / rows[-1]["median_step_s"]
-    ratio = rows[0]["median_ratio_vs_trl"]
+        # step i of a round pairs with step i of TRL's block in the same round (run minutes apart at most)
+        r["median_pair_ratio_vs_trl"] = statistics.median(a / b for a, b in zip(t, t_trl))
+    ratio = rows[0]["median_pair_ratio_vs_trl"]
     min_ratio = rows[0]["min_step_s"] / rows[-1]["min_step_s"]
     report(args, rows, ratio, min_ratio)
 
@@ -199,11 +201,13 @@ def report(args, rows, ratio, min_ratio) -> None:
              f"{args.new_tokens} new tokens, fp32, lr {args.lr}, {args.rounds} alternating rounds of "
              f"{args.steps} timed steps after {args.warmup} warm-up")
     print(setup)
-    print(f"{'method':<42}{'median s':>10}{'min s':>9}{'vs TRL':>8}{'len':>7}{'reward first->last':>22}")
+    print(f"{'method':<42}{'median s':>10}{'min s':>9}{'vs TRL':>8}{'pairs':>8}{'len':>7}{'reward first->last':>22}")
     for r in rows:
         print(f"{r['method']:<42}{r['median_step_s']:>10.3f}{r['min_step_s']:>9.3f}{r['median_ratio_vs_trl']:>7.2f}x"
-              f"{r['completion_len_mean']:>7.1f}{r['reward_first']:>12.3f} -> {r['reward_last']:.3f}")
-    print(f"step time ratio unirl_core / TRL = {ratio:.2f}x median, {min_ratio:.2f}x min (target <= 0.5x)")
+              f"{r['median_pair_ratio_vs_trl']:>7.2f}x{r['completion_len_mean']:>7.1f}{r['reward_first']:>12.3f} -> "
+              f"{r['reward_last']:.3f}")
+    print(f"step time ratio unirl_core / TRL = {ratio:.2f}x median of pair ratios, {min_ratio:.2f}x min "
+          "(target <= 0.5x)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "bench_grpo_step.json").write_text(json.dumps(
         {"setup": vars(args), "hardware": hw, "rows": rows, "ratio_ours_over_trl": ratio,
@@ -211,16 +215,18 @@ def report(args, rows, ratio, min_ratio) -> None:
     md = ["### GRPO optimizer step vs TRL GRPOTrainer (CPU)", "", f"Setup: {setup}.",
           f"Hardware: {hw['cpu']}, {hw['cores']} cores, OMP_NUM_THREADS={hw['omp_num_threads']}; torch {hw['torch']}, "
           f"transformers {hw['transformers']}.", "",
-          "| method | median step s | min step s | median vs TRL | mean completion len |", "|---|---:|---:|---:|---:|"]
+          "| method | median step s | min step s | medians vs TRL | median of pair ratios | mean completion len |",
+          "|---|---:|---:|---:|---:|---:|"]
     md += [f"| {r['method']} | {r['median_step_s']:.3f} | {r['min_step_s']:.3f} | {r['median_ratio_vs_trl']:.2f}x | "
-           f"{r['completion_len_mean']:.1f} |" for r in rows]
+           f"{r['median_pair_ratio_vs_trl']:.2f}x | {r['completion_len_mean']:.1f} |" for r in rows]
     md += ["", "`loop (phases, checkpoints)` is the path users run (`run_local` over the tiny-grpo recipe: the "
            "phase functions the Flyte tasks call, each version checkpointed and published; the ratio headline). "
            "`engine+loss` rows are a hand-written loop over the engine and the loss (no TrainBackend, no "
            "checkpoint) kept for comparison. Rescoring records exact log-probs (first ratio exactly 1); "
            "`decode-logp` keeps the decode loop's log-probs (ratio 1 to ~1e-6), the model work TRL does with "
            "num_iterations=1."]
-    md += ["", f"Step time ratio unirl_core / TRL: **{ratio:.2f}x** median, {min_ratio:.2f}x min (target <= 0.5x)."]
+    md += ["", f"Step time ratio unirl_core / TRL: **{ratio:.2f}x** median of pair ratios, {min_ratio:.2f}x min "
+           "(target <= 0.5x)."]
     (RESULTS / "bench_grpo_step.md").write_text("\n".join(md) + "\n")
 
 

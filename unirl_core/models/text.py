@@ -41,14 +41,16 @@ def complete_utf8_prefix(data: bytes) -> bytes:
     return data
 
 
-def _byte_level_bytes(tokenizer, ids: list[int]) -> bytes | None:
-    """The raw bytes of ``ids`` for a byte-level BPE (special tokens skipped); None for other tokenizers."""
+def _is_byte_level(tokenizer) -> bool:
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    if "ByteLevel" not in repr(decoder) and not hasattr(tokenizer, "byte_decoder"):
-        return None  # SentencePiece byte fallback (<0xE2>), WordPiece, ...: their tokens are not byte symbols
+    return "ByteLevel" in repr(decoder) or hasattr(tokenizer, "byte_decoder")
+
+
+def _byte_level_bytes(tokenizer, ids: list[int], special: set[int]) -> bytes | None:
+    """The raw bytes of ``ids`` for a byte-level BPE (``special`` ids skipped); None when a token is no byte
+    symbol string (SentencePiece byte fallback ``<0xE2>``, WordPiece, an added token)."""
     try:
         tokens = tokenizer.convert_ids_to_tokens(ids)
-        special = set(getattr(tokenizer, "all_special_ids", ()) or ())
     except Exception:  # noqa: BLE001 - any tokenizer without the slow-token API: fall back to decode()
         return None
     table = _byte_decoder()
@@ -57,18 +59,28 @@ def _byte_level_bytes(tokenizer, ids: list[int]) -> bytes | None:
         if i in special or t is None:
             continue
         if not all(c in table for c in t):
-            return None  # a SentencePiece/WordPiece token (or an added token): not byte-level
+            return None
         out.extend(table[c] for c in t)
     return bytes(out)
+
+
+def decode_completions(tokenizer, completions: Iterable[Iterable[int]], *, skip_ids: Iterable[int] = ()) -> list[str]:
+    """``decode_completion`` of each id list; the tokenizer is inspected once for the whole batch."""
+    skip = set(skip_ids)
+    byte_level = _is_byte_level(tokenizer)
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ()) if byte_level else set()
+    out = []
+    for ids in completions:
+        ids = [int(t) for t in ids if int(t) not in skip]
+        raw = _byte_level_bytes(tokenizer, ids, special) if byte_level else None
+        if raw is not None:
+            out.append(complete_utf8_prefix(raw).decode("utf-8", errors="replace"))
+        else:  # not byte-level: trailing replacement characters can only come from a cut inside a character
+            out.append(tokenizer.decode(ids, skip_special_tokens=True).rstrip(REPLACEMENT))
+    return out
 
 
 def decode_completion(tokenizer, ids: Iterable[int], *, skip_ids: Iterable[int] = ()) -> str:
     """Text of a whole completion: ``ids`` (minus ``skip_ids`` such as EOS) decoded at once, an incomplete
     character at the end dropped, other invalid bytes as U+FFFD (what ``tokenizer.decode`` gives them)."""
-    skip = set(skip_ids)
-    ids = [int(t) for t in ids if int(t) not in skip]
-    raw = _byte_level_bytes(tokenizer, ids)
-    if raw is not None:
-        return complete_utf8_prefix(raw).decode("utf-8", errors="replace")
-    # not byte-level: trailing replacement characters can only come from a cut inside a character
-    return tokenizer.decode(ids, skip_special_tokens=True).rstrip(REPLACEMENT)
+    return decode_completions(tokenizer, [ids], skip_ids=skip_ids)[0]

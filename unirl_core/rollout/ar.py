@@ -33,7 +33,7 @@ from torch import Tensor
 from unirl_core.errors import ConfigError, EngineError, field_error
 from unirl_core.models.lm import LMBundle, build_layout, replay_log_probs
 from unirl_core.models.micro_batch import check_max_tokens, plan_micro_batches, token_lengths
-from unirl_core.models.text import decode_completion
+from unirl_core.models.text import decode_completions
 from unirl_core.rollout.ar_decoder import SUPPORTED_MODEL_TYPES, LeanDecoder, lean_decoder_supported
 from unirl_core.types import ARSamplingParams, NoiseRecipe, Sample, SampleBatch, TokenSegment
 
@@ -236,11 +236,10 @@ class TrainsideAREngine:
         self.last_decode_rescore_absdiff = drift
 
     def _fill(self, batch: SampleBatch, segments: list[TokenSegment]) -> SampleBatch:
-        tok, eos = self.bundle.tokenizer, set(self.bundle.eos_token_ids)
+        texts = decode_completions(self.bundle.tokenizer, [seg.response_ids.tolist() for seg in segments],
+                                   skip_ids=self.bundle.eos_token_ids)
         samples = []
-        for s, seg in zip(batch.samples, segments):
-            ids = seg.response_ids.tolist()
-            text = decode_completion(tok, ids, skip_ids=eos)
+        for s, seg, text in zip(batch.samples, segments, texts):
             part = s.generated.copy(segment=seg, text=text, policy_version=self.policy_version)
             parts = [part if p is s.generated else p.copy() for p in s.parts]
             samples.append(Sample(sample_id=s.sample_id, group_id=s.group_id, parts=parts))

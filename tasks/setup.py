@@ -30,6 +30,7 @@ from tasks.run_types import (
 )
 from unirl_core.config import RunConfig, to_dict
 from unirl_core.config.preflight import preflight
+from unirl_core.pool.kuberay import setup_pool
 from unirl_core.report.phase_html import metrics_table
 
 if train_image.is_container():
@@ -46,10 +47,13 @@ class Setup(NamedTuple):
 @task(container_image=train_image, **CPU_TASK, timeout=SMALL_TIMEOUT, **DECK)
 def setup_task(recipe: str, overrides: list[str]) -> Setup:
     """Load and validate the recipe with its overrides, then preflight it: the checkpoint root is writable and
-    the models are reachable (a bad override or an unusable root fails here, before any GPU starts)."""
+    the models are reachable (a bad override or an unusable root fails here, before any GPU starts); with
+    ``pool.kuberay`` the pool's RayCluster spec is validated and written as ``<root>/<run>/pool/raycluster.yaml``."""
     cfg, cluster = load_run_config(recipe, overrides)
     for note in preflight(cfg):
         progress_logger().warning("preflight: %s", note)
+    for note in setup_pool(cfg):  # pool.kuberay: the RayCluster spec, validated and written next to the run
+        progress_logger().warning("pool: %s", note)
     deck("config", f"<pre>{html.escape(json.dumps(to_dict(cfg), indent=1, sort_keys=True))}</pre>"
          + metrics_table(dataclasses.asdict(cluster), "cluster"))
     # local executions all share the execution name 'local': add a random suffix so step times of two

@@ -27,3 +27,15 @@ def test_placeholder_bucket_fails_in_setup_naming_checkpoint_root(monkeypatch):
 def test_tiny_recipe_passes_setup(tmp_path, run_name):
     out = setup_task(recipe="tiny-grpo", overrides=[f"checkpoint.root={tmp_path}", f"name={run_name}"])
     assert out.cfg.name == run_name
+
+
+def test_setup_writes_the_kuberay_spec_and_stops_without_an_address(tmp_path, run_name):
+    """pool.kuberay without pool.address: the setup task writes the validated RayCluster next to the run and
+    fails naming pool.address with the kubectl command and the address to attach with."""
+    pool = ["pool.execution=pool", "pool.kuberay.image=ghcr.io/example/unirl-train:1", "pool.kuberay.worker_cpus=4"]
+    with pytest.raises(Exception, match=r"pool.address=None: .*kubectl apply -f .*raycluster.yaml"):
+        setup_task(recipe="tiny-grpo", overrides=[f"checkpoint.root={tmp_path}", f"name={run_name}", *pool])
+    assert (tmp_path / run_name / "pool" / "raycluster.yaml").read_text().startswith("apiVersion: ray.io/v1")
+    with pytest.raises(Exception, match=r"pool.kuberay.worker_cpus=0.5: expected room"):
+        setup_task(recipe="tiny-grpo", overrides=[f"checkpoint.root={tmp_path}", f"name={run_name}", *pool,
+                                                  "pool.kuberay.worker_cpus=0.5", "pool.address=ray://h:10001"])

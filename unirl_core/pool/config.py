@@ -30,6 +30,57 @@ class ActorResources:
                 raise field_error(ConfigError, f"{where}.{name}", v, "a finite number >= 0", "e.g. 1")
 
 
+RAY_VERSION = "2.60.0"
+"""The ray pin of the ``pool`` extra (pyproject.toml); a KubeRay cluster must run the same."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KubeRayConfig:
+    """A KubeRay RayCluster for the pool (``unirl_core/pool/kuberay.py`` generates and validates its spec)."""
+
+    image: str = ""
+    """Container image of head and workers (the train image: it holds torch, the models and ray). Required."""
+    ray_version: str = RAY_VERSION
+    """``spec.rayVersion``; must be the Ray installed in the image."""
+    name: str | None = None
+    """RayCluster name (DNS-1123); None: ``<run>-pool``."""
+    namespace: str = "default"
+    """Kubernetes namespace of the cluster."""
+    head_cpus: float = 2.0
+    """CPUs of the head pod (it runs the GCS, no actors)."""
+    head_memory: str = "8Gi"
+    """Memory of the head pod (a Kubernetes quantity)."""
+    worker_replicas: int = 1
+    """Worker pods (fixed size: min = max = replicas)."""
+    worker_cpus: float = 8.0
+    """CPUs per worker pod."""
+    worker_gpus: int = 0
+    """GPUs per worker pod (``gpu_resource``)."""
+    worker_memory: str = "64Gi"
+    """Memory per worker pod."""
+    gpu_resource: str = "nvidia.com/gpu"
+    """Extended resource name of a GPU on the cluster's nodes."""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    """nodeSelector of every pod (e.g. ``{"nvidia.com/gpu.product": "NVIDIA-H200"}``)."""
+    service_account: str | None = None
+    """serviceAccountName of every pod (storage credentials through IRSA / workload identity)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.image, str) and self.image.strip()):
+            raise field_error(ConfigError, "pool.kuberay.image", self.image, "a container image",
+                              "set it to the train image (pyflyte --image, or the ImageSpec's built name)")
+        if not (isinstance(self.worker_replicas, int) and self.worker_replicas >= 1):
+            raise field_error(ConfigError, "pool.kuberay.worker_replicas", self.worker_replicas,
+                              "an integer >= 1", "e.g. 1")
+        if not (isinstance(self.worker_gpus, int) and self.worker_gpus >= 0):
+            raise field_error(ConfigError, "pool.kuberay.worker_gpus", self.worker_gpus, "an integer >= 0",
+                              "GPUs are whole devices in Kubernetes")
+        for name in ("head_cpus", "worker_cpus"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise field_error(ConfigError, f"pool.kuberay.{name}", v, "a number of CPUs > 0", "e.g. 8")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PoolConfig:
     """The run's Ray pool: engine, trainer and reward actors that live for the run (``execution: pool``)."""
@@ -67,6 +118,9 @@ class PoolConfig:
     sync_timeout_s: float = 300.0
     """Rendezvous and per-collective timeout of the publish group; a peer that vanished fails the publish
     after it (the engines then load the version from the store)."""
+    kuberay: KubeRayConfig | None = None
+    """A KubeRay RayCluster the setup task writes as ``<checkpoint.root>/<run>/pool/raycluster.yaml`` (validated
+    against the placement the pool asks for); apply it with kubectl and attach with ``address``."""
     placement_timeout_s: float = 60.0
     """How long setup waits for the placement group before failing with the resources it asked for."""
     connect_timeout_s: float = 10.0

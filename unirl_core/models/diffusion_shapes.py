@@ -164,7 +164,8 @@ def shapes_sd3_pipeline(*, seed: int = 0, spec: ShapesModelSpec = SHAPES_SPEC):
 
 def pipeline_state(pipe) -> dict[str, torch.Tensor]:
     """Every component's state dict under ``<component>.<name>`` (what ``WEIGHTS_FILE`` holds)."""
-    return {f"{c}.{k}": v.detach().cpu().contiguous() for c in COMPONENTS
+    # cloned: tied tensors (T5 shared / embed_tokens) would share memory, which safetensors refuses to save
+    return {f"{c}.{k}": v.detach().cpu().clone().contiguous() for c in COMPONENTS
             for k, v in getattr(pipe, c).state_dict().items()}
 
 

@@ -76,3 +76,21 @@ def test_sft_on_the_shapes_world_reduces_the_loss(tmp_path):
 
     before, after = loss(start), loss(end)
     assert after < 0.8 * before, (before, after)
+
+
+def test_pack_weights_round_trips_a_pipeline_folder(tmp_path, monkeypatch):
+    from unirl_core.models import diffusion_shapes as ds
+
+    pipe = ds.shapes_sd3_pipeline(seed=3)
+    pipe.save_pretrained(tmp_path / "export")
+    out = ds.pack_weights(str(tmp_path / "export"), tmp_path / "w.safetensors")
+    monkeypatch.setattr(ds, "WEIGHTS_FILE", out)
+    loaded = ds.pipeline_state(ds.shipped_shapes_pipeline())
+    want = ds.pipeline_state(pipe)
+    assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], want[k]) for k in want)
+    monkeypatch.setattr(ds, "WEIGHTS_FILE", tmp_path / "missing.safetensors")
+    import pytest
+
+    from unirl_core.errors import ConfigError
+    with pytest.raises(ConfigError, match="model.source='shapes-sd3'"):
+        ds.shipped_shapes_pipeline()

@@ -84,13 +84,22 @@ def test_config_errors(override, message):
         load_recipe("tiny-grpo", override)
 
 
-def test_tiny_run_keeps_batch_size_and_exact_first_ratio(tmp_path):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_tiny_run_keeps_batch_size_and_exact_first_ratio(tmp_path, shards):
     cfg = load_recipe("tiny-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=3", "train.old_logp_source=replay",
-                                    "filter_groups={max_num_gen_batches: 3}", "report.tensorboard=false"])
+                                    "filter_groups={max_num_gen_batches: 3}", "report.tensorboard=false",
+                                    f"loop.rollout_shards={shards}"])
     assert cfg.filter_groups == FilterGroupsConfig(max_num_gen_batches=3)
-    sizes = []
-    hist = run_local(cfg, on_step=lambda m, b: sizes.append((len(b), len(b.groups()))), progress=False)
+    sizes, groups = [], []
+
+    def seen(m, b):
+        sizes.append((len(b), len(b.groups())))
+        groups.append(list(b.groups()))
+
+    hist = run_local(cfg, on_step=seen, progress=False)
     assert sizes == [(32, 4)] * 3
+    ids = [g for h in groups for g in h]
+    assert len(ids) == len(set(ids)) and any("r1-" in g for g in ids)  # refill groups carry their round
     for h in hist:
         assert h["train/ratio_mean"] == 1.0 and h["train/logp_absdiff_max"] == 0.0
         assert 1.0 <= h["filter_groups/rounds"] <= 3.0

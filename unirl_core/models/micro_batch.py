@@ -13,6 +13,10 @@ Two plans:
   micro-batch's padded size ``rows x (longest prompt + longest response)`` (what ``build_layout`` allocates)
   stays within ``N``. A sample longer than ``N`` on its own gets a micro-batch of one row. Deterministic: it
   depends only on the lengths.
+
+Under FSDP every rank packs its own shard and must run as many forwards as the others: ``split_to_count``
+halves a rank's fullest micro-batches until it has the count of the rank with the most (the trainer then
+replays pi_old over its own micro-batches, ``old_logp_source='replay'``).
 """
 
 from __future__ import annotations
@@ -68,6 +72,20 @@ def plan_micro_batches(lengths: Lengths, *, size: int, max_tokens: int | None) -
     if cur:
         plan.append(cur)
     return plan
+
+
+def split_to_count(plan: Sequence[Sequence[int]], count: int) -> list[list[int]]:
+    """``plan`` with its micro-batch of most rows (the first on ties) halved until there are ``count``; a half
+    pads to no more tokens than the whole, so the budget still holds."""
+    out = [list(mb) for mb in plan]
+    if not (len(out) <= count <= sum(len(mb) for mb in out)):
+        raise field_error(InvariantError, "count", count, f"between {len(out)} micro-batches and "
+                          f"{sum(len(mb) for mb in out)} samples", "every rank must hold the same number of samples")
+    while len(out) < count:
+        k = max(range(len(out)), key=lambda j: (len(out[j]), -j))
+        half = (len(out[k]) + 1) // 2
+        out[k:k + 1] = [out[k][:half], out[k][half:]]
+    return out
 
 
 def check_max_tokens(value: object, field: str) -> None:

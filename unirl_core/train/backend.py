@@ -21,7 +21,7 @@ from torch import Tensor
 
 from unirl_core.algorithms.base import Algorithm, LossOutput, Policy
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
-from unirl_core.models.micro_batch import plan_micro_batches, token_lengths
+from unirl_core.models.micro_batch import plan_micro_batches, split_to_count, token_lengths
 from unirl_core.models.precision import module_dtype, parameters_as, upcast_trainable
 from unirl_core.train import distributed as D
 from unirl_core.train.config import TrainConfig
@@ -112,11 +112,11 @@ class TrainBackend:
         if cfg.shard == "always":
             D.ensure_process_group(self.dist.device)
         self.rank, self.world_size = D.current_world()
-        if cfg.micro_batch_tokens is not None and self.world_size > 1:
-            # Per-rank token packs differ in count, and FSDP ranks must run the same number of forwards.
-            raise field_error(ConfigError, "train.micro_batch_tokens", cfg.micro_batch_tokens,
-                              f"None at world size {self.world_size} (token budgets run on one rank for now)",
-                              "use micro_batch_size for multi-rank training")
+        if cfg.micro_batch_tokens is not None and self.world_size > 1 and cfg.old_logp_source != "replay":
+            # Each rank packs its own shard (the engine packed the whole batch), so pi_old must be replayed.
+            raise field_error(ConfigError, "train.old_logp_source", cfg.old_logp_source,
+                              f"'replay' with train.micro_batch_tokens at world size {self.world_size}",
+                              "set train.old_logp_source='replay' (or micro_batch_size for exact rollout log-probs)")
         seed_everything(cfg.seed + self.rank)
         module = policy.module
         self.compute_dtype: torch.dtype = getattr(policy, "compute_dtype", None) or module_dtype(module)
@@ -182,6 +182,10 @@ class TrainBackend:
             return shard.split(self.cfg.micro_batch_size)
         lengths = token_lengths([p.segment for p in shard.generated])
         plan = plan_micro_batches(lengths, size=self.cfg.micro_batch_size, max_tokens=self.cfg.micro_batch_tokens)
+        if self.world_size > 1:  # FSDP ranks must run the same number of forwards
+            count = torch.tensor([len(plan)], device=self.dist.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            plan = split_to_count(plan, int(count))
         return [shard.select(idx) for idx in plan]
 
     def step(self, batch: SampleBatch) -> TrainMetrics:

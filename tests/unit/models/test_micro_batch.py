@@ -2,8 +2,8 @@
 
 import pytest
 
-from unirl_core.errors import ConfigError
-from unirl_core.models.micro_batch import padded_tokens, plan_micro_batches, token_lengths
+from unirl_core.errors import ConfigError, InvariantError
+from unirl_core.models.micro_batch import padded_tokens, plan_micro_batches, split_to_count, token_lengths
 
 LENGTHS = [(2, 3), (5, 1), (1, 1), (4, 4), (2, 2)]  # (prompt, response); totals 5, 6, 2, 8, 4
 
@@ -37,3 +37,11 @@ def test_non_token_segments_name_the_knob():
         token_lengths([object()])
     with pytest.raises(ConfigError, match="max_tokens"):
         plan_micro_batches(LENGTHS, size=2, max_tokens=0)
+
+
+def test_split_to_count_halves_the_fullest_first():
+    assert split_to_count([[3], [1, 0, 4, 2]], 4) == [[3], [1], [0], [4, 2]]
+    plan = split_to_count([[0, 1, 2, 3, 4]], 5)
+    assert plan == [[0], [1], [2], [3], [4]]
+    with pytest.raises(InvariantError, match="count"):
+        split_to_count([[0, 1]], 3)

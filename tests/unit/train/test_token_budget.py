@@ -7,6 +7,12 @@ the ``grpo`` (mean of sequence means) and ``dr_grpo`` (constant normaliser) loss
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +26,7 @@ from unirl_core.train.backend import TrainBackend
 from unirl_core.train.config import TrainConfig
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch
 
+REPO = Path(__file__).resolve().parents[3]
 BUDGET = 96
 PROMPTS = ["1+2=", "what is 17 plus 25? answer:", "9*9", "a much longer prompt about numbers: 3+4+5=",
            "x", "12-7 is"]
@@ -46,12 +53,12 @@ def rollout(dtype: str, *, engine_tokens, fbs: int = 4, decode: int | None = Non
 
 
 def train(dtype: str, batch: SampleBatch, *, tokens, mb: int = 4, source: str = "rollout",
-          algo: GRPOConfig | None = None):
+          algo: GRPOConfig | None = None, shard: str = "never"):
     """One backend step; returns the accumulated (pre-clip) gradient of every trainable tensor and the metrics."""
     backend = TrainBackend(build_tiny_lm(seed=0, dtype=dtype, keep_reference=False),
                            GRPO(algo or GRPOConfig(max_logp_absdiff=None)),
                            TrainConfig(lr=1e-3, micro_batch_size=mb, micro_batch_tokens=tokens,
-                                       old_logp_source=source, shard="never"))
+                                       old_logp_source=source, shard=shard))
     grads: list[torch.Tensor] = []
     optimizer_step = backend._optimizer_step
 
@@ -123,3 +130,49 @@ def test_bad_budgets_name_the_field(bad):
         AREngineConfig(micro_batch_tokens=bad)
     with pytest.raises(ConfigError, match="engine.decode_batch_size"):
         AREngineConfig(decode_batch_size=bad)
+
+
+WORKER = textwrap.dedent("""
+    import json, sys, torch
+    from pathlib import Path
+    from unirl_core.train import init_distributed
+    from unirl_core.models.micro_batch import plan_micro_batches, token_lengths
+    from tests.unit.train.test_token_budget import BUDGET, rollout, train
+
+    torch.set_num_threads(1)
+    info = init_distributed("cpu")
+    batch = rollout(sys.argv[2], engine_tokens=BUDGET)  # the same batch on both ranks (seeded)
+    # rank 0's half holds the long completions, rank 1's the short ones: their packs differ in count
+    order = sorted(range(len(batch)), key=lambda i: -batch.generated[i].segment.num_response_tokens)
+    batch = batch.select(order)
+    half = len(batch) // 2
+    mine = batch[info.rank * half:(info.rank + 1) * half]
+    own = len(plan_micro_batches(token_lengths([p.segment for p in mine.generated]), size=4, max_tokens=BUDGET))
+    counts = [None, None]
+    torch.distributed.all_gather_object(counts, own)
+    _, m = train(sys.argv[2], batch, tokens=BUDGET, source="replay", shard="auto")
+    if info.rank == 0:
+        Path(sys.argv[1]).write_text(json.dumps({**m.as_dict(), "own_counts": counts}))
+    torch.distributed.destroy_process_group()
+    import os
+    os._exit(0)
+""")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_fsdp_ranks_pack_to_the_same_count_and_stay_exact(dtype, tmp_path):
+    """Each rank packs its own half; the rank with fewer packs splits its fullest until the counts match (else
+    FSDP2 would hang); pi_old replayed over those micro-batches gives ratio exactly 1."""
+    script, out = tmp_path / "worker.py", tmp_path / "metrics.json"
+    script.write_text(WORKER)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           str(out), dtype]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    m = json.loads(out.read_text())
+    assert m["own_counts"][0] != m["own_counts"][1]  # the ranks' own plans differ in count: one was split
+    assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["grad_norm"] > 0
+

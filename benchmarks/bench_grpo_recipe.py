@@ -160,6 +160,8 @@ def run_config(a, texts: list[str], root: str):
             f"lm.algorithm.max_response_tokens={a.new_tokens}", f"train.micro_batch_size={a.micro_batch}",
             f"train.lr={a.lr}", "train.max_grad_norm=1.0", "advantage.unbiased_std=true", "report.progress=false",
             "report.tensorboard=true"]
+    if a.micro_batch_tokens:  # token-budget packing (ours only; TRL's micro-batch is a row count)
+        over.append(f"train.micro_batch_tokens={a.micro_batch_tokens}")
     data = load_recipe_dict("tiny-grpo", over)
     data["data"] = {"source": "inline", "prompts": texts, "prompts_per_step": a.prompts,
                     "samples_per_prompt": a.group}
@@ -333,7 +335,7 @@ def run_side(a, side: str) -> dict:
     os.close(fd)
     argv = [sys.executable, __file__, "--worker", side, "--out", out]
     for k in ("shape", "dtype", "device", "prompts", "group", "new_tokens", "prompt_len", "micro_batch",
-              "decode_batch", "loss", "lr", "steps", "warmup", "checkpoint_root"):
+              "decode_batch", "micro_batch_tokens", "loss", "lr", "steps", "warmup", "checkpoint_root"):
         if getattr(a, k) is not None:
             argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.grad_ckpt:
@@ -355,6 +357,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"))
     for k in ("prompts", "group", "new-tokens", "prompt-len", "micro-batch", "decode-batch"):
         ap.add_argument(f"--{k}", type=int)
+    ap.add_argument("--micro-batch-tokens", type=int, default=0,
+                    help="ours: train.micro_batch_tokens (token-budget micro-batches); 0 = fixed micro-batch")
     ap.add_argument("--loss", choices=("grpo", "dapo", "dr_grpo"))
     ap.add_argument("--lr", type=float)
     ap.add_argument("--grad-ckpt", action="store_true", default=None)
@@ -408,7 +412,7 @@ def report(a, sides: list[str], runs: dict[str, list[dict]]) -> None:
     trl_row = next((r for r in rows if r["side"] == "trl" and "median_step_s" in r), None)
     setup = (f"{a.preset}: {a.shape} ({a.dtype}, random init), {a.prompts} prompts x {a.group} samples x "
              f"{a.new_tokens} new tokens, prompt {a.prompt_len}, micro-batch {a.micro_batch}, decode batch "
-             f"{a.decode_batch}, loss {a.loss}, grad ckpt {a.grad_ckpt}, {a.rounds} rounds x {a.steps} steps after "
+             f"{a.decode_batch}, micro-batch tokens {a.micro_batch_tokens or '-'}, loss {a.loss}, grad ckpt {a.grad_ckpt}, {a.rounds} rounds x {a.steps} steps after "
              f"{a.warmup} warm-up, device {a.device}")
     print(setup)
     mem = "peak GiB" if a.device.startswith("cuda") else "peak RSS GiB"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flytekit import task
+from flytekit import current_context, task
 
 from images import train_image
 from tasks.common import CPU_TASK, SMALL_TIMEOUT, progress_logger
@@ -13,6 +13,7 @@ from unirl_core.loop.local import progress_line
 from unirl_core.report.phase_html import advantage_html, publish_html, reward_html, rollout_html, train_html
 from unirl_core.report.run_report import RunReport, StepRecord, step_seconds
 from unirl_core.report.tensorboard import ScalarLog
+from unirl_core.report.wandb_log import WandbLog
 from unirl_core.types import SampleBatch
 
 
@@ -28,6 +29,22 @@ def write_scalars(cfg: RunConfig, step: int, metrics: dict[str, float]) -> None:
         with ScalarLog(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}",
                        storage_options=cfg.checkpoint.storage_options) as scalars:
             scalars.log(step, metrics)
+
+
+def write_wandb(cfg: RunConfig, step: int, metrics: dict[str, float]) -> str | None:
+    """Step ``step``'s metrics into the run's W&B run (resumed by id, so every report task of the execution
+    adds to one run; the execution is recorded in the run's config and notes); returns the run's URL."""
+    if cfg.report.wandb is None:
+        return None
+    execution = None
+    try:
+        execution = current_context().execution_id.name
+    except Exception:  # noqa: BLE001 - outside a Flyte task (a direct call in a test): no execution to link
+        pass
+    with WandbLog(cfg.report.wandb, cfg.name, run_config={"recipe": cfg.name, "family": cfg.family},
+                  execution=execution) as wb:
+        wb.log(step, metrics)
+        return wb.url
 
 
 def progress(records: list[StepRecord], rec: StepRecord, total: int, session: str) -> str:
@@ -58,5 +75,8 @@ def report_task(cfg: RunConfig, session: str, step: int, batch: SampleBatch, rol
     rec = report.record_step(step, metrics=metrics, batch=batch, pages=pages, session=session)
     report.render(title=f"run {cfg.name}")
     write_scalars(cfg, step, rec.metrics)
+    url = write_wandb(cfg, step, rec.metrics)
+    if url:
+        progress_logger().info("W&B run: %s", url)
     progress_logger().info(progress(report.steps(), rec, cfg.loop.total_steps, session))
     return step

@@ -25,6 +25,7 @@ from unirl_core.loop.phases import (
     train_phase,
 )
 from unirl_core.report.tensorboard import ScalarLog
+from unirl_core.report.wandb_log import MetricSinks, WandbLog
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | Non
     ``progress``: print each step's progress line (the one the Flyte report task logs) and, once, what the
     long phases of the first step do (model build, checkpoint restore, engine start) to stderr; None follows
     ``cfg.report.progress``. Either way they are logged at INFO on this module's logger.
-    With ``cfg.report.tensorboard`` every step's metrics also go to ``<checkpoint.root>/<run>/tensorboard``.
+    With ``cfg.report.tensorboard`` every step's metrics also go to ``<checkpoint.root>/<run>/tensorboard``,
+    with ``cfg.report.wandb`` to a W&B run (id: the run name, resumed by a resumed run).
     Ctrl-C: says at WARNING and on stderr which version was published last and the call that resumes,
     then re-raises the KeyboardInterrupt."""
     show = cfg.report.progress if progress is None else progress
@@ -101,20 +103,27 @@ def _run_steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
     total = cfg.loop.total_steps
     for note in first_step_notes(cfg, ckpt):
         _say(note, show)
-    scalars = None
+    tb = wb = None
     if cfg.report.tensorboard and ckpt.step < total:
-        scalars = ScalarLog(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}",
-                            storage_options=cfg.checkpoint.storage_options)
-        log.info("TensorBoard scalars: tensorboard --logdir %s", scalars.uri)
+        tb = ScalarLog(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}", storage_options=cfg.checkpoint.storage_options)
+        log.info("TensorBoard scalars: tensorboard --logdir %s", tb.uri)
+    if cfg.report.wandb is not None and ckpt.step < total:
+        try:
+            wb = WandbLog(cfg.report.wandb, cfg.name, run_config={"recipe": cfg.name, "family": cfg.family})
+        except BaseException:
+            if tb is not None:
+                tb.close()
+            raise
+        log.info("W&B run %s (%s)", wb.run_id, wb.url or cfg.report.wandb.mode)
+    scalars = MetricSinks(tb, wb)
     try:
-        return _steps(cfg, ckpt, on_step, show, scalars)
+        return _steps(cfg, ckpt, on_step, show, scalars if scalars else None)
     finally:
-        if scalars is not None:
-            scalars.close()
+        scalars.close()
 
 
 def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool,
-           scalars: ScalarLog | None) -> list[dict]:
+           scalars: MetricSinks | None) -> list[dict]:
     total = cfg.loop.total_steps
     shards = cfg.loop.rollout_shards
     history: list[dict] = []

@@ -18,6 +18,7 @@ from unirl_core.loop.dynamic_sampling import FilterGroupsConfig
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
 from unirl_core.pool.config import PoolConfig
+from unirl_core.report.wandb_log import WandbConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.rollout.ar import AREngineConfig
 from unirl_core.rollout.diffusion import DiffusionEngineConfig
@@ -241,6 +242,8 @@ class ReportConfig:
     """``run_local``: print each step's progress line, and what the first step's long phases do (model
     build, checkpoint restore, engine start), to stderr; False leaves them to logging at INFO only.
     ``run_local(..., progress=...)`` overrides it. The Flyte tasks always log the progress line."""
+    wandb: WandbConfig | None = None
+    """Also log every step's metrics to Weights & Biases (``unirl_core/report/wandb_log.py``); None: not."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from unirl_core.checkpoint import CheckpointRef
+from unirl_core.config.preflight import preflight
 from unirl_core.config.run import RunConfig
 from unirl_core.loop import resume
 from unirl_core.loop.metrics import merge_shard_metrics
@@ -55,6 +56,10 @@ def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | Non
     Ctrl-C: says at WARNING and on stderr which version was published last and the call that resumes,
     then re-raises the KeyboardInterrupt."""
     show = cfg.report.progress if progress is None else progress
+    # The setup task's preflight, here too: a placeholder or unwritable checkpoint root, or an unreachable
+    # model, fails now naming the field - not as a storage/hub error after the model build.
+    for note in preflight(cfg):
+        _say(f"preflight: {note}", show)
     try:
         _say(f"run {cfg.name}: opening it (resume_from={resume_from!r}{f', fork_as={fork_as!r}' if fork_as else ''}"
              f"; an empty run builds model {_model_name(cfg)} for its step-0 version) ...", show)

@@ -117,3 +117,15 @@ def test_unreachable_hub_names_the_field(tmp_path, monkeypatch):
     cfg = load_recipe("sd35m-ocr", [f"checkpoint.root={tmp_path}"])
     with pytest.raises(ConfigError, match=r"^diffusion.model.source='stabilityai/.*reachable hub model"):
         check_models(cfg, timeout=8)
+
+
+def test_run_local_preflights_before_building_anything(tmp_path, monkeypatch):
+    """The library loop runs the setup task's preflight first: a cluster recipe run locally as shipped names its
+    placeholder checkpoint root instead of failing with the storage library's credentials error."""
+    from unirl_core.loop import local
+
+    built = []
+    monkeypatch.setattr(local, "init_run", lambda *a, **k: built.append(1))
+    with pytest.raises(ConfigError, match=r"^checkpoint.root='s3://my-bucket/"):
+        local.run_local(load_recipe("sd35m-pickscore"), progress=False)
+    assert built == []

@@ -79,9 +79,10 @@ def test_each_violation_loses_exactly_its_constraint():
     green = ShapeObject("circle", "green", 0.22, 0.72, 0.22)
     assert _scores(prompt, [a, green, sq]) == {"object": 1.0, "count": 1.0, "color": 0.5, "position": 1.0,
                                                "fraction": 6 / 7, "all": 0.0}
-    moved = ShapeObject("square", "blue", 0.1, 0.5, 0.12)  # now left of both circles
-    assert _scores(prompt, [a, b, moved])["position"] == 0.0
-    assert _scores(prompt, [a, b, moved])["fraction"] == 6 / 7
+    swapped = [ShapeObject("circle", "red", 0.5, 0.25, 0.22), ShapeObject("circle", "red", 0.55, 0.72, 0.22),
+               ShapeObject("square", "blue", 0.15, 0.5, 0.2)]  # the square now left of both circles
+    assert _scores(prompt, swapped) == {"object": 1.0, "count": 1.0, "color": 1.0, "position": 0.0,
+                                        "fraction": 6 / 7, "all": 0.0}
     assert _scores(prompt, [a, b]) == {"object": 0.5, "count": 0.5, "color": 0.5, "position": 0.0,
                                        "fraction": 3 / 7, "all": 0.0}
 
@@ -92,9 +93,9 @@ def test_position_is_absent_value_without_a_relation():
     assert build_scorer("shapes_position", absent_value=0.0)([item]) == [0.0]
 
 
-@pytest.mark.parametrize("size,min_all", [(32, 0.97), (64, 0.99)])
+@pytest.mark.parametrize("size,min_all", [(32, 0.99), (64, 0.99)])
 def test_noisy_blurred_renders_still_score_high(size, min_all):
-    """Gaussian noise sigma 20/255 after a Gaussian blur of sigma 0.6 px (measured: 99.4% / 100% all-correct)."""
+    """Gaussian noise sigma 20/255 after a Gaussian blur of sigma 0.6 px (measured: 100% all-correct on 500 at both sizes)."""
     rng = np.random.default_rng(size)
     pairs = [(c, _degrade(im, rng)) for c, im in _sampled(300, 2, size)]
     acc = shapes_accuracy([_item(c, im) for c, im in pairs])
@@ -105,7 +106,7 @@ def test_random_noise_scores_low_and_never_crashes():
     prompts = [caption(sample_prompt(random.Random(i))) for i in range(60)]
     items = [ScoreItem(prompt=p, media=noise_png(seed=i, size=(32, 64, 128)[i % 3])) for i, p in enumerate(prompts)]
     scores = build_scorer("shapes_compositional")(items)
-    assert np.mean(scores) < 0.05 and max(scores) <= 0.5, scores
+    assert max(scores) < 0.3, scores  # measured: 0 on 300 noise images
     assert build_scorer("shapes_compositional", mode="all")(items) == [0.0] * len(items)
     flat = [ScoreItem(prompt=p, media=to_png(Image.new("RGB", (48, 40), (90, 90, 90)))) for p in prompts[:5]]
     assert build_scorer("shapes_compositional")(flat) == [0.0] * 5
@@ -168,11 +169,12 @@ def test_accuracy_report_counts_only_existing_constraints():
     assert acc["all"] == 2 / 3 and acc["fraction"] == pytest.approx((1 + 6 / 7 + 1) / 3)
 
 
-def test_median_filter_helps_strong_noise_at_64_px():
+def test_denoising_helps_strong_noise_and_blur_at_32_px():
     rng = np.random.default_rng(5)
-    items = [_item(c, _degrade(im, rng, noise=40.0, blur=0.0)) for c, im in _sampled(100, 11, 64)]
-    filtered = shapes_accuracy(items)["all"]
-    unfiltered = shapes_accuracy(items, ShapesDetectorConfig(median_from=None))["all"]
-    assert filtered >= 0.99 and unfiltered < filtered  # measured 1.0 vs 0.95
-    with pytest.raises(RewardError, match="median_from"):
-        ShapesDetectorConfig(median_from=2)
+    items = [_item(c, _degrade(im, rng, noise=30.0, blur=1.0)) for c, im in _sampled(150, 11, 32)]
+    smoothed = shapes_accuracy(items)
+    raw = shapes_accuracy(items, ShapesDetectorConfig(denoise_sigma=0.0))
+    assert smoothed["all"] >= 0.8 and smoothed["fraction"] >= 0.9, smoothed  # measured 0.86 / 0.94 on 500
+    assert raw["all"] < smoothed["all"] - 0.1, (raw, smoothed)
+    with pytest.raises(RewardError, match="denoise_sigma"):
+        ShapesDetectorConfig(denoise_sigma=-1.0)

@@ -1,9 +1,11 @@
 """A compositional reward for the shapes world (GenEval's idea, by rule instead of a detector model).
 
-``detect`` turns an image into a ``Scene``: every pixel takes its nearest palette colour (or the white
-background) if it lies within ``max_color_distance``; 4-connected components of one colour that are big
-enough become objects; each is classified as the circle / square / triangle template that best overlaps
-it inside its bounding box. ``unirl_core.data.shapes.evaluate`` then checks the prompt's constraints.
+``detect`` turns an image into a ``Scene``: after a light Gaussian smoothing, every pixel takes the palette
+colour whose background-to-colour segment lies nearest (greys compete, so unsaturated pixels take none),
+if within ``max_color_distance`` and at least half way along it; 4-connected components of one colour that
+are big enough are candidates; each is fitted by a circle, a square and a triangle of the same area and
+centroid, rendered anti-aliased (and blurred, for blurry generators), and takes the shape of best soft IoU
+against the component's soft mask. ``unirl_core.data.shapes.evaluate`` then checks the prompt's constraints.
 
 Scorers (registry names): ``shapes_compositional`` (all constraints, ``mode`` fraction or all-or-nothing)
 and ``shapes_object`` / ``shapes_count`` / ``shapes_color`` / ``shapes_position`` (one constraint kind

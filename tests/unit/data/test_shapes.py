@@ -9,9 +9,25 @@ import torch
 
 from unirl_core.config.loader import from_dict
 from unirl_core.config.run import DataConfig
-from unirl_core.data.shapes import (PALETTE, CaptionError, ObjectGroup, Scene, ShapeObject, ShapesPrompt,
-                                    ShapesPromptsConfig, ShapesWorldConfig, caption, evaluate, make_dataset,
-                                    parse_caption, prompt_list, render, sample_prompt, sample_scene, shapes_prompts)
+from unirl_core.data.shapes import (
+    PALETTE,
+    CaptionError,
+    ObjectGroup,
+    Scene,
+    ShapeObject,
+    ShapesPrompt,
+    ShapesPromptsConfig,
+    ShapesWorldConfig,
+    caption,
+    evaluate,
+    make_dataset,
+    parse_caption,
+    prompt_list,
+    render,
+    sample_prompt,
+    sample_scene,
+    shapes_prompts,
+)
 from unirl_core.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -56,7 +72,9 @@ def test_bad_captions_raise_naming_the_text(text, needle):
 
 
 def test_make_dataset_is_deterministic_per_seed():
-    digest = lambda ds: hashlib.sha256(b"".join(c.encode() + im.tobytes() for c, im in ds)).hexdigest()  # noqa: E731
+    def digest(ds):
+        return hashlib.sha256(b"".join(c.encode() + im.tobytes() for c, im in ds)).hexdigest()
+
     a, b, c = make_dataset(40, seed=3), make_dataset(40, seed=3), make_dataset(40, seed=4)
     assert digest(a) == digest(b) != digest(c)
     assert all(im.shape == (32, 32, 3) and im.dtype == np.uint8 for _, im in a)
@@ -94,7 +112,10 @@ def test_evaluate_isolates_each_constraint():
     p = parse_caption("two red circles left of a blue square")
     base = [ShapeObject("circle", "red", 0.2, 0.3, 0.2), ShapeObject("circle", "red", 0.25, 0.7, 0.2),
             ShapeObject("square", "blue", 0.75, 0.5, 0.25)]
-    failing = lambda objs: {(c.kind, c.group) for c, ok in evaluate(p, Scene(tuple(objs))).items() if not ok}  # noqa: E731
+
+    def failing(objs):
+        return {(c.kind, c.group) for c, ok in evaluate(p, Scene(tuple(objs))).items() if not ok}
+
     assert failing(base) == set()
     assert failing(base + [ShapeObject("circle", "red", 0.2, 0.5, 0.1)]) == {("count", 0)}
     assert failing([base[0], ShapeObject("circle", "green", 0.25, 0.7, 0.2), base[2]]) == {("color", 0)}
@@ -119,7 +140,9 @@ def test_world_config_restricts_what_is_sampled():
 
 
 def test_data_source_shapes_builds_a_prompt_dataset():
-    from unirl_core.loop.build import _build_dataset  # the loop's own dispatch on data.source
+    from unirl_core.loop.build import (
+        _build_dataset,  # the loop's own dispatch on data.source
+    )
 
     data = from_dict(DataConfig, {"source": "shapes", "shapes": {"num_prompts": 12, "seed": 5,
                                                                  "world": {"max_groups": 1}}})

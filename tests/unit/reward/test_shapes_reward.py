@@ -7,12 +7,24 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tests.unit.reward.reward_images import noise_png, to_png
 
-from unirl_core.data.shapes import Scene, ShapeObject, caption, make_dataset, render, sample_prompt, sample_scene
+from tests.unit.reward.reward_images import noise_png, to_png
+from unirl_core.data.shapes import (
+    Scene,
+    ShapeObject,
+    caption,
+    make_dataset,
+    render,
+    sample_prompt,
+    sample_scene,
+)
 from unirl_core.errors import RewardError
 from unirl_core.reward import RewardConfig, RewardService, ScoreItem, build_scorer
-from unirl_core.reward.scorers.shapes import ShapesDetectorConfig, detect, shapes_accuracy
+from unirl_core.reward.scorers.shapes import (
+    ShapesDetectorConfig,
+    detect,
+    shapes_accuracy,
+)
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch
 
 torch.set_num_threads(1)

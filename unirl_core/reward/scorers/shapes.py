@@ -23,8 +23,18 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
-from unirl_core.data.shapes import (BACKGROUND, CONSTRAINT_KINDS, PALETTE, SHAPES, CaptionError, Scene,
-                                    ShapeObject, ShapesPrompt, evaluate, parse_caption)
+from unirl_core.data.shapes import (
+    BACKGROUND,
+    CONSTRAINT_KINDS,
+    PALETTE,
+    SHAPES,
+    CaptionError,
+    Scene,
+    ShapeObject,
+    ShapesPrompt,
+    evaluate,
+    parse_caption,
+)
 from unirl_core.errors import RewardError, field_error
 from unirl_core.reward.scorers.base import ScoreItem
 
@@ -246,7 +256,7 @@ def _image(item: ScoreItem) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(item.media)) as im:
             return np.asarray(im.convert("RGB"))
-    except Exception as e:  # noqa: BLE001 - PIL raises several unrelated types for bad bytes
+    except Exception as e:  # PIL raises several unrelated types for bad bytes
         raise RewardError(f"media is not a decodable image ({len(item.media)} bytes): {e}") from e
 
 

@@ -108,6 +108,7 @@ def build_model(a):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(**SHAPES[a.shape], pad_token_id=PAD, eos_token_id=EOS, bos_token_id=PAD)
+    cfg._attn_implementation = "sdpa"  # LMConfig's default; the engine's lean decoder needs sdpa or eager
     torch.manual_seed(0)
     with torch.device(a.device):
         model = Qwen3ForCausalLM(cfg)

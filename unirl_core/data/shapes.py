@@ -156,13 +156,17 @@ def parse_caption(text: str) -> ShapesPrompt:
     norm = " ".join(text.lower().replace(",", " , ").split()).rstrip(".").strip()
     m = _REL_RE.match(norm)
     if m is not None and " and " not in norm and "," not in norm:
-        groups = (_parse_group(m.group(1), text), _parse_group(m.group(3), text))
-        return ShapesPrompt(groups, _RELATION_READ[m.group(2)])
-    chunks = [c.strip() for c in re.split(r" , | and ", norm)]
-    if not norm or any(not c for c in chunks):
-        raise field_error(CaptionError, "caption", text, "a caption like 'two red circles left of a blue square'",
-                          "see the caption grammar in unirl_core/data/README.md")
-    return ShapesPrompt(tuple(_parse_group(c, text) for c in chunks))
+        groups, relation = (_parse_group(m.group(1), text), _parse_group(m.group(3), text)), m.group(2)
+    else:
+        chunks = [c.strip() for c in re.split(r" , | and ", norm)]
+        if not norm or any(not c for c in chunks):
+            raise field_error(CaptionError, "caption", text, "a caption like 'two red circles left of a blue "
+                              "square'", "see the caption grammar in unirl_core/data/README.md")
+        groups, relation = tuple(_parse_group(c, text) for c in chunks), None
+    try:
+        return ShapesPrompt(groups, None if relation is None else _RELATION_READ[relation])
+    except CaptionError as e:
+        raise CaptionError(f"caption={text!r}: {e}") from e
 
 
 @dataclass(frozen=True, kw_only=True)

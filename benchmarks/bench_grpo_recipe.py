@@ -10,7 +10,8 @@ Sides:
   call, a rollout bundle and a trainer bundle, every version checkpointed (weights + optimizer state) and
   published to ``--checkpoint-root`` (a full fine-tune writes ~12 bytes per parameter per step there);
 - ``backend``: the same engine, reward service, advantages and ``TrainBackend`` without the store: weights go
-  trainer -> rollout bundle in memory each step (what the pool does in-pool); shows what the store costs;
+  trainer -> rollout bundle on the device each step (what the pool does in-pool); shows what the store costs;
+  both our sides hold two model copies (the rollout bundle in the model dtype, the trainer's fp32 masters);
 - ``trl``: TRL ``GRPOTrainer`` with matched settings: per_device_train_batch_size = micro-batch,
   gradient_accumulation_steps = steps_per_generation = samples / micro-batch (one generation of all samples,
   then the same micro-batches and one optimizer step), num_generations = group, num_iterations = 1,
@@ -209,7 +210,15 @@ def ours_backend(a, cfg) -> dict:
     from unirl_core.types import SampleBatch
 
     policy, backend = build.bundle(cfg), build.trainer(cfg)
-    build.apply_policy_weights(policy, backend.model_state_dict(), where="trainer")
+    trained = dict(backend.policy.module.named_parameters())
+
+    def publish() -> None:  # trainer -> rollout bundle on the device, rounded into its dtype (no host round trip)
+        with torch.no_grad():
+            for name, p in policy.module.named_parameters():
+                if name in trained and trained[name].requires_grad:
+                    p.copy_(trained[name])
+
+    publish()
     service = build.reward_service(cfg)
     times, lengths, rewards, dev = [], [], [], 0.0
     for step in range(1, a.warmup + a.steps + 1):
@@ -222,8 +231,7 @@ def ours_backend(a, cfg) -> dict:
         batch, _ = service.score_with_stats(batch)
         batch, _ = assign_advantages(batch, cfg.advantage, None)
         m = backend.step(batch)
-        with torch.no_grad():
-            build.apply_policy_weights(policy, backend.model_state_dict(), where="trainer")
+        publish()
         _sync(a.device)
         times.append(time.perf_counter() - t0)
         lengths.append(m.metrics["response_len_mean"])

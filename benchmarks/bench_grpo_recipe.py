@@ -193,7 +193,7 @@ def ours_loop(a, cfg) -> dict:
 
     hist = run_local(cfg, progress=False)[a.warmup:]
     phases = {k: statistics.median(h[k] for h in hist) for k in hist[0]
-              if k.startswith("time/") or k.startswith("train/time_")}
+              if k.startswith(("time/", "train/time_"))}
     return {"times": [h["time/step"] for h in hist], "lengths": [h["train/response_len_mean"] for h in hist],
             "rewards": [h["reward/mean"] for h in hist], "phases": phases,
             "ratio_max_dev": max(max(abs(h["train/ratio_max"] - 1), abs(h["train/ratio_min"] - 1)) for h in hist)}
@@ -246,7 +246,6 @@ def ours_backend(a, cfg) -> dict:
 
 def trl_side(a, texts: list[str]) -> dict:
     import datasets
-    import torch
     import trl
     from transformers import TrainerCallback
 
@@ -349,7 +348,7 @@ def run_side(a, side: str) -> dict:
             argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.grad_ckpt:
         argv.append("--grad-ckpt")
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=a.timeout)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=a.timeout, check=False)
     if proc.returncode != 0:
         tail = proc.stderr[-3000:]
         oom = "out of memory" in tail.lower()

@@ -13,7 +13,7 @@ def test_tiny_preset_runs_every_side_and_writes_json(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_grpo_recipe.py"), "--preset", "tiny", "--steps", "2",
            "--warmup", "1", "--rounds", "1", "--results", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "median pair ratio" in proc.stdout
     out = json.loads((tmp_path / "bench_grpo_recipe_tiny_cpu.json").read_text())

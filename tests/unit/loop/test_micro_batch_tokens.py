@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from tests.unit.loop.test_exactness_matrix import STEPS, assert_exact
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
 from unirl_core.loop.local import run_local
-from tests.unit.loop.test_exactness_matrix import STEPS, assert_exact
 
 
 def test_token_budget_loop_is_exact_in_bf16(tmp_path):

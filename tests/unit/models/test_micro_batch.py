@@ -3,7 +3,12 @@
 import pytest
 
 from unirl_core.errors import ConfigError, InvariantError
-from unirl_core.models.micro_batch import padded_tokens, plan_micro_batches, split_to_count, token_lengths
+from unirl_core.models.micro_batch import (
+    padded_tokens,
+    plan_micro_batches,
+    split_to_count,
+    token_lengths,
+)
 
 LENGTHS = [(2, 3), (5, 1), (1, 1), (4, 4), (2, 2)]  # (prompt, response); totals 5, 6, 2, 8, 4
 

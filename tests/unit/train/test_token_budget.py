@@ -170,7 +170,7 @@ def test_two_fsdp_ranks_pack_to_the_same_count_and_stay_exact(dtype, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
            str(out), dtype]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     m = json.loads(out.read_text())
     assert m["own_counts"][0] != m["own_counts"][1]  # the ranks' own plans differ in count: one was split

@@ -41,9 +41,7 @@ class ScalarLog:
         if not run_uri:
             raise field_error(ConfigError, "run_uri", run_uri, "a directory or s3:// URL of the run",
                               "pass '<checkpoint root>/<run>'")
-        from torch.utils.tensorboard import (
-            SummaryWriter,  # imports tensorboard: only when a run writes scalars
-        )
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when a run writes scalars
 
         self.uri = tensorboard_uri(run_uri)
         self.fs, self.path = fsspec.core.url_to_fs(self.uri, **dict(storage_options or {}))

@@ -390,6 +390,9 @@ def main() -> None:
     for _ in range(a.rounds):
         for side in sides:
             runs[side].append(run_side(a, side))
+            # the JSON so far after every side: a run cut short by a time limit keeps what it measured
+            done = [s for s in sides if runs[s]]
+            report(a, done, {s: runs[s] for s in done}, final=False)
     report(a, sides, runs)
 
 
@@ -412,11 +415,14 @@ def summarise(side: str, rounds: list[dict], base: list[dict] | None) -> dict:
     return row
 
 
-def report(a, sides: list[str], runs: dict[str, list[dict]]) -> None:
+def report(a, sides: list[str], runs: dict[str, list[dict]], *, final: bool = True) -> None:
     from bench_ar_rollout import hardware
 
     base = runs.get("trl")
     rows = [summarise(s, runs[s], base if s != "trl" else None) for s in sides]
+    if not final:
+        _write(a, rows, runs, hardware())
+        return
     trl_row = next((r for r in rows if r["side"] == "trl" and "median_step_s" in r), None)
     setup = (f"{a.preset}: {a.shape} ({a.dtype}, random init), {a.prompts} prompts x {a.group} samples x "
              f"{a.new_tokens} new tokens, prompt {a.prompt_len}, micro-batch {a.micro_batch}, decode batch "
@@ -437,13 +443,16 @@ def report(a, sides: list[str], runs: dict[str, list[dict]]) -> None:
     loop = next((r for r in rows if r["side"] == "loop" and r.get("phases")), None)
     if loop:
         print("loop phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(loop["phases"].items())))
+    print(f"wrote {_write(a, rows, runs, hardware())}")
+
+
+def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> Path:
     out = Path(a.results)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}"
+    path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}.json"
     args = {k: v for k, v in vars(a).items() if k not in ("worker", "out")}
-    (out / f"{name}.json").write_text(json.dumps({"setup": args, "hardware": hardware(), "rows": rows,
-                                                  "runs": runs}, indent=2))
-    print(f"wrote {out / (name + '.json')}")
+    path.write_text(json.dumps({"setup": args, "hardware": hardware, "rows": rows, "runs": runs}, indent=2))
+    return path
 
 
 if __name__ == "__main__":

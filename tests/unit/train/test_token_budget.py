@@ -19,7 +19,7 @@ import torch
 
 from unirl_core.algorithms.grpo import GRPO, GRPOConfig
 from unirl_core.errors import ConfigError
-from unirl_core.models.lm import build_tiny_lm
+from unirl_core.models.lm import build_layout, build_tiny_lm
 from unirl_core.models.micro_batch import plan_micro_batches, token_lengths
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine
 from unirl_core.train.backend import TrainBackend
@@ -32,21 +32,22 @@ PROMPTS = ["1+2=", "what is 17 plus 25? answer:", "9*9", "a much longer prompt a
            "x", "12-7 is"]
 
 
-def ragged_batch(seed: int = 0) -> SampleBatch:
-    """Prompts of 1..40 tokens; completions of 3..24 tokens (max_new_tokens varies per prompt)."""
+def ragged_batch(seed: int = 0, *, ragged_completions: bool = True) -> SampleBatch:
+    """Prompts of 1..40 tokens; completions of 3..24 tokens (max_new_tokens varies per sample) or all 24."""
     recs = [PromptRecord(prompt_id=f"p{i}", prompt=p) for i, p in enumerate(PROMPTS)]
     batch = SampleBatch.from_prompts(recs, samples_per_prompt=2, kind="ar",
                                      sampling=ARSamplingParams(max_new_tokens=24, temperature=1.0, seed=seed))
     for i, s in enumerate(batch):
-        s.generated.sampling = dataclasses.replace(s.generated.sampling, max_new_tokens=3 + (7 * i) % 22)
+        if ragged_completions:
+            s.generated.sampling = dataclasses.replace(s.generated.sampling, max_new_tokens=3 + (7 * i) % 22)
     return batch
 
 
-def rollout(dtype: str, *, engine_tokens, fbs: int = 4, decode: int | None = None):
+def rollout(dtype: str, *, engine_tokens, fbs: int = 4, decode: int | None = None, ragged_completions: bool = True):
     bundle = build_tiny_lm(seed=0, dtype=dtype, keep_reference=False)
     eng = TrainsideAREngine(bundle, AREngineConfig(forward_batch_size=fbs, apply_chat_template=False,
                                                    micro_batch_tokens=engine_tokens, decode_batch_size=decode))
-    batch = eng.generate(ragged_batch())
+    batch = eng.generate(ragged_batch(ragged_completions=ragged_completions))
     for k, p in enumerate(batch.generated):
         p.advantage = float((k % 5) - 2)
     return batch
@@ -113,10 +114,17 @@ def test_loss_and_gradient_match_fixed_count(agg):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
 
 
-def test_wide_decode_keeps_rescoring_exact():
+def test_wide_decode_keeps_rescoring_exact(monkeypatch):
     """Decoding all 12 rows at once, rescoring in slices of 4: still exact against a trainer at 4."""
     torch.set_num_threads(1)
-    batch = rollout("bfloat16", engine_tokens=None, fbs=4, decode=12)
+    rows, rescored = [], []
+    decode = TrainsideAREngine._decode
+    monkeypatch.setattr(TrainsideAREngine, "_decode", lambda self, prompts, sp, gen: (
+        rows.append(len(prompts)), decode(self, prompts, sp, gen))[1])
+    monkeypatch.setattr("unirl_core.rollout.ar.build_layout", lambda segs, *a, **k: (
+        rescored.append(len(segs)), build_layout(segs, *a, **k))[1])
+    batch = rollout("bfloat16", engine_tokens=None, fbs=4, decode=12, ragged_completions=False)
+    assert rows == [12] and rescored == [4, 4, 4]  # one decode batch, rescoring in the trainer's slices
     _, m = train("bfloat16", batch, tokens=None, mb=4)
     assert m.metrics["ratio_min"] == m.metrics["ratio_max"] == 1.0
     assert m.metrics["logp_absdiff_max"] == 0.0

@@ -27,8 +27,16 @@ pods; medians over rounds. Both modes start every round from the same version 1 
 (``train_phase`` overwrites an unpublished/leftover version), so both do identical work: the per-step metrics
 of the two modes are compared as a check (``same_result``).
 
+Pool mode (``--pool``, default on for the tiny presets): one process with ``pool.execution=pool`` (a local Ray
+head; engine, trainer and reward actors; weights published over a gloo group) runs a first step from version 1
+(actor start + restore), then ``--warm-repeats`` chained steps, each from the version before (the pool's steady
+state: trainer and engine resident); per-phase totals only, the components run inside the actors. Shaped GPU
+presets patch the model builder in-process, which actor processes do not see: no pool timing for them.
+
 Bytes written to the artifact store per step: pods = the three Arrow files (rollout, reward, advantage) + the
-checkpoint version; warm = the checkpoint version.
+checkpoint version; pool = the three projection Arrow files (``unirl_core.pool.projection``: no latents, no
+replay conditions) + the checkpoint version, measured in pool mode, or (shaped presets) the projections of the
+pods batches, written untimed by the pods workers; warm = the checkpoint version.
 
 Presets:
   tiny-grpo, tiny-flow-grpo   the shipped recipes on CPU (default: both), checkpoint root in a temp dir.
@@ -249,8 +257,9 @@ def _setup_worker(state: Path) -> dict:
     return {"setup_s": time.perf_counter() - t0, "step1_metrics": metrics}
 
 
-def _inprocess_step(cfg, ckpt, step: int, clock: Clock, per_phase: dict | None):
-    """One step as ``run_local`` runs it: the phase functions chained in this process, batch in memory."""
+def _inprocess_step(cfg, ckpt, step: int, clock: Clock, per_phase: dict | None, emitted: dict | None = None):
+    """One step as ``run_local`` runs it: the phase functions chained in this process, batch in memory
+    (``emitted``: filled with the batch each of rollout / reward / advantage returned)."""
     from unirl_core.loop import build, phases
     from unirl_core.loop.metrics import merge_shard_metrics
     from unirl_core.types import SampleBatch
@@ -276,10 +285,15 @@ def _inprocess_step(cfg, ckpt, step: int, clock: Clock, per_phase: dict | None):
     b, m = run("rollout", phases.rollout_phase, cfg, ckpt, step=step, shard=0, num_shards=1)
     metrics.update(merge_shard_metrics([m]))
     batch = SampleBatch.concat([b])
+    kept = {"rollout": batch}
     batch, m = run("reward", phases.reward_phase, cfg, batch)
     metrics.update(m)
+    kept["reward"] = batch
     batch, m = run("advantage", phases.advantage_phase, cfg, batch, ckpt)
     metrics.update(m)
+    kept["advantage"] = batch
+    if emitted is not None:
+        emitted.update(kept)
     new, m = run("train", phases.train_phase, cfg, batch, ckpt, step=step)
     metrics.update(m)
     run("publish", phases.publish_phase, cfg, new)
@@ -364,18 +378,71 @@ def _phase_worker(phase: str, state: Path) -> dict:
     clock.sync()
     inside = sum(clock.t.get(k, 0.0) - before.get(k, 0.0) for k in ("restore", "write"))
     clock.add("compute", time.perf_counter() - t1 - inside)
-    written = 0
+    written, projected = 0, 0
     if phase in ("rollout", "reward", "advantage"):
         path = pods / f"{phase}.arrow"
         clock.timed("write", _write_hashed, write_batch, out, path)
         written = path.stat().st_size
+        projected = _projection_bytes(write_batch, out, pods / f"{phase}.projection.arrow")  # untimed
     elif phase == "train":
         t2 = time.perf_counter()
         _save_ref(out, pods / "v2.json")
         clock.add("write", time.perf_counter() - t2)
         written = _tree_bytes(Path(out.uri))
     return {"phase": phase, "t": clock.t, "metrics": {k: float(v) for k, v in metrics.items()
-                                                      if isinstance(v, (int, float))}, "bytes_written": written}
+                                                      if isinstance(v, (int, float))}, "bytes_written": written,
+            "projection_bytes": projected}
+
+
+def _projection_bytes(write_batch, batch, path: Path) -> int:
+    """Size of the Arrow file of ``batch``'s pool projection (what a pool-mode phase emits to the store)."""
+    from unirl_core.pool.projection import project
+
+    write_batch(project(batch), path)
+    return path.stat().st_size
+
+
+def _pool_worker(state: Path, repeats: int) -> dict:
+    """``pool.execution=pool`` in this process (a local Ray head, actors for engine / trainer / reward): the
+    first step trains from version 1 (actor start, restore), then ``repeats`` chained steps k+1, k+2, ... each
+    from the previous version, so the trainer and engine stay resident (the pool's steady state). Works on a
+    copy of the checkpoint root (chained versions must not disturb the pods / warm rounds)."""
+    spec, clock = _worker_start(state)
+    from unirl_core.checkpoint import CheckpointRef
+    from unirl_core.io import write_batch
+    from unirl_core.pool.cluster import close_pool
+
+    root = state / "pool-ckpt"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(state / "ckpt", root)
+    shutil.rmtree(root / RUN / "step-00000002", ignore_errors=True)  # a warm / pods round's version 2
+    v1 = _ref(state / "v1.json")
+    ckpt = CheckpointRef(uri=str(root / RUN / Path(v1.uri).name), run=RUN, step=v1.step,
+                         policy_version=v1.policy_version)
+    pool_spec = dict(spec, overrides=[*spec["overrides"], f"checkpoint.root={root}", "pool.execution=pool",
+                                      f"loop.total_steps={STEP + repeats + 1}"])
+    cfg = _config(pool_spec)
+    t0 = time.perf_counter()
+    first: dict = {}
+    metrics, ckpt = _inprocess_step(cfg, ckpt, STEP, clock, first)
+    first_s, first_metrics = time.perf_counter() - t0, metrics
+    steps, bytes_per_step = [], []
+    for k in range(repeats):
+        per: dict = {}
+        emitted: dict = {}
+        metrics, ckpt = _inprocess_step(cfg, ckpt, STEP + 1 + k, clock, per, emitted)
+        steps.append(per)
+        arrow = {ph: _projection_size(write_batch, b, state / f"pool-{ph}.arrow") for ph, b in emitted.items()}
+        bytes_per_step.append({"arrow": arrow, "checkpoint_version": _tree_bytes(Path(ckpt.uri))})
+    close_pool()
+    return {"first_step_s": first_s, "first_phases": first, "metrics": first_metrics, "steps": steps,
+            "bytes_per_step": bytes_per_step}
+
+
+def _projection_size(write_batch, batch, path: Path) -> int:
+    """Size of the Arrow file of a batch a pool-mode phase returned (already a projection)."""
+    write_batch(batch, path)
+    return path.stat().st_size
 
 
 def _read_input(read_batch, path: Path):
@@ -410,6 +477,8 @@ def worker_main(args) -> None:
         result = _setup_worker(state)
     elif args.worker == "warm":
         result = _warm_worker(state, args.warm_repeats)
+    elif args.worker == "pool":
+        result = _pool_worker(state, args.warm_repeats)
     else:
         result = _phase_worker(args.worker, state)
     result["t0_wall"] = _T0_WALL
@@ -470,11 +539,14 @@ def _pods_round(state: Path, cold: bool) -> dict:
         comps["total"] = end - spawn
         comps.update({k: v for k, v in t.items() if "." in k})  # build.* sub-components
         comps["bytes_written"] = r["bytes_written"]
+        comps["projection_bytes"] = r.get("projection_bytes", 0)
         out["phases"][phase] = comps
         out["metrics"].update(r["metrics"])
     out["total"] = sum(p["total"] for p in out["phases"].values())
     out["bytes_written"] = sum(p["bytes_written"] for p in out["phases"].values())
     out["arrow_bytes"] = {p: out["phases"][p]["bytes_written"] for p in ("rollout", "reward", "advantage")}
+    out["projection_bytes"] = {p: r_bytes for p in ("rollout", "reward", "advantage")
+                               if (r_bytes := out["phases"][p].pop("projection_bytes", 0))}
     return out
 
 
@@ -484,6 +556,13 @@ def _median_components(rounds: list[dict]) -> dict:
     for phase in PHASES:
         keys = [k for k in rounds[0][phase] if isinstance(rounds[0][phase][k], float)]
         med[phase] = {k: statistics.median(r[phase].get(k, 0.0) for r in rounds) for k in keys}
+    return med
+
+
+def _step_medians(steps: list[dict]) -> dict:
+    """Phase -> component medians over in-process steps, plus ``_step``: the median step total."""
+    med = {ph: {k: statistics.median(st[ph].get(k, 0.0) for st in steps) for k in steps[0][ph]} for ph in PHASES}
+    med["_step"] = statistics.median(sum(st[ph]["total"] for ph in PHASES) for st in steps)
     return med
 
 
@@ -534,6 +613,8 @@ def run_preset(name: str, args) -> None:
         print(f"[{name}] setup (step-0 version, step 1 in-process) in {state}", flush=True)
         setup, _, _ = _spawn("setup", state)
         warm_rounds, pods_rounds, ratios, warm_info = [], [], [], None
+        use_pool = args.pool if args.pool is not None else not p.get("shaped")
+        pool_rounds, pool_info = [], None
         for r in range(rounds):
             w, _, _ = _spawn("warm", state, ["--warm-repeats", str(warm_repeats)])
             steps = [{ph: s[ph] for ph in PHASES} for s in w["steps"]]
@@ -546,6 +627,11 @@ def run_preset(name: str, args) -> None:
             warm_info = w
             print(f"[{name}] round {r + 1}/{rounds}: pods step {pr['total']:.2f} s, warm step {warm_total:.2f} s, "
                   f"ratio {ratios[-1]:.1f}x", flush=True)
+            if use_pool:
+                pool_info, _, _ = _spawn("pool", state, ["--warm-repeats", str(warm_repeats)])
+                pool_rounds.append(_step_medians(pool_info["steps"]))
+                print(f"[{name}] round {r + 1}/{rounds}: pool step {pool_rounds[-1]['_step']:.2f} s "
+                      f"(first pool step {pool_info['first_step_s']:.2f} s)", flush=True)
         pods_med = _median_components([pr["phases"] for pr in pods_rounds])
         warm_med = _median_components(warm_rounds)
         check = _same_result(pods_rounds[-1]["metrics"], warm_info["metrics"])
@@ -570,6 +656,21 @@ def run_preset(name: str, args) -> None:
     rows.append(["", "warm", *[fmt(tot(warm_med, c)) if any(c in warm_med[ph] for ph in PHASES) else "-"
                                for c in COMPONENTS],
                  fmt(warm_step), ""])
+    if pool_rounds:
+        pool_med = _median_components(pool_rounds)
+        pool_step = statistics.median(r["_step"] for r in pool_rounds)
+        for i, ph in enumerate(PHASES):
+            rows.insert(3 * i + 2, ["", "pool", *["-"] * len(COMPONENTS), fmt(pool_med[ph]["total"]),
+                                    f"{pool_med[ph]['total'] / max(warm_med[ph]['total'], 1e-9):.2f}x warm"])
+        rows.append(["", "pool", *["-"] * len(COMPONENTS), fmt(pool_step), f"{pool_step / warm_step:.2f}x warm"])
+        last = pool_info["bytes_per_step"][-1]
+        pool_bytes = sum(last["arrow"].values()) + last["checkpoint_version"]
+        pool_source = "measured in pool mode"
+    else:
+        pool_med, pool_step = None, None
+        projection = pods_rounds[-1]["projection_bytes"]
+        pool_bytes = sum(projection.values()) + version_bytes
+        pool_source = "projections of the pods batches + the checkpoint version"
     pods_bytes = sum(arrow.values()) + version_bytes
     mb = lambda n: f"{n / 1e3:.0f} kB" if n < 1e6 else f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
     header = ["phase", "mode", *COMPONENTS, "total s", "pods/warm"]
@@ -580,7 +681,14 @@ def run_preset(name: str, args) -> None:
             "pods_step_s": pods_step, "warm_step_s": warm_step, "ratio_pods_over_warm": statistics.median(ratios),
             "ratios_per_round": ratios, "pods_median": sub, "warm_median": warm_med,
             "bytes_written_per_step": {"pods": pods_bytes, "warm": version_bytes, "arrow": arrow,
-                                       "checkpoint_version": version_bytes},
+                                       "checkpoint_version": version_bytes, "pool": pool_bytes,
+                                       "pool_source": pool_source,
+                                       "pool_arrow": (pool_info["bytes_per_step"][-1]["arrow"] if pool_rounds
+                                                      else pods_rounds[-1]["projection_bytes"])},
+            "pool_step_s": pool_step, "pool_median": pool_med,
+            "pool_first_step_s": pool_info["first_step_s"] if pool_info else None,
+            "same_result_pool": _same_result(pods_rounds[-1]["metrics"], pool_info["metrics"]) if pool_info
+            else None,
             "same_result_check": check, "setup": {"setup_s": setup["setup_s"]},
             "warm_first_step_s": warm_info["warmup_step_s"], "raw": {"pods": pods_rounds, "warm": warm_rounds}}
     subs = sorted({k for ph in PHASES for k in pods_med[ph] if "." in k})
@@ -596,7 +704,11 @@ def run_preset(name: str, args) -> None:
              "Arrow IPC (+ sha256, as the Flyte type) or checkpoint version, compute = phase function minus its "
              "checkpoint IO, exit = report -> process exit. Bytes written to the artifact store per step: pods "
              f"{mb(pods_bytes)} (Arrow {', '.join(f'{k} {mb(v)}' for k, v in arrow.items())}; checkpoint version "
-             f"{mb(version_bytes)}), warm {mb(version_bytes)}. The warm process's first (cold) step took "
+             f"{mb(version_bytes)}), pool {mb(pool_bytes)} ({pool_source}), warm {mb(version_bytes)}. "
+             + (f"Pool = `pool.execution=pool` (local Ray head, engine / trainer / reward actors, projection "
+                f"emitted, weights broadcast over gloo), chained steps {STEP + 1}.. after a first step from version "
+                f"1 ({pool_info['first_step_s']:.2f} s incl. actor start); per-phase totals only (the components "
+                "run inside the actors). " if pool_rounds else "") + f"The warm process's first (cold) step took "
              f"{warm_info['warmup_step_s']:.2f} s. Same-result check pods vs warm: {check['keys_compared']} metrics, "
              f"max abs diff {check['max_abs_diff']:.3g}. Page cache {'evicted' if args.cold_cache else 'kept'} "
              "before each pod (best effort). Not modelled: pod scheduling / image pull / container start, "
@@ -618,6 +730,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the state dir")
     ap.add_argument("--cold-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="evict model / checkpoint / Arrow files from the page cache before each pod")
+    ap.add_argument("--pool", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time pool mode (default: on for the tiny presets; shaped presets patch the model "
+                         "builder in-process, which Ray's actor processes do not see)")
     ap.add_argument("--smoke", action="store_true", help="GPU presets on CPU with tiny shapes (not a result)")
     ap.add_argument("--layers", type=int, default=None, help="shaped presets: fewer layers (smoke)")
     ap.add_argument("--height", type=int, default=None, help="diffusion: image size (smoke)")
@@ -626,7 +741,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=None, help="data.samples_per_prompt")
     ap.add_argument("--standin-scale", type=float, default=None, help="scale the stand-in file sizes (smoke)")
     ap.add_argument("--override", action="append", default=[], help="extra recipe override a.b=value")
-    ap.add_argument("--worker", choices=("setup", "warm", *PHASES), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=("setup", "warm", "pool", *PHASES), help=argparse.SUPPRESS)
     ap.add_argument("--state", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -291,6 +291,7 @@ class RunConfig:
             check_lm_deployment(self.lm, self.train.old_logp_source)
         check_rollout_seeds(self)
         self._check_filter_groups()
+        self._check_rollout_weights()
         if self.pool.execution == "pool" and self.lm is not None and self.lm.deployment.engine != "trainside":
             raise field_error(ConfigError, "pool.execution", "pool", f"'pods' with lm.deployment.engine="
                               f"{self.lm.deployment.engine!r}", "the pool runs the trainside engines only (a vLLM "
@@ -314,6 +315,20 @@ class RunConfig:
         if self.pool.execution == "pool":
             raise field_error(ConfigError, "filter_groups", "set", "unset with pool.execution='pool'",
                               "dynamic sampling's extra rounds run in pods mode only; use execution 'pods'")
+
+    def _check_rollout_weights(self) -> None:
+        """An algorithm that samples with EMA weights (DiffusionNFT's ``old_policy: ema``) needs them kept and
+        pods mode (the pool's engines hold the policy weights)."""
+        if getattr(self.section.algorithm, "rollout_weights", "policy") != "ema":
+            return
+        algo = f"{self.family}.algorithm"
+        if self.train.ema_decay is None:
+            raise field_error(ConfigError, "train.ema_decay", None, f"a decay in (0, 1) with {algo}.old_policy='ema'",
+                              f"set train.ema_decay (e.g. 0.9), or {algo}.old_policy: policy")
+        if self.pool.execution == "pool":
+            raise field_error(ConfigError, "pool.execution", "pool", f"'pods' with {algo}.old_policy='ema'",
+                              f"the pool's engines sample the policy weights; use execution 'pods' or "
+                              f"{algo}.old_policy: policy")
 
     def _check_token_budget(self, shards: int) -> None:
         """``train.micro_batch_tokens``: LM only; the loop hands it to the trainside engine, whose rescoring packs

@@ -86,6 +86,11 @@ def algorithm(cfg: RunConfig):
     return build_algorithm(cfg.section.algorithm)
 
 
+def rollout_weights(cfg: RunConfig) -> str:
+    """``ema`` when the run's algorithm samples with the EMA weights (its ``rollout_weights``), else ``policy``."""
+    return getattr(cfg.section.algorithm, "rollout_weights", "policy")
+
+
 def store(cfg: RunConfig) -> CheckpointStore:
     c = cfg.checkpoint
     return CheckpointStore(c.root, cfg.name, keep_last=c.keep_last, keep_every=c.keep_every,

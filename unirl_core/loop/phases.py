@@ -366,7 +366,7 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
         return pool_phases.train_phase(cfg, batch, ckpt, step=step)
     check_policy_lag(cfg, batch, ckpt)
     backend = build.trainer(cfg)
-    extra = _resident_extra(backend, ckpt)
+    extra = _resident_extra(backend, ckpt, cfg)
     if extra is None:
         extra = dict(restore_train_checkpoint(backend, ckpt, storage_options=cfg.checkpoint.storage_options).extra)
     metrics = backend.step(batch).as_dict()
@@ -375,24 +375,29 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
     # A version `step` can only be a leftover of an interrupted attempt at this same step: replace it.
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
                                 overwrite=True)
-    _RESIDENT.update(backend=backend, version=(ref.uri, ref.step, ref.policy_version), extra=dict(extra))
+    files = load_manifest(ref, storage_options=cfg.checkpoint.storage_options).files
+    _RESIDENT.update(backend=backend, version=(ref.uri, ref.step, ref.policy_version), files=files, extra=dict(extra))
     return ref, {f"train/{k}": float(v) for k, v in metrics.items()}
 
 
 _RESIDENT: dict[str, object] = {}
-"""The version the process's trainer state equals (the one its last train phase wrote), and that version's extra
-JSON: a train phase from exactly that version in the same process skips the restore (a read of weights and
-optimizer state it already holds), as the pool's trainer actor does. Owned by ``train_phase`` alone."""
+"""The version the process's trainer state equals (the one its last train phase wrote: ref and the checksums of
+its manifest), and that version's extra JSON: a train phase from exactly that version in the same process skips
+the restore (a read of weights and optimizer state it already holds), as the pool's trainer actor does. Owned by
+``train_phase`` alone."""
 
 
-def _resident_extra(backend: TrainBackend, ckpt: CheckpointRef) -> dict | None:
+def _resident_extra(backend: TrainBackend, ckpt: CheckpointRef, cfg: RunConfig) -> dict | None:
     """``ckpt``'s extra JSON when ``backend`` holds exactly ``ckpt``'s state, else None (restore from the store).
+    The manifest is read (not the weights): a version rewritten since, by whoever, has other checksums.
     Cleared first: until this step's version is saved the resident state is no version (a failed step restores)."""
     held = dict(_RESIDENT)
     _RESIDENT.clear()
     same = (held.get("backend") is backend and held.get("version") == (ckpt.uri, ckpt.step, ckpt.policy_version)
             and backend.step_count == ckpt.step)
-    return dict(held["extra"]) if same else None
+    if same and load_manifest(ckpt, storage_options=cfg.checkpoint.storage_options).files == held["files"]:
+        return dict(held["extra"])
+    return None
 
 
 def check_policy_lag(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) -> None:

@@ -233,7 +233,9 @@ class TrainBackend:
         if self.cfg.old_logp_source == "rollout":
             return [None] * len(micro)
         out = []
-        with self.compute():
+        # An algorithm whose pi_old is a smoothed sampling policy (DiffusionNFT's v_old) evaluates it under EMA.
+        old_weights = self.ema_applied() if getattr(self.algorithm, "old_policy", "policy") == "ema" else nullcontext()
+        with old_weights, self.compute():
             for mb in micro:
                 out.append(self.algorithm.old_log_probs(self.policy, mb).detach())
         return out

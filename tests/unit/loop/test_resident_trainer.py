@@ -22,7 +22,7 @@ def _run(root, monkeypatch, *, force_restore: bool):
 
     monkeypatch.setattr(phases, "restore_train_checkpoint", counting)
     if force_restore:
-        monkeypatch.setattr(phases, "_resident_extra", lambda backend, ckpt: None)
+        monkeypatch.setattr(phases, "_resident_extra", lambda backend, ckpt, cfg: None)
     cfg = load_recipe("tiny-grpo", [f"checkpoint.root={root}", "loop.total_steps=4", "report.progress=false",
                                     "train.lr=5e-2"])
     history = run_local(cfg)
@@ -48,5 +48,16 @@ def test_a_failed_step_forgets_the_resident_version(tmp_path, monkeypatch):
     assert phases._RESIDENT
     backend = phases.build.trainer(cfg)
     ckpt = phases.build.store(cfg).latest()
-    assert phases._resident_extra(backend, ckpt) is not None
-    assert not phases._RESIDENT and phases._resident_extra(backend, ckpt) is None  # cleared until the next save
+    assert phases._resident_extra(backend, ckpt, cfg) is not None
+    assert not phases._RESIDENT and phases._resident_extra(backend, ckpt, cfg) is None  # cleared until the next save
+
+
+def test_a_rewritten_version_is_restored(tmp_path):
+    """Same ref, other content (another writer replaced the version): the manifest checksums differ -> restore."""
+    cfg = load_recipe("tiny-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=1", "report.progress=false"])
+    run_local(cfg)
+    backend = phases.build.trainer(cfg)
+    ckpt = phases.build.store(cfg).latest()
+    held = dict(phases._RESIDENT)
+    phases._RESIDENT.update(held, files={**held["files"], "model.safetensors": {"bytes": 0, "sha256": "0" * 64}})
+    assert phases._resident_extra(backend, ckpt, cfg) is None

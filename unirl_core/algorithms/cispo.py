@@ -5,7 +5,7 @@ Per token (shapes ``[B, R]``, ``mask`` = tokens in the loss):
     r_t  = exp(logp_t - logp_old_t)
     w_t  = sg(clip(r_t, 1 - epsilon_low, 1 + epsilon_high))      (no lower bound when epsilon_low is None)
     J    = sum_{i,t} w_t A_i logp_t / sum_i |o_i|                  (token-level normalisation)
-    loss = -J  (+ beta * KL, times the TIS weight when ``tis_cap`` is set, as in GRPO)
+    loss = -J  (+ beta * KL, times the TIS / MIS behaviour weight when ``tis_cap`` / ``mis_bounds`` is set, as in GRPO)
 
 Unlike PPO/GRPO clipping, no token loses its gradient: a token whose ratio left the trust region keeps the
 score-function gradient ``A * grad logp``, scaled by the truncated weight instead of being dropped.
@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from unirl_core.algorithms.grpo import GRPO, LMLossConfig, LossAgg, aggregate
+from unirl_core.algorithms.grpo import GRPO, LMLossConfig, LossAgg, aggregate, apply_behaviour_weights
 from unirl_core.algorithms.kl import kl_penalty
 from unirl_core.algorithms.registry import register_algorithm
 from unirl_core.errors import ConfigError, InvariantError, field_error
@@ -64,10 +64,7 @@ def cispo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: T
     weight = ratio.clamp(min=low, max=1.0 + cfg.epsilon_high)
     adv = advantages.to(logp.dtype)[:, None]
     per_token = -weight * adv * logp
-    tis = torch.ones_like(logp)
-    if cfg.tis_cap is not None and rollout_logp is not None:
-        tis = torch.exp((old_logp - rollout_logp).detach() * mf).clamp(max=cfg.tis_cap)
-        per_token = per_token * tis
+    per_token, tis, is_masked, is_truncated = apply_behaviour_weights(per_token, old_logp, rollout_logp, mask, cfg)
     kl = None
     if cfg.beta > 0:
         if ref_logp is None:
@@ -77,7 +74,7 @@ def cispo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: T
         per_token = per_token + cfg.beta * kl
     loss = aggregate(per_token, mask, cfg.loss_agg, cfg.max_response_tokens)
     stats = {"ratio": ratio, "clipped": (weight != ratio) & mask, "tis": tis.detach(),
-             "kl": None if kl is None else kl.detach()}
+             "kl": None if kl is None else kl.detach(), "is_masked": is_masked, "is_truncated": is_truncated}
     return loss, stats
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from unirl_core.algorithms.base import LossOutput, OldLogpSource, Policy
+from unirl_core.algorithms.off_policy import behaviour_weights, check_is_config, fresh_rows, staleness_metrics
 from unirl_core.algorithms.registry import register_algorithm
 from unirl_core.errors import ConfigError, InvariantError, NumericsError, field_error
 from unirl_core.models.diffusion import stack_conditions
@@ -60,7 +61,13 @@ class FlowGRPOConfig:
     flow through both (that repository's earliest versions). Forward values, hence log-probs and ratios, are
     the same bits either way."""
 
+    tis_cap: float | None = None
+    """Off-policy correction for lagged rollouts (needs ``old_logp_source: replay``): each trained step's loss is
+    weighted by ``min(pi_old / pi_behav, C)`` of that step's transition (detached), pi_behav the log-prob recorded
+    at rollout: its own clip, apart from ``clip_range`` (which bounds ``pi_theta / pi_old``). None: off."""
+
     def __post_init__(self) -> None:
+        check_is_config("flow_grpo", "token", self.tis_cap, None)
         if not (self.clip_range > 0):
             raise field_error(ConfigError, "flow_grpo.clip_range", self.clip_range, "a value > 0", "use e.g. 1e-4")
         if not (self.adv_clip_max > 0):
@@ -150,7 +157,7 @@ class FlowGRPO:
         for rep in self._replay_steps(policy, parts, segs, sampling, steps, with_kl=False):
             full[rep.rows, steps[rep.col]] = rep.log_prob.cpu()
         stored = torch.stack([s.log_probs for s in segs])
-        self._check_logp(stored[:, steps], full[:, steps], _mask(segs, steps), where="old_log_probs")
+        self._check_logp(stored[:, steps], full[:, steps], _fresh_mask(micro_batch, segs, steps), where="old_log_probs")
         return full
 
     def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None,
@@ -192,7 +199,11 @@ class FlowGRPO:
         stored = torch.stack([s.log_probs for s in segs])[:, steps]
         old = stored if old_log_probs is None else old_log_probs[:, steps].cpu()
         if old_log_probs is not None:
-            self._check_logp(stored, old, mask, where="loss(old_log_probs)")
+            self._check_logp(stored, old, _fresh_mask(micro_batch, segs, steps), where="loss(old_log_probs)")
+        # behaviour weight [B, S]: pi_old (replayed) over the recorded pi_behav; 1 when off or on-policy
+        weight = torch.ones_like(stored)
+        if cfg.tis_cap is not None and old_log_probs is not None:
+            weight, _, _ = behaviour_weights(old, stored, mask, level="token", tis_cap=cfg.tis_cap, mis_bounds=None)
         # Detached per-entry records stay on the device until the end: no host sync between steps, so the
         # backend's backward of one step and the next step's forward queue back to back.
         rec: dict[str, Tensor] = {}
@@ -203,10 +214,12 @@ class FlowGRPO:
             if not rec:
                 rec = {"new": stored.to(dev).clone(), "ratio": torch.ones_like(stored, device=dev),
                        "kl": torch.zeros_like(stored, device=dev), "mask": mask.to(dev), "old": old.to(dev),
-                       "adv": adv.to(dev)}
+                       "adv": adv.to(dev), "weight": weight.to(dev)}
             m = rec["mask"][rep.rows, rep.col]
             per, r = surrogate_per_entry(rep.log_prob, rec["old"][rep.rows, rep.col], rec["adv"][rep.rows],
                                          clip_range=cfg.clip_range, adv_clip_max=cfg.adv_clip_max)
+            if cfg.tis_cap is not None:
+                per = per * rec["weight"][rep.rows, rep.col]
             policy_term = (per * m).sum() / count
             term, kl_term = policy_term, None
             if rep.kl is not None:
@@ -236,7 +249,12 @@ class FlowGRPO:
             "kl": float(masked_mean(rec["kl"].cpu(), mask)),
             "logp_absdiff_mean": float(absdiff.mean()), "logp_absdiff_max": float(absdiff.max()),
             "advantage_mean": float(adv.mean()), "trained_steps": float(len(steps)),
+            **staleness_metrics(micro_batch),
         }
+        if cfg.tis_cap is not None:
+            w = weight[sel]
+            metrics.update({"is_weight_mean": float(w.mean()),
+                            "is_truncated_frac": float((w >= cfg.tis_cap).float().mean())})
         return LossOutput(loss=torch.tensor(total), metrics=metrics)
 
     # -- pieces -------------------------------------------------------------------------------
@@ -315,6 +333,12 @@ def _diffusion_parts(batch: SampleBatch) -> tuple[list[Part], list[DiffusionSegm
 
 def _mask(segs: list[DiffusionSegment], steps: list[int]) -> Tensor:
     return torch.stack([s.sde_mask for s in segs])[:, steps]
+
+
+def _fresh_mask(batch: SampleBatch, segs: list[DiffusionSegment], steps: list[int]) -> Tensor:
+    """``_mask`` restricted to rows sampled by the trainer's current weights: only they can be held to the
+    rollout-vs-replay tolerance (a stale row's gap is the policy's drift)."""
+    return _mask(segs, steps) & fresh_rows(batch)[:, None]
 
 
 def _advantages(parts: list[Part]) -> Tensor:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from unirl_core.algorithms.base import LossOutput, Policy
 from unirl_core.algorithms.kl import KL_ESTIMATORS, KLEstimator, kl_penalty
+from unirl_core.algorithms.off_policy import ISLevel, behaviour_weights, check_is_config, fresh_rows, staleness_metrics
 from unirl_core.algorithms.registry import register_algorithm
 from unirl_core.errors import ConfigError, InvariantError, NumericsError, field_error
 from unirl_core.models.lm import ReplayLayout, build_layout, logprob_chunk_tokens, replay_log_probs
@@ -47,7 +48,16 @@ class LMLossConfig:
     kl_estimator: KLEstimator = "k3"
     """``k1``, ``k2`` or ``k3`` (see ``unirl_core.algorithms.kl``)."""
     tis_cap: float | None = None
-    """Truncated importance sampling cap C for rollouts from another engine; needs a replayed pi_old."""
+    """Truncated importance sampling cap C: the loss is weighted by ``min(pi_old / pi_behav, C)`` (detached), for
+    rollouts from another engine or an older policy version; needs a replayed pi_old (``train.old_logp_source:
+    replay``). With a lagged rollout this is AReaL's decoupled objective (``unirl_core/algorithms/off_policy.py``)."""
+    mis_bounds: tuple[float, float] | None = None
+    """Masked importance sampling (IcePop): tokens (sequences, with ``is_level: sequence``) whose ``pi_old / pi_behav``
+    lies outside ``[low, high]`` get weight 0, the others weight ``pi_old / pi_behav``; combines with ``tis_cap``.
+    Needs a replayed pi_old. None: off."""
+    is_level: ISLevel = "token"
+    """Level of the behaviour weight of ``tis_cap`` / ``mis_bounds``: ``token`` (per token) or ``sequence`` (the
+    product of the sequence's token ratios, shared by its tokens)."""
     max_response_tokens: int | None = None
     """Dr.GRPO's constant normaliser (usually the sampling ``max_new_tokens``); required for ``dr_grpo``."""
     max_logp_absdiff: float | None = 1.0
@@ -72,8 +82,7 @@ class LMLossConfig:
                               "use 'k3'")
         if not (self.beta >= 0 and math.isfinite(self.beta)):
             raise field_error(ConfigError, f"{n}.beta", self.beta, "a finite value >= 0", "use 0.0 or e.g. 0.04")
-        if self.tis_cap is not None and not (self.tis_cap >= 1 and math.isfinite(self.tis_cap)):
-            raise field_error(ConfigError, f"{n}.tis_cap", self.tis_cap, "a finite value >= 1 or None", "use e.g. 2.0")
+        check_is_config(n, self.is_level, self.tis_cap, self.mis_bounds)
         if self.loss_agg == "dr_grpo" and not (isinstance(self.max_response_tokens, int)
                                                and self.max_response_tokens >= 1):
             raise field_error(ConfigError, f"{n}.max_response_tokens", self.max_response_tokens,
@@ -146,8 +155,9 @@ def grpo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
 
     ``logp`` [B, R] current log-probs (with grad), ``old_logp`` [B, R] pi_old, ``advantages`` [B],
     ``mask`` [B, R] bool, ``ref_logp`` [B, R] (needed when beta > 0), ``rollout_logp`` [B, R] the
-    behaviour policy's log-probs (TIS when ``cfg.tis_cap`` is set). Returns ``(loss, stats)`` where
-    stats holds detached tensors: ratio [B, R], clipped [B, R] bool, kl [B, R] or None, tis [B, R].
+    behaviour policy's log-probs (TIS / MIS when ``cfg.tis_cap`` / ``cfg.mis_bounds`` is set). Returns
+    ``(loss, stats)`` where stats holds detached tensors: ratio [B, R], clipped [B, R] bool, kl [B, R] or None,
+    tis [B, R] (the behaviour weight), is_masked / is_truncated [B, R] bool.
     """
     mf = mask.to(logp.dtype)
     lr = log_ratios(logp, old_logp.detach(), mf, cfg.ratio_level)
@@ -157,10 +167,7 @@ def grpo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     clipped_ratio = ratio.clamp(1.0 - cfg.epsilon, 1.0 + cfg.eps_high)
     per_token = -torch.minimum(unclipped, clipped_ratio * adv)
     is_clipped = ((ratio < 1.0 - cfg.epsilon) & (adv < 0)) | ((ratio > 1.0 + cfg.eps_high) & (adv > 0))
-    tis = torch.ones_like(logp)
-    if cfg.tis_cap is not None and rollout_logp is not None:
-        tis = torch.exp((old_logp - rollout_logp).detach() * mf).clamp(max=cfg.tis_cap)
-        per_token = per_token * tis
+    per_token, tis, is_masked, is_truncated = apply_behaviour_weights(per_token, old_logp, rollout_logp, mask, cfg)
     kl = None
     if cfg.beta > 0:
         if ref_logp is None:
@@ -170,8 +177,21 @@ def grpo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
         per_token = per_token + cfg.beta * kl
     loss = aggregate(per_token, mask, cfg.loss_agg, cfg.max_response_tokens)
     stats = {"ratio": ratio.detach(), "clipped": is_clipped & mask, "tis": tis.detach(),
-             "kl": None if kl is None else kl.detach()}
+             "kl": None if kl is None else kl.detach(), "is_masked": is_masked, "is_truncated": is_truncated}
     return loss, stats
+
+
+def apply_behaviour_weights(per_token: Tensor, old_logp: Tensor, rollout_logp: Tensor | None, mask: Tensor,
+                            cfg: LMLossConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``per_token`` times the behaviour weight of ``cfg`` (TIS / MIS of pi_old over pi_behav = the rollout's
+    log-probs); returns ``(per_token, weight, masked, truncated)``; weight 1 when no correction is configured."""
+    m = mask.bool()
+    if rollout_logp is None or (cfg.tis_cap is None and cfg.mis_bounds is None):
+        none = torch.zeros_like(m)
+        return per_token, torch.ones_like(per_token), none, none
+    w, masked, truncated = behaviour_weights(old_logp, rollout_logp, m, level=cfg.is_level, tis_cap=cfg.tis_cap,
+                                             mis_bounds=cfg.mis_bounds)
+    return per_token * w, w, masked, truncated
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> float:
@@ -204,7 +224,7 @@ class GRPO:
         layout = self.layout(policy, micro_batch)
         with torch.no_grad():
             logp, _ = replay_log_probs(policy.module, layout, chunk_tokens=logprob_chunk_tokens(policy))
-        self._check_absdiff(layout, logp)
+        self._check_absdiff(layout, logp, micro_batch)
         return logp
 
     def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None,
@@ -220,11 +240,11 @@ class GRPO:
                                   f"{tuple(logp.shape)} (this micro-batch's layout)",
                                   "compute pi_old with old_log_probs() over the same micro-batch")
             old = old_log_probs.to(logp.device)
-            self._check_absdiff(layout, old)
+            self._check_absdiff(layout, old, micro_batch)
         else:
             old = layout.stored_log_probs
             if first_update:  # the current forward is pi_old as replayed
-                self._check_absdiff(layout, logp.detach())
+                self._check_absdiff(layout, logp.detach(), micro_batch)
         ref = None
         if cfg.beta > 0:
             with torch.no_grad(), policy.reference():
@@ -234,6 +254,7 @@ class GRPO:
         loss, stats = self.token_loss(logp, old, adv, mask, ref_logp=ref, rollout_logp=layout.stored_log_probs)
         metrics = self._metrics(layout, logp, old, entropy, stats)
         metrics["truncated_frac"] = float(truncated.float().mean())
+        metrics.update(staleness_metrics(micro_batch))
         return LossOutput(loss=loss, metrics=metrics)
 
     def token_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
@@ -242,11 +263,14 @@ class GRPO:
         return grpo_token_loss(logp, old_logp, advantages, mask, self.config, ref_logp=ref_logp,
                                rollout_logp=rollout_logp)
 
-    def _check_absdiff(self, layout: ReplayLayout, old: Tensor) -> None:
+    def _check_absdiff(self, layout: ReplayLayout, old: Tensor, micro_batch: SampleBatch) -> None:
+        """Fail closed on rows sampled by the trainer's current weights; a stale row's gap is policy drift
+        (the off-policy correction's business, logged as ``logp_absdiff``), not a numerics error."""
         limit = self.config.max_logp_absdiff
         if limit is None:
             return
-        diff = ((old - layout.stored_log_probs).abs() * layout.loss_mask).max()
+        rows = fresh_rows(micro_batch).to(layout.loss_mask.device)
+        diff = ((old - layout.stored_log_probs).abs() * (layout.loss_mask & rows[:, None])).max()
         if float(diff) > limit:
             raise field_error(NumericsError, "logp_absdiff_max", float(diff), f"<= {limit}",
                               "rollout and replay disagree: check that the engine ran the same weights, "
@@ -271,6 +295,10 @@ class GRPO:
             out["kl"] = _masked_mean(stats["kl"], mf)
         if self.config.tis_cap is not None:
             out["tis_mean"] = _masked_mean(stats["tis"], mf)
+        if self.config.tis_cap is not None or self.config.mis_bounds is not None:
+            out["is_weight_mean"] = _masked_mean(stats["tis"], mf)
+            out["is_masked_frac"] = _masked_mean(stats["is_masked"].float(), mf)
+            out["is_truncated_frac"] = _masked_mean(stats["is_truncated"].float(), mf)
         return out
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from unirl_core.algorithms.base import Algorithm, LossOutput, Policy
+from unirl_core.algorithms.off_policy import TRAINER_VERSION_KEY
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
 from unirl_core.models.micro_batch import plan_micro_batches, split_to_count, token_lengths
 from unirl_core.models.precision import module_dtype, parameters_as, upcast_trainable
@@ -192,6 +193,8 @@ class TrainBackend:
         """Train on one rollout batch; returns metrics averaged over micro-batches and ranks (``*_max`` /
         ``*_min`` metrics: the extreme over micro-batches and ranks)."""
         t_start = time.perf_counter()
+        # which version trains it: algorithms hold only fresh rows to the rollout-vs-replay tolerance
+        batch = SampleBatch(samples=batch.samples, metadata={**batch.metadata, TRAINER_VERSION_KEY: str(self.step_count)})
         micro = self.micro_batches(self.local_shard(batch))
         t0 = time.perf_counter()
         old = self._freeze_old_log_probs(micro)

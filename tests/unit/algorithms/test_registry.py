@@ -18,7 +18,7 @@ from unirl_core.loop import build
 
 def test_builtin_names_per_family():
     assert algorithm_names("lm") == ["cispo", "grpo"]
-    assert algorithm_names("diffusion") == ["flow_grpo"]
+    assert algorithm_names("diffusion") == ["flow_grpo", "nft"]
 
 
 def test_recipes_without_a_name_keep_the_family_default():

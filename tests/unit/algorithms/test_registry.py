@@ -57,7 +57,7 @@ def test_bad_algorithm_sections_name_field_value_and_fix(override, message):
 
 
 def test_diffusion_section_rejects_lm_algorithms_and_knobs():
-    with pytest.raises(ConfigError, match=r"diffusion.algorithm.name='cispo': expected one of \['flow_grpo'\]"):
+    with pytest.raises(ConfigError, match=r"diffusion.algorithm.name='cispo': expected one of \['flow_grpo', 'nft'\]"):
         load_recipe("tiny-flow-grpo", ["diffusion.algorithm.name=cispo"])
     with pytest.raises(ConfigError, match=r"diffusion.algorithm.epsilon=0.2: .*'epsilon' belongs to grpo \(a lm"):
         load_recipe("tiny-flow-grpo", ["diffusion.algorithm.epsilon=0.2"])

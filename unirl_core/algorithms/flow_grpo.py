@@ -139,6 +139,12 @@ class _StepReplay:
     """[b] fp32 log-probs, with grad when grad is enabled."""
     kl: Tensor | None
     """[b] fp32 KL to the reference (None without KL)."""
+    mean: Tensor | None = None
+    """[b, C, h, w] fp32 mean of the replayed transition (with grad when grad is enabled)."""
+    std: Tensor | None = None
+    """fp32 std of the transition, broadcastable to ``mean``."""
+    step: int = -1
+    """Index k of the denoising step (``steps[col]``)."""
 
 
 class FlowGRPO:
@@ -216,8 +222,7 @@ class FlowGRPO:
                        "kl": torch.zeros_like(stored, device=dev), "mask": mask.to(dev), "old": old.to(dev),
                        "adv": adv.to(dev), "weight": weight.to(dev)}
             m = rec["mask"][rep.rows, rep.col]
-            per, r = surrogate_per_entry(rep.log_prob, rec["old"][rep.rows, rep.col], rec["adv"][rep.rows],
-                                         clip_range=cfg.clip_range, adv_clip_max=cfg.adv_clip_max)
+            per, r = self.step_surrogate(rep, rec["old"][rep.rows, rep.col], rec["adv"][rep.rows], m)
             if cfg.tis_cap is not None:
                 per = per * rec["weight"][rep.rows, rep.col]
             policy_term = (per * m).sum() / count
@@ -258,6 +263,12 @@ class FlowGRPO:
         return LossOutput(loss=torch.tensor(total), metrics=metrics)
 
     # -- pieces -------------------------------------------------------------------------------
+    def step_surrogate(self, rep: _StepReplay, old_logp: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-entry policy loss ``[b]`` and ratio ``[b]`` of one replayed step (``mask``: its trained entries).
+        Variants that change only the surrogate (GRPO-Guard, Flow-DPPO) override this."""
+        return surrogate_per_entry(rep.log_prob, old_logp, adv, clip_range=self.config.clip_range,
+                                   adv_clip_max=self.config.adv_clip_max)
+
     def _train_steps(self, micro_batch: SampleBatch, segs: list[DiffusionSegment]) -> list[int]:
         mask = torch.stack([s.sde_mask for s in segs])
         gen = torch.Generator().manual_seed(stable_seed(self.config.seed, *[s.sample_id for s in micro_batch.samples]))
@@ -308,7 +319,7 @@ class FlowGRPO:
                     safe = torch.where(out.std > 0, out.std, torch.ones_like(out.std)).expand(len(chunk), 1, 1, 1)
                     kl = torch.where(smask[:, k].to(device), gaussian_kl_same_std(out.mean, ref.mean, safe),
                                      torch.zeros((), device=device))
-                yield _StepReplay(rows=rows, col=col, log_prob=out.log_prob, kl=kl)
+                yield _StepReplay(rows=rows, col=col, log_prob=out.log_prob, kl=kl, mean=out.mean, std=out.std, step=k)
 
 
 def _diffusion_parts(batch: SampleBatch) -> tuple[list[Part], list[DiffusionSegment], DiffusionSamplingParams]:

@@ -18,6 +18,7 @@ from images import train_image
 from tasks.advantage import advantage_task
 from tasks.common import CPU_TASK
 from tasks.dynamic_sampling import dynamic_sampling_task
+from tasks.lagged import lagged_version_task
 from tasks.publish import publish_task
 from tasks.report import report_task
 from tasks.reward import reward_task
@@ -56,8 +57,15 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
     pool = cfg.pool.execution == "pool"
     train = TRAIN_TASKS[(1, 1) if pool else (cluster.train_nnodes, cluster.train_nproc_per_node)]
     state, prev_report = ckpt, None
+    # The published version of each step: step n's rollout samples with version n - 1 - max_policy_lag, so with a
+    # lag it depends on that publication only and Flyte runs it beside train n - 1 (lag 0: the previous publish).
+    published_at = {ckpt.step: ckpt}
     for step in range(first, last + 1):
-        joined = rollout_step(cfg=cfg, ckpt=state, step=step, num_shards=shards, shards=list(range(shards)))
+        version = cfg.async_training.rollout_version(step)
+        if version not in published_at:  # published before this chunk: read its ref from the store
+            published_at[version] = lagged_version_task(cfg=cfg, ckpt=ckpt, version=version)
+        joined = rollout_step(cfg=cfg, ckpt=published_at[version], step=step, num_shards=shards,
+                              shards=list(range(shards)))
         scored = reward_task(cfg=cfg, batch=joined.batch)
         if cfg.filter_groups is not None:  # DAPO dynamic sampling: flat groups dropped, refilled by extra rounds
             scored = dynamic_sampling_task(cfg=cfg, batch=scored.batch, ckpt=state, step=step,
@@ -71,6 +79,7 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
         if prev_report is not None:
             prev_report >> report  # one writer of index.html at a time
         state, prev_report = published.ckpt, report
+        published_at[step] = state
     done = last - first + 1
     if budget > done:
         return grpo_chunk(cfg=cfg, cluster=cluster, session=session, ckpt=state, max_steps=budget - done)

@@ -76,3 +76,38 @@ def test_last_chunk_and_budget():
     assert nxt.task_node.reference_id.name == "workflows.grpo.grpo_chunk"
     budget = next(b for b in nxt.inputs if b.var == "max_steps")
     assert budget.binding.scalar.primitive.integer == 1  # 3 steps asked, 2 in this chunk
+
+
+def _upstream(spec, node_id: str) -> set[str]:
+    """Every node ``node_id`` depends on, transitively."""
+    by_id = {n.id: n for n in spec.nodes}
+    seen, todo = set(), list(by_id[node_id].upstream_node_ids)
+    while todo:
+        n = todo.pop()
+        if n in by_id and n not in seen:
+            seen.add(n)
+            todo.extend(by_id[n].upstream_node_ids)
+    return seen
+
+
+def test_lag_one_runs_rollout_n_plus_1_beside_train_n():
+    """With async_training.max_policy_lag=1 the rollout of step n+1 depends on the publication of step n-1, never on
+    train n; a chunk starting after step 2 reads version 1 (step 3's sampler) from the store. Lag 0: every rollout
+    waits for the previous step's publish."""
+    spec = _compile(["loop.total_steps=6", "loop.steps_per_chunk=3", "async_training.max_policy_lag=1",
+                     "train.old_logp_source=replay", "lm.algorithm.tis_cap=2.0"], from_step=2)
+    kind = {n.id: (n.task_node.reference_id.name if n.task_node else n.workflow_node.sub_workflow_ref.name)
+            .rsplit(".", 1)[1] for n in spec.nodes}
+    rollouts = [i for i in kind if kind[i] == "rollout_step"]
+    trains = [i for i in kind if kind[i] == "train_task"]
+    publishes = [i for i in kind if kind[i] == "publish_task"]
+    assert list(kind.values()).count("lagged_version_task") == 1  # step 3 samples with version 1
+    # step 3 (first of the chunk) waits for nothing trained in this chunk; step 4 samples with version 2 = ckpt
+    assert not _upstream(spec, rollouts[0]) & set(trains) and not _upstream(spec, rollouts[1]) & set(trains)
+    # step 5 samples with version 3: after publish 3 (step 3's), independent of train 4
+    up5 = _upstream(spec, rollouts[2])
+    assert publishes[0] in up5 and trains[1] not in up5
+    sync = _compile(["loop.total_steps=6", "loop.steps_per_chunk=3"], from_step=2)
+    ids = [n.id for n in sync.nodes if n.workflow_node]
+    t = [n.id for n in sync.nodes if n.task_node and n.task_node.reference_id.name.endswith("train_task")]
+    assert t[0] in _upstream(sync, ids[1]) and "lagged_version_task" not in str(_targets(sync))

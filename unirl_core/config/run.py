@@ -232,6 +232,39 @@ class LoopConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AsyncTrainingConfig:
+    """Asynchronous (off-policy) training with bounded staleness: rollouts run ahead of training.
+
+    Step ``n`` trains from version ``n - 1``; with ``max_policy_lag: k`` its rollout samples with version
+    ``max(0, n - 1 - k)`` (pinned, so runs are reproducible), so rollout ``n + 1`` can run beside train ``n``.
+    Same knob elsewhere: verl ``async_training.staleness_threshold``, AReaL ``max_head_offpolicyness``, TRL
+    ``max_staleness``. Correct the lag with the loss's ``tis_cap`` / ``mis_bounds`` (``train.old_logp_source:
+    replay``; ``unirl_core/algorithms/README.md``)."""
+
+    max_policy_lag: int = 0
+    """k: versions a rollout may lag behind the weights that train it; 0 is the synchronous loop."""
+    max_inflight: int | None = None
+    """Rollout shards running or queued at once (``run_local``'s rollout manager); None: ``loop.rollout_shards *
+    (max_policy_lag + 1)``, every shard admission control allows."""
+    overlap: bool = True
+    """``run_local``: sample on a worker thread while the driver scores and trains (the rollout and trainer model
+    copies are separate); False samples inline (same numbers, no overlap)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_policy_lag, int) and not isinstance(self.max_policy_lag, bool)
+                and self.max_policy_lag >= 0):
+            raise field_error(ConfigError, "async_training.max_policy_lag", self.max_policy_lag, "an integer >= 0",
+                              "use 0 (synchronous) or e.g. 1")
+        if self.max_inflight is not None and not (isinstance(self.max_inflight, int) and self.max_inflight >= 1):
+            raise field_error(ConfigError, "async_training.max_inflight", self.max_inflight, "None or an integer >= 1",
+                              "leave it unset")
+
+    def rollout_version(self, step: int) -> int:
+        """The version whose weights sample the rollout of training step ``step`` (which trains from ``step - 1``)."""
+        return max(0, step - 1 - self.max_policy_lag)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ReportConfig:
     """What a run shows besides checkpoints and the HTML run report (none of it changes what a step computes)."""
 
@@ -273,6 +306,8 @@ class RunConfig:
     """Where the phases execute: ``pods`` (default) or a Ray ``pool`` of warm actors (``unirl_core/pool``)."""
     report: ReportConfig = field(default_factory=ReportConfig)
     """TensorBoard scalars and progress lines; never compared on resume."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """Rollouts lagging training by up to ``max_policy_lag`` versions (``unirl_core/loop/README.md``); default synchronous."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -292,6 +327,7 @@ class RunConfig:
         check_rollout_seeds(self)
         self._check_filter_groups()
         self._check_rollout_weights()
+        self._check_async()
         if self.pool.execution == "pool" and self.lm is not None and self.lm.deployment.engine != "trainside":
             raise field_error(ConfigError, "pool.execution", "pool", f"'pods' with lm.deployment.engine="
                               f"{self.lm.deployment.engine!r}", "the pool runs the trainside engines only (a vLLM "
@@ -315,6 +351,33 @@ class RunConfig:
         if self.pool.execution == "pool":
             raise field_error(ConfigError, "filter_groups", "set", "unset with pool.execution='pool'",
                               "dynamic sampling's extra rounds run in pods mode only; use execution 'pods'")
+
+    def _check_async(self) -> None:
+        """Lagged rollouts: pods mode, no dynamic sampling, versions kept long enough, corrections that can act."""
+        lag = self.async_training.max_policy_lag
+        if lag == 0:
+            return
+        where = f"with async_training.max_policy_lag={lag}"
+        if self.pool.execution == "pool":
+            raise field_error(ConfigError, "pool.execution", "pool", f"'pods' {where}",
+                              "the pool's rollout manager is not built yet; use execution 'pods' or lag 0")
+        if self.filter_groups is not None:
+            raise field_error(ConfigError, "filter_groups", "set", f"unset {where}",
+                              "dynamic sampling's refill rounds sample on-policy; remove one of them")
+        if getattr(self.section.algorithm, "rollout_weights", "policy") == "ema":
+            raise field_error(ConfigError, f"{self.family}.algorithm", self.section.algorithm.name,
+                              f"an algorithm sampling with the policy weights {where}",
+                              "EMA rollouts are not lagged; use lag 0")
+        if self.checkpoint.keep_last < lag + 1:
+            raise field_error(ConfigError, "checkpoint.keep_last", self.checkpoint.keep_last, f">= {lag + 1} {where}",
+                              "a lagged rollout loads version step - 1 - lag; keep that many versions")
+        algo = self.section.algorithm
+        corrected = [k for k in ("tis_cap", "mis_bounds") if getattr(algo, k, None) is not None]
+        if corrected and self.train.old_logp_source != "replay":
+            raise field_error(ConfigError, "train.old_logp_source", self.train.old_logp_source,
+                              f"'replay' with {self.family}.algorithm.{corrected[0]} {where}",
+                              "the behaviour weight is pi_old / pi_behav: pi_old must be replayed (with 'rollout' "
+                              "it is pi_behav and the weight is 1)")
 
     def _check_rollout_weights(self) -> None:
         """An algorithm that samples with EMA weights (DiffusionNFT's ``old_policy: ema``) needs them kept and

@@ -15,6 +15,7 @@ from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.preflight import preflight
 from unirl_core.config.run import RunConfig
 from unirl_core.loop import resume
+from unirl_core.loop.lagged import LaggedRollouts
 from unirl_core.loop.metrics import merge_shard_metrics
 from unirl_core.loop.phases import (
     advantage_phase,
@@ -129,6 +130,18 @@ def _run_steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
 
 def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool,
            scalars: MetricSinks | None) -> list[dict]:
+    # async_training.max_policy_lag > 0: rollouts come from the rollout manager, sampled with lagged versions
+    lagged = LaggedRollouts(cfg, ckpt) if cfg.async_training.max_policy_lag and ckpt.step < cfg.loop.total_steps \
+        else None
+    try:
+        return _step_loop(cfg, ckpt, on_step, show, scalars, lagged)
+    finally:
+        if lagged is not None:
+            lagged.close()
+
+
+def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool,
+               scalars: MetricSinks | None, lagged: LaggedRollouts | None) -> list[dict]:
     total = cfg.loop.total_steps
     shards = cfg.loop.rollout_shards
     history: list[dict] = []
@@ -136,12 +149,16 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
     for step in range(ckpt.step + 1, total + 1):
         t = {}
         t0 = time.perf_counter()
-        parts, per_shard = [], []
-        for shard in range(shards):
-            b, m = rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=shards)
-            parts.append(b)
-            per_shard.append(m)
+        parts, per_shard, extra = [], [], {}
+        if lagged is not None:
+            parts, per_shard, extra = lagged.take(step)
+        else:
+            for shard in range(shards):
+                b, m = rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=shards)
+                parts.append(b)
+                per_shard.append(m)
         metrics = merge_shard_metrics(per_shard)
+        metrics.update(extra)
         batch = SampleBatch.concat(parts)
         t["rollout"] = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -163,6 +180,8 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
         t["train"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         published = publish_phase(cfg, ckpt)
+        if lagged is not None:
+            lagged.published(ckpt)
         metrics.update({k: float(v) for k, v in published.items() if k.startswith("pool/")})
         t["publish"] = time.perf_counter() - t1
         step_seconds = time.perf_counter() - t0

@@ -404,11 +404,14 @@ def check_policy_lag(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) ->
     """Refuse a batch sampled by a policy more than the allowed number of versions behind ``ckpt``.
 
     The bound is ``lm.deployment.sync.max_policy_lag`` for a dedicated LM engine and 0 otherwise (the
-    synchronous loop always samples with the version it trains from). EMA rollouts are exempt.
+    synchronous loop always samples with the version it trains from), or ``async_training.max_policy_lag`` when
+    larger (lagged rollouts). EMA rollouts are exempt.
     """
     bound, field = 0, "policy lag (synchronous loop)"
     if cfg.family == "lm" and cfg.lm.dedicated is not None and cfg.lm.deployment.sync is not None:
         bound, field = cfg.lm.deployment.sync.max_policy_lag, "lm.deployment.sync.max_policy_lag"
+    if cfg.async_training.max_policy_lag > bound:  # lagged rollouts (unirl_core/loop/lagged.py)
+        bound, field = cfg.async_training.max_policy_lag, "async_training.max_policy_lag"
     versions = [p.policy_version for p in batch.generated if p.policy_version != EMA_POLICY_VERSION]
     if not versions:
         return

@@ -129,6 +129,13 @@ class AlgorithmChoice:
                               "write the algorithm's name as a string")
         entry = algorithm_entry(name, self.family, path)
         own = {f.name for f in fields(entry.config) if f.init}
+        # a field the algorithm fixes (init=False) is written by to_dict; reading back its own value is fine
+        fixed = {f.name: f.default for f in fields(entry.config) if not f.init and f.name != "name"}
+        for knob in sorted(set(value) & set(fixed)):
+            if value[knob] != fixed[knob]:
+                raise field_error(ConfigError, f"{path}.{knob}", value[knob], f"{fixed[knob]!r} (fixed by algorithm "
+                                  f"{name!r})", f"remove {knob!r}: {name} does not use it as a knob")
+        value = {k: v for k, v in value.items() if k not in fixed}
         for knob in sorted(set(value) - own - {"name"}):
             owners = _owners(knob, self.family)
             same_family = [o for o in owners if " " not in o]

@@ -18,7 +18,7 @@ from unirl_core.loop import build
 
 def test_builtin_names_per_family():
     assert algorithm_names("lm") == ["cispo", "grpo"]
-    assert algorithm_names("diffusion") == ["flow_grpo", "grpo_guard", "nft"]
+    assert algorithm_names("diffusion") == ["flow_dppo", "flow_grpo", "grpo_guard", "nft"]
 
 
 def test_recipes_without_a_name_keep_the_family_default():
@@ -46,7 +46,7 @@ def test_name_picks_the_config_and_round_trips():
     (["lm.algorithm.name=cispo"], (r"recipe.lm.algorithm.epsilon=0.2: expected a field of algorithm 'cispo' "
                                    r"\(CISPOConfig\); 'epsilon' belongs to grpo: set recipe.lm.algorithm.name to it")),
     (["lm.algorithm.clip_range=0.1"], (r"recipe.lm.algorithm.clip_range=0.1: .*'clip_range' belongs to flow_grpo "
-                                       r"\(a diffusion algorithm\); remove it")),
+                                       r"\(a diffusion algorithm\) / grpo_guard \(a diffusion algorithm\); remove it")),
     (["lm.algorithm.epsilon_hgih=0.3"], r"recipe.lm.algorithm.epsilon_hgih=0.3: .*grpo's fields: \[.*'epsilon_high'"),
     (["lm.algorithm.name=3"], r"recipe.lm.algorithm.name=3: expected one of"),
     (["lm.algorithm=grpo"], r"recipe.lm.algorithm='grpo': expected a mapping such as \{name: grpo, ...\}"),
@@ -57,7 +57,7 @@ def test_bad_algorithm_sections_name_field_value_and_fix(override, message):
 
 
 def test_diffusion_section_rejects_lm_algorithms_and_knobs():
-    with pytest.raises(ConfigError, match=r"diffusion.algorithm.name='cispo': expected one of \['flow_grpo', 'grpo_guard', 'nft'\]"):
+    with pytest.raises(ConfigError, match=r"diffusion.algorithm.name='cispo': expected one of \['flow_dppo', 'flow_grpo', 'grpo_guard', 'nft'\]"):
         load_recipe("tiny-flow-grpo", ["diffusion.algorithm.name=cispo"])
     with pytest.raises(ConfigError, match=r"diffusion.algorithm.epsilon=0.2: .*'epsilon' belongs to grpo \(a lm"):
         load_recipe("tiny-flow-grpo", ["diffusion.algorithm.epsilon=0.2"])

@@ -61,13 +61,14 @@ def progress(records: list[StepRecord], rec: StepRecord, total: int, session: st
 @task(container_image=train_image, **CPU_TASK, retries=2, timeout=SMALL_TIMEOUT)
 def report_task(cfg: RunConfig, session: str, step: int, batch: SampleBatch, rollout: dict[str, float],
                 reward: dict[str, float], advantage: dict[str, float], train: dict[str, float],
-                published: str) -> int:
+                published: str, evaluation: dict[str, float] | None = None) -> int:
     """Write step ``step`` into the run report, re-render ``index.html``, add its TensorBoard scalars and log the
     progress line.
 
+    ``evaluation``: the ``eval/*`` metrics of this step's version when it was evaluated (charted in the index).
     Returns ``step`` so the workflow can order the reports of consecutive steps (one writer of index.html)."""
     info = json.loads(published)
-    metrics = {**rollout, **reward, **advantage, **train}
+    metrics = {**rollout, **reward, **advantage, **train, **(evaluation or {})}
     metrics["time/publish"] = float(info.get("time/publish", 0.0))
     pages = {"rollout": rollout_html(batch, rollout), "reward": reward_html(batch, reward),
              "advantage": advantage_html(batch, advantage), "train": train_html(train), "publish": publish_html(info)}

@@ -18,6 +18,7 @@ from images import train_image
 from tasks.advantage import advantage_task
 from tasks.common import CPU_TASK
 from tasks.dynamic_sampling import dynamic_sampling_task
+from tasks.evaluate import eval_task
 from tasks.lagged import lagged_version_task
 from tasks.publish import publish_task
 from tasks.report import report_task
@@ -73,9 +74,12 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
         adv = advantage_task(cfg=cfg, batch=scored.batch, ckpt=state)
         trained = train(cfg=cfg, batch=adv.batch, ckpt=state, step=step)
         published = publish_task(cfg=cfg, ckpt=trained.ckpt)
+        evaluated = {}  # held-out eval of this step's version; its eval/* metrics join the step's report
+        if cfg.eval is not None and cfg.eval.due(step, total):
+            evaluated = {"evaluation": eval_task(cfg=cfg, ckpt=published.ckpt)}
         report = report_task(cfg=cfg, session=session, step=step, batch=adv.batch, rollout=joined.metrics,
                              reward=scored.metrics, advantage=adv.metrics, train=trained.metrics,
-                             published=published.info)
+                             published=published.info, **evaluated)
         if prev_report is not None:
             prev_report >> report  # one writer of index.html at a time
         state, prev_report = published.ckpt, report

@@ -15,6 +15,7 @@ from unirl_core.data.shapes import ShapesPromptsConfig
 from unirl_core.data.toy import ToyArithmeticConfig
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.loop.dynamic_sampling import FilterGroupsConfig
+from unirl_core.loop.evaluate import EvalConfig, check_eval_config
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
 from unirl_core.pool.config import PoolConfig
@@ -306,6 +307,9 @@ class RunConfig:
     """Where the phases execute: ``pods`` (default) or a Ray ``pool`` of warm actors (``unirl_core/pool``)."""
     report: ReportConfig = field(default_factory=ReportConfig)
     """TensorBoard scalars and progress lines; never compared on resume."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation (deterministic sampling, ``eval/*`` metrics) every ``eval.every_n_steps`` and at the
+    end (``unirl_core/loop/evaluate.py``); None: none."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """Rollouts lagging training by up to ``max_policy_lag`` versions (``unirl_core/loop/README.md``); default synchronous."""
 
@@ -327,6 +331,7 @@ class RunConfig:
         check_rollout_seeds(self)
         self._check_filter_groups()
         self._check_rollout_weights()
+        check_eval_config(self)
         self._check_async()
         if self.pool.execution == "pool" and self.lm is not None and self.lm.deployment.engine != "trainside":
             raise field_error(ConfigError, "pool.execution", "pool", f"'pods' with lm.deployment.engine="

@@ -15,6 +15,7 @@ from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.preflight import preflight
 from unirl_core.config.run import RunConfig
 from unirl_core.loop import resume
+from unirl_core.loop.evaluate import eval_phase
 from unirl_core.loop.lagged import LaggedRollouts
 from unirl_core.loop.metrics import merge_shard_metrics
 from unirl_core.loop.phases import (
@@ -184,6 +185,10 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
             lagged.published(ckpt)
         metrics.update({k: float(v) for k, v in published.items() if k.startswith("pool/")})
         t["publish"] = time.perf_counter() - t1
+        if cfg.eval is not None and cfg.eval.due(step, total):
+            t1 = time.perf_counter()
+            metrics.update(eval_phase(cfg, ckpt)[1])  # held-out, deterministic: eval/* in the step's record
+            t["eval"] = time.perf_counter() - t1
         step_seconds = time.perf_counter() - t0
         metrics.update({f"time/{k}": v for k, v in t.items()})
         metrics.update({"step": float(step), "time/step": step_seconds})

@@ -46,6 +46,7 @@ RESUME_RULES: dict[str, Rule] = {
     "name": "ignore", "checkpoint.root": "ignore", "checkpoint.storage_options": "ignore",
     "checkpoint": "apply",  # keep_last, keep_every
     "loop": "apply",  # total_steps, steps_per_chunk, rollout_shards, seed
+    "eval": "apply",  # held-out evaluation: when, which weights, which prompts (never changes training)
     "async_training": "apply",  # the lag applies from the next step's rollout on
     "train": "apply",  # lr, betas, eps, weight_decay, schedule, warmup, clipping, updates per batch, sharding
     "train.micro_batch_size": "fork",

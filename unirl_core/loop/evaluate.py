@@ -1,0 +1,178 @@
+"""The eval phase: fixed held-out prompts, deterministic sampling, scored by the run's reward.
+
+Diffusion samples with the Euler ODE (``sde_type: ode``) from a fixed NoiseRecipe (``eval.seed``), so the same
+version always gives the same images; LMs decode greedily (``top_k: 1``, no stop change). The prompts are
+``eval.prompts`` or, for generated prompt sets (``toy_arithmetic``, ``shapes``), the same generator with another
+seed (``data.<source>.seed + HELD_OUT_SEED``), keeping only texts the training set does not contain. The weights are
+the version's policy or its EMA (``eval.weights``). Metrics are ``eval/*``: the run report charts them, run_local
+adds them to the step's record, the Flyte ``eval_task`` returns them to the report task.
+
+Sampling always runs the trainside engine in this process (also for runs with a dedicated vLLM engine or in pool
+mode), over batches of the engine's ``forward_batch_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from unirl_core.checkpoint import CheckpointRef
+from unirl_core.errors import ConfigError, field_error
+from unirl_core.types import NoiseRecipe, PromptRecord, SampleBatch
+
+HELD_OUT_SEED = 1_000_003
+"""Offset of the prompt generator's seed for held-out eval prompts."""
+EVAL_STEP_KEY = "eval"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """When and how the run is evaluated (``eval`` section; None: never)."""
+
+    every_n_steps: int = 0
+    """Evaluate after every n-th training step (0: only ``at_end``)."""
+    at_end: bool = True
+    """Also evaluate the last step's version."""
+    weights: Literal["policy", "ema"] = "policy"
+    """The version's policy weights or its EMA weights (``train.ema_decay`` required)."""
+    prompts: tuple[str, ...] = ()
+    """Held-out prompt texts; empty: ``num_prompts`` drawn from the generated prompt set with a held-out seed."""
+    num_prompts: int = 8
+    """Prompts drawn when ``prompts`` is empty."""
+    samples_per_prompt: int = 1
+    """Samples per prompt (each from its own fixed noise for diffusion; identical for greedy LMs)."""
+    seed: int = 20_251_130
+    """Base seed of the fixed eval noise (diffusion)."""
+
+    def __post_init__(self) -> None:
+        for name in ("every_n_steps",):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 0):
+                raise field_error(ConfigError, f"eval.{name}", v, "an integer >= 0", "use 0 to evaluate only at the end")
+        for name in ("num_prompts", "samples_per_prompt"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise field_error(ConfigError, f"eval.{name}", v, "an integer >= 1", "use e.g. 8")
+        if self.weights not in ("policy", "ema"):
+            raise field_error(ConfigError, "eval.weights", self.weights, "'policy' or 'ema'", "use 'policy'")
+        object.__setattr__(self, "prompts", tuple(self.prompts))
+        if self.every_n_steps == 0 and not self.at_end:
+            raise field_error(ConfigError, "eval", "every_n_steps=0, at_end=false", "an evaluation at some step",
+                              "set eval.every_n_steps, or eval.at_end: true, or remove the eval section")
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether the version of training step ``step`` is evaluated."""
+        return (self.every_n_steps > 0 and step % self.every_n_steps == 0) or (self.at_end and step == total_steps)
+
+
+def check_eval_config(cfg) -> None:
+    """Refuse an eval section the run cannot serve (called from ``RunConfig``)."""
+    ev = cfg.eval
+    if ev is None:
+        return
+    if ev.weights == "ema" and cfg.train.ema_decay is None:
+        raise field_error(ConfigError, "eval.weights", "ema", "'policy' without train.ema_decay",
+                          "set train.ema_decay (e.g. 0.9) so versions carry EMA weights, or eval.weights: policy")
+    if not ev.prompts and cfg.data.source not in ("toy_arithmetic", "shapes"):
+        raise field_error(ConfigError, "eval.prompts", (), f"held-out prompts for data.source={cfg.data.source!r}",
+                          "list eval.prompts (only generated prompt sets, toy_arithmetic and shapes, can draw "
+                          "held-out prompts themselves)")
+
+
+def eval_prompts(cfg) -> list[PromptRecord]:
+    """The fixed held-out prompts of the run (ids ``eval-00000``...)."""
+    ev = cfg.eval
+    if ev.prompts:
+        return [PromptRecord(prompt_id=f"eval-{i:05d}", prompt=p) for i, p in enumerate(ev.prompts)]
+    d = cfg.data
+    draw = 4 * (ev.num_prompts + (d.toy.num_prompts if d.source == "toy_arithmetic" else d.shapes.num_prompts))
+    if d.source == "toy_arithmetic":
+        from unirl_core.data.toy import toy_arithmetic_prompts
+
+        recs = toy_arithmetic_prompts(dataclasses.replace(d.toy, seed=d.toy.seed + HELD_OUT_SEED, num_prompts=draw))
+    elif d.source == "shapes":
+        from unirl_core.data.shapes import shapes_prompts
+
+        recs = shapes_prompts(dataclasses.replace(d.shapes, seed=d.shapes.seed + HELD_OUT_SEED, num_prompts=draw))
+    else:
+        raise field_error(ConfigError, "eval.prompts", (), f"held-out prompts for data.source={d.source!r}",
+                          "list eval.prompts")
+    from unirl_core.loop import build
+
+    seen = {r.prompt for r in build.dataset(cfg).records}  # held out: no text the training stream can draw
+    held = []
+    for r in recs:
+        if r.prompt not in seen:
+            seen.add(r.prompt)
+            held.append(r)
+    if len(held) < ev.num_prompts:
+        raise field_error(ConfigError, "eval.num_prompts", ev.num_prompts,
+                          f"<= {len(held)} (distinct prompts of the generator outside the training set)",
+                          "lower eval.num_prompts, or list eval.prompts")
+    return [PromptRecord(prompt_id=f"eval-{i:05d}", prompt=r.prompt, targets=dict(r.targets))
+            for i, r in enumerate(held[:ev.num_prompts])]
+
+
+def eval_sampling(cfg, family: str):
+    """Deterministic sampling params: the run's diffusion params with the ODE kernel, or greedy AR decoding."""
+    if cfg.family == "diffusion":
+        return dataclasses.replace(cfg.diffusion.sampling.params(family), sde_type="ode", sde_window_size=None,
+                                   sde_window_range=None)
+    return dataclasses.replace(cfg.lm.sampling, top_k=1, top_p=1.0, seed=None)
+
+
+def eval_phase(cfg, ckpt: CheckpointRef, *,
+               weights: Literal["policy", "ema"] | None = None) -> tuple[SampleBatch, dict[str, float]]:
+    """Sample the held-out prompts deterministically with ``ckpt``'s (or its EMA) weights and score them.
+    Returns the scored batch and ``eval/*`` metrics."""
+    from unirl_core.loop import build
+    from unirl_core.loop.phases import EMA_POLICY_VERSION, reward_phase
+    from unirl_core.rollout.ar import TrainsideAREngine
+    from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
+
+    ev = cfg.eval
+    if ev is None:
+        raise field_error(ConfigError, "eval", None, "an eval section", "add eval: {every_n_steps: ...} to the recipe")
+    weights = weights or ev.weights
+    t0 = time.perf_counter()
+    policy = build.bundle(cfg)
+    build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
+    version = ckpt.policy_version if weights == "policy" else EMA_POLICY_VERSION
+    sampling = eval_sampling(cfg, getattr(policy, "family", "sd3"))
+    request = SampleBatch.from_prompts(eval_prompts(cfg), samples_per_prompt=ev.samples_per_prompt,
+                                       kind="diffusion" if cfg.family == "diffusion" else "ar", sampling=sampling,
+                                       policy_version=version,
+                                       metadata={"run": cfg.name, "step": str(ckpt.step), "phase": EVAL_STEP_KEY})
+    if cfg.family == "diffusion":
+        engine = TrainsideDiffusionEngine(policy, dataclasses.replace(cfg.diffusion.engine, seed=ev.seed),
+                                          policy_version=version)
+        batch = engine.generate(request, noise=NoiseRecipe(base_seed=ev.seed))
+    else:
+        engine = TrainsideAREngine(policy, dataclasses.replace(cfg.lm.engine, seed=ev.seed), policy_version=version)
+        batch = engine.generate(request)
+    sample_s = time.perf_counter() - t0
+    batch, reward = reward_phase(cfg, batch)
+    metrics = {f"eval/{k}": v for k, v in reward.items()
+               if k.startswith("reward/") and not k.endswith("/seconds")}
+    metrics.update({"eval/samples": float(len(batch)), "eval/sample_seconds": sample_s,
+                    "eval/seconds": time.perf_counter() - t0, "eval/step": float(ckpt.step)})
+    if cfg.family == "lm":
+        lens = [p.segment.num_response_tokens for p in batch.generated]
+        metrics["eval/response_tokens_mean"] = sum(lens) / max(len(lens), 1)
+    return batch, metrics
+
+
+def resolve_version(cfg, version: str = "latest") -> CheckpointRef:
+    """A published version of ``cfg``'s run: ``latest`` or a version folder (URI or local path)."""
+    from unirl_core.loop import build, resume
+
+    store = build.store(cfg)
+    if version in ("", "latest"):
+        ref = store.latest()
+        if ref is None:
+            raise field_error(ConfigError, "version", version, f"a published version of run {cfg.name!r}",
+                              f"{store.uri} holds none; train the run first or name another run")
+        return ref
+    return resume.find_version(store, version, cfg.name)

@@ -9,6 +9,7 @@ a dependency: rollout ``n`` waits for the publication of version ``n - 1 - k``, 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from unirl_core.checkpoint import CheckpointRef
@@ -67,6 +68,7 @@ class LaggedRollouts:
                                max_inflight=a.max_inflight or shards * (a.max_policy_lag + 1))
         self.manager = RolloutManager(config, self._launch, check=self._check, first_step=ckpt.step + 1,
                                       published=ckpt.step)
+        self._last_take: float | None = None
 
     def _ref(self, version: int) -> CheckpointRef:
         if version not in self._refs:
@@ -85,7 +87,15 @@ class LaggedRollouts:
 
     def take(self, step: int) -> tuple[list[SampleBatch], list[dict[str, float]], dict[str, float]]:
         got = self.manager.take(step)
-        return [r[0] for r in got.results], [r[1] for r in got.results], got.metrics()
+        metrics = got.metrics()
+        now = time.perf_counter()
+        if self._last_take is not None and self.cfg.async_training.overlap:
+            # the sampler's share of the interval between two takes it spent not sampling (steady state: one
+            # step's rollout per interval)
+            busy = sum(r[1].get("rollout/seconds", 0.0) for r in got.results)
+            metrics["async/engine_idle_frac"] = max(0.0, 1.0 - busy / max(now - self._last_take, 1e-9))
+        self._last_take = now
+        return [r[0] for r in got.results], [r[1] for r in got.results], metrics
 
     def published(self, ckpt: CheckpointRef) -> None:
         self._refs[ckpt.step] = ckpt

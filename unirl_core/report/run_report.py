@@ -55,7 +55,11 @@ RATIO_KEYS = ("train/ratio_mean", "ratio_mean", "train/ratio", "ratio")
 REWARD_STAT_KEYS = ("reward/num_invalid", "reward/num_samples", "reward/seconds")
 POLICY_STATS = (("train/ratio_mean", ("train/ratio_min", "train/ratio_max")), ("train/clip_frac", ()),
                 ("train/kl", ()), ("train/logp_absdiff_mean", ("train/logp_absdiff_max",)),
-                ("rollout/decode_rescore_absdiff_max", ()))
+                ("rollout/decode_rescore_absdiff_max", ()), ("train/staleness_mean", ("train/staleness_max",)),
+                ("train/is_weight_mean", ()), ("train/is_masked_frac", ("train/is_truncated_frac",)))
+ASYNC_STATS = (("async/staleness_mean", ("async/staleness_max",)), ("async/buffer_depth", ("async/inflight",)),
+               ("async/rollout_wait_s", ()), ("async/engine_idle_frac", ()))
+"""Lagged rollouts (``async_training``): staleness, the manager's buffer, the trainer's wait for samples."""
 """Policy statistics charts: (metric, further metrics drawn on the same axes)."""
 CURVE_METRICS = ("train/loss", "train/policy_loss", "train/grad_norm", "train/entropy")
 """Further curves (with every ``time/*`` phase timing on one chart); all metrics are in each metrics.json."""
@@ -247,6 +251,7 @@ def _chart_groups(records: list[StepRecord], smooth: float | None) -> list[tuple
              and (k.endswith("/mean") or k.count("/") == 1) and k not in REWARD_STAT_KEYS]
     evals = [k for k in present if k.startswith("eval/")]
     stats = [chart(k, series) for k, series in POLICY_STATS if k in present]
+    lagged = [chart(k, series) for k, series in ASYNC_STATS if k in present]
     other = [chart(k) for k in CURVE_METRICS if k in present]
     times = sorted(k for k in present if k.startswith("time/"))
     if times:
@@ -254,6 +259,7 @@ def _chart_groups(records: list[StepRecord], smooth: float | None) -> list[tuple
                                     series={k: pts(k) for k in times[1:]} or None, ylabel="seconds"))
     groups = [("reward", ([chart(reward_key)] if reward_key else []) + [chart(k) for k in comps]),
               ("eval", [chart(k) for k in evals]), ("policy statistics (ratio, clip, KL, logp drift)", stats),
+              ("asynchronous rollouts (staleness, buffer, trainer wait)", lagged),
               ("optimisation and timings", other)]
     return [(t, [c for c in cs if c]) for t, cs in groups if any(cs)]
 

@@ -35,6 +35,7 @@ def test_lag_one_is_reproducible_and_the_thread_changes_no_number(tmp_path):
     assert [h["async/staleness_max"] for h in a] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert [h["train/staleness_max"] for h in a] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert all(h["async/staleness_mean"] == h["async/staleness_max"] for h in a)
+    assert all(0.0 <= h["async/engine_idle_frac"] <= 1.0 for h in a[1:]) and "async/engine_idle_frac" not in inline[1]
     # stale batches are corrected (weights != 1); the first update's ratio against the replayed pi_old stays 1
     assert all(h["train/ratio_mean"] == 1.0 for h in a)
     assert a[0]["train/is_weight_mean"] == 1.0 and any(h["train/is_weight_mean"] != 1.0 for h in a[1:])

@@ -93,3 +93,17 @@ def test_utf8_prefix_and_display():
     assert complete_utf8_prefix("a€".encode()) == "a€".encode()
     shown = display_html("x\ufffd\ufffdy\x85<")
     assert "\ufffd" not in shown and "[?]" in shown and "\\u0085" in shown and "&lt;" in shown
+
+
+def test_index_charts_lagged_rollout_metrics():
+    """A lagged run's staleness, buffer depth and IS statistics get charts; a synchronous run has no such section."""
+    from unirl_core.report.run_report import StepRecord, index_body
+
+    lag = [StepRecord(step=s, time=float(s), metrics={"reward/mean": 0.1 * s, "async/staleness_mean": min(s - 1, 1),
+                                                      "async/staleness_max": min(s - 1, 1), "async/buffer_depth": 1.0,
+                                                      "train/staleness_mean": min(s - 1, 1), "train/is_weight_mean": 0.9})
+           for s in range(1, 5)]
+    body = index_body("run", lag, None, {})
+    assert "asynchronous rollouts" in body and "async/staleness_mean" in body and "train/is_weight_mean" in body
+    sync = [StepRecord(step=s, time=float(s), metrics={"reward/mean": 0.1 * s}) for s in range(1, 5)]
+    assert "asynchronous rollouts" not in index_body("run", sync, None, {})

@@ -181,14 +181,18 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
         t["train"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         published = publish_phase(cfg, ckpt)
-        if lagged is not None:
-            lagged.published(ckpt)
         metrics.update({k: float(v) for k, v in published.items() if k.startswith("pool/")})
         t["publish"] = time.perf_counter() - t1
         if cfg.eval is not None and cfg.eval.due(step, total):
             t1 = time.perf_counter()
+            if lagged is not None:  # eval loads its version into the rollout model the sampler thread uses
+                lagged.manager.quiesce()
             metrics.update(eval_phase(cfg, ckpt)[1])  # held-out, deterministic: eval/* in the step's record
+            if lagged is not None:
+                lagged.manager.resume()
             t["eval"] = time.perf_counter() - t1
+        if lagged is not None:
+            lagged.published(ckpt)  # after eval: the version admits the next rollouts
         step_seconds = time.perf_counter() - t0
         metrics.update({f"time/{k}": v for k, v in t.items()})
         metrics.update({"step": float(step), "time/step": step_seconds})

@@ -3,12 +3,15 @@ the worker thread changes no number, resume re-samples the dropped buffer identi
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from unirl_core.config import load_recipe
 from unirl_core.errors import CheckpointError, ConfigError
-from unirl_core.loop import lagged
+from unirl_core.loop import build, lagged
 from unirl_core.loop.local import run_local
 
 torch.set_num_threads(1)
@@ -57,6 +60,25 @@ def test_resume_resamples_the_dropped_buffer_identically(tmp_path):
     rest = run_local(_lm(root, "async_training.max_policy_lag=2", "checkpoint.keep_last=3"), progress=False)
     assert _numbers(first + rest) == _numbers(whole)
     assert [h["async/staleness_max"] for h in whole] == [0.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_eval_quiesces_the_sampler_and_changes_no_sample(tmp_path, monkeypatch):
+    """Eval loads its version into the rollout model the sampler thread uses: the manager is quiesced around it,
+    so the training samples equal those of a run without eval. The sampler lingers after loading its weights, so
+    an eval that did not wait would overwrite them mid-rollout."""
+    real_load = build.load_policy_weights
+
+    def slow_load(policy, ref, cfg, **kw):
+        real_load(policy, ref, cfg, **kw)
+        if threading.current_thread().name.startswith("rollout"):
+            time.sleep(0.3)
+
+    monkeypatch.setattr(build, "load_policy_weights", slow_load)
+    plain = run_local(_lm(tmp_path / "p", "async_training.max_policy_lag=1", steps=4), progress=False)
+    evald = run_local(_lm(tmp_path / "e", "async_training.max_policy_lag=1", "eval={every_n_steps: 1, num_prompts: 4}",
+                          steps=4), progress=False)
+    assert _numbers(plain) == _numbers(evald)
+    assert all(any(k.startswith("eval/") for k in h) for h in evald)
 
 
 def test_a_failed_rollout_reraises_the_original_error(tmp_path, monkeypatch):

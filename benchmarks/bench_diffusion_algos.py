@@ -1,0 +1,136 @@
+"""Train-step time and peak memory of each diffusion algorithm vs Flow-GRPO at the same shape, in one run.
+
+Every algorithm trains the same rollout micro-batch (10-step, CFG 4.5 SDE trajectories of the SD3.5-Medium-shaped
+transformer, random init, LoRA r32 / alpha 64, 512 px; ``--preset tiny``: the tiny SD3 preset at 64 px, CPU) through
+the shipped path: ``TrainBackend.step`` (pi_old freeze, per-term backward, clip + AdamW) with its registered
+algorithm, on its own copy of the same weights, one update per batch, all 10 steps / noise levels trained, no KL:
+
+- ``flow_grpo``: pi_old = the rollout's log-probs (no pre-pass), CFG forwards of 2B rows per trained step.
+- ``grpo_guard``: the same forwards, RatioNorm + step reweighting on top.
+- ``flow_dppo``: a no-grad replay of pi_old over the micro-batch first (it keeps the step means), then as
+  Flow-GRPO with the KL trust region.
+- ``nft``: a no-grad pass computing v_old under the EMA weights (``train.ema_decay``), then per noise level one
+  conditional forward of B rows (NFT trains without CFG) on re-noised clean samples.
+
+Flow-GRPO is the baseline measured in the same run; times are medians of interleaved rounds after a warmup step
+each, with the median of per-round ratios (algo / flow_grpo). Peak = max allocated during one step minus what was
+allocated before it (CUDA only).
+
+  python benchmarks/bench_diffusion_algos.py --device cuda                    # SD3.5-M shape, micro-batch 4
+  OMP_NUM_THREADS=1 python benchmarks/bench_diffusion_algos.py --preset tiny --device cpu
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_diffusion_replay import micro_batch  # noqa: E402
+from bench_diffusion_rollout import build, sync  # noqa: E402
+from bench_flow_grpo_step import peak_of  # noqa: E402
+from common import report  # noqa: E402
+
+from unirl_core.algorithms.flow_dppo import FlowDPPOConfig  # noqa: E402
+from unirl_core.algorithms.flow_grpo import FlowGRPOConfig  # noqa: E402
+from unirl_core.algorithms.grpo_guard import GRPOGuardConfig  # noqa: E402
+from unirl_core.algorithms.nft import DiffusionNFTConfig  # noqa: E402
+from unirl_core.algorithms.registry import build_algorithm  # noqa: E402
+from unirl_core.sde import flow_sigmas  # noqa: E402
+from unirl_core.train import TrainBackend, TrainConfig  # noqa: E402
+from unirl_core.types import DiffusionSamplingParams  # noqa: E402
+
+LR, G = 3e-4, 4.5
+
+
+def algorithms(b: int) -> dict[str, tuple[object, TrainConfig]]:
+    """name -> (algorithm config, train config) at micro-batch ``b``."""
+    base = dict(lr=LR, weight_decay=1e-4, micro_batch_size=b, max_grad_norm=1.0)
+    return {
+        "flow_grpo": (FlowGRPOConfig(replay_batch_size=b, clip_range=1e-4), TrainConfig(**base)),
+        "grpo_guard": (GRPOGuardConfig(replay_batch_size=b, clip_range=1e-4), TrainConfig(**base)),
+        "flow_dppo": (FlowDPPOConfig(replay_batch_size=b, kl_bound=1e-4),
+                      TrainConfig(**base, old_logp_source="replay")),
+        "nft": (DiffusionNFTConfig(replay_batch_size=b, old_policy="ema"),
+                TrainConfig(**base, old_logp_source="replay", ema_decay=0.9)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=("tiny", "sd35m"), default="sd35m")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", default=None, help="comma-separated algorithms besides flow_grpo (default: all)")
+    ap.add_argument("--layers", type=int, default=None, help="sd35m only: fewer layers (CPU smoke test)")
+    ap.add_argument("--height", type=int, default=None)
+    args = ap.parse_args()
+    tiny = args.preset == "tiny"
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    height = args.height or (64 if tiny else 512)
+    b = args.micro_batch
+    rollout = build(args.preset, args.device, "float32" if tiny else "bfloat16", args.layers, finetune="lora",
+                    lora_rank=32)
+    sampling = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=10), guidance_scale=G, height=height,
+                                       width=height, noise_level=0.7)
+    batch = micro_batch(rollout, args.preset, b, sampling)
+    chosen = algorithms(b)
+    if args.only:
+        keep = {"flow_grpo", *args.only.split(",")}
+        chosen = {k: v for k, v in chosen.items() if k in keep}
+    backends, firsts, peaks = {}, {}, {}
+    for name, (algo_cfg, train_cfg) in chosen.items():
+        bundle = copy.deepcopy(rollout)
+        bundle.module.train()
+        backends[name] = TrainBackend(bundle, build_algorithm(algo_cfg), train_cfg)
+        firsts[name] = backends[name].step(batch).metrics  # warmup; first update of the batch
+        peaks[name] = peak_of(lambda be=backends[name]: be.step(batch), args.device)
+    clock = time.thread_time if args.device == "cpu" else time.perf_counter
+    times: dict[str, list[float]] = {n: [] for n in backends}
+    names = list(backends)
+    for r in range(args.repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            sync(args.device)
+            t0 = clock()
+            backends[name].step(batch)
+            sync(args.device)
+            times[name].append(clock() - t0)
+    base = times["flow_grpo"]
+    rows, data = [], []
+    for name in names:
+        med = statistics.median(times[name])
+        pair = statistics.median(x / y for x, y in zip(times[name], base))
+        rows.append([name, f"{med:.3f}", f"{pair:.3f}", f"{peaks[name]:.2f}",
+                     f"{firsts[name].get('trained_steps', float('nan')):.0f}"])
+        data.append({"algorithm": name, "step_s": med, "median_pair_ratio_vs_flow_grpo": pair,
+                     "peak_gib": peaks[name], "times": times[name], "first_update_metrics": firsts[name]})
+    name = f"bench_diffusion_algos_{args.preset}_{args.device.split(':')[0]}"
+    if args.layers or args.height:
+        name += "_smoke"
+    report(name, f"Diffusion algorithms: one train step (micro-batch {b}, 10 trained steps) vs Flow-GRPO "
+                 f"({args.preset}, {height} px)",
+           ["algorithm", "step s (median)", "vs flow_grpo (median of pairs)", "peak GiB", "trained steps"],
+           rows, {"micro_batch": b, "height": height, "repeats": args.repeats, "results": data},
+           notes=f"TrainBackend.step per algorithm on its own copy of the same LoRA r32 weights, the same micro-batch "
+                 f"(CFG {G} SDE trajectories), one update, no KL; median of {args.repeats} interleaved rounds after a "
+                 "warmup step each. flow_dppo and nft include their no-grad pi_old pass (step means / v_old under "
+                 "EMA); nft trains the conditional velocity only (B rows per forward instead of CFG's 2B). "
+                 "Peak: CUDA only (nan on CPU).")
+
+
+if __name__ == "__main__":
+    main()

@@ -26,38 +26,38 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import argparse  # noqa: E402
-import copy  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_diffusion_replay import micro_batch  # noqa: E402
-from bench_diffusion_rollout import build, sync  # noqa: E402
-from bench_flow_grpo_step import peak_of  # noqa: E402
-from common import report  # noqa: E402
+from bench_diffusion_replay import micro_batch
+from bench_diffusion_rollout import build, sync
+from bench_flow_grpo_step import peak_of
+from common import report
 
-from unirl_core.algorithms.flow_dppo import FlowDPPOConfig  # noqa: E402
-from unirl_core.algorithms.flow_grpo import FlowGRPOConfig  # noqa: E402
-from unirl_core.algorithms.grpo_guard import GRPOGuardConfig  # noqa: E402
-from unirl_core.algorithms.nft import DiffusionNFTConfig  # noqa: E402
-from unirl_core.algorithms.registry import build_algorithm  # noqa: E402
-from unirl_core.sde import flow_sigmas  # noqa: E402
-from unirl_core.train import TrainBackend, TrainConfig  # noqa: E402
-from unirl_core.types import DiffusionSamplingParams  # noqa: E402
+from unirl_core.algorithms.flow_dppo import FlowDPPOConfig
+from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
+from unirl_core.algorithms.grpo_guard import GRPOGuardConfig
+from unirl_core.algorithms.nft import DiffusionNFTConfig
+from unirl_core.algorithms.registry import build_algorithm
+from unirl_core.sde import flow_sigmas
+from unirl_core.train import TrainBackend, TrainConfig
+from unirl_core.types import DiffusionSamplingParams
 
 LR, G = 3e-4, 4.5
 
 
 def algorithms(b: int) -> dict[str, tuple[object, TrainConfig]]:
     """name -> (algorithm config, train config) at micro-batch ``b``."""
-    base = dict(lr=LR, weight_decay=1e-4, micro_batch_size=b, max_grad_norm=1.0)
+    base = {"lr": LR, "weight_decay": 1e-4, "micro_batch_size": b, "max_grad_norm": 1.0}
     return {
         "flow_grpo": (FlowGRPOConfig(replay_batch_size=b, clip_range=1e-4), TrainConfig(**base)),
         "grpo_guard": (GRPOGuardConfig(replay_batch_size=b, clip_range=1e-4), TrainConfig(**base)),

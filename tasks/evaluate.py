@@ -12,7 +12,15 @@ import dataclasses
 from flytekit import task
 
 from images import reward_image
-from tasks.common import CACHE_VERSION, DECK, DEFAULT_ACCELERATOR, GPU_TASK, ROLLOUT_TIMEOUT, deck, phase
+from tasks.common import (
+    CACHE_VERSION,
+    DECK,
+    DEFAULT_ACCELERATOR,
+    GPU_TASK,
+    ROLLOUT_TIMEOUT,
+    deck,
+    phase,
+)
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config import RunConfig
 from unirl_core.report.phase_html import reward_html

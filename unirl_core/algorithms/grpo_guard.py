@@ -28,7 +28,12 @@ import torch
 from torch import Tensor
 
 from unirl_core.algorithms.base import LossOutput, Policy
-from unirl_core.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig, _diffusion_parts, _StepReplay
+from unirl_core.algorithms.flow_grpo import (
+    FlowGRPO,
+    FlowGRPOConfig,
+    _diffusion_parts,
+    _StepReplay,
+)
 from unirl_core.algorithms.registry import register_algorithm
 from unirl_core.errors import InvariantError, field_error
 from unirl_core.sde.kernels import schedule_coefficients

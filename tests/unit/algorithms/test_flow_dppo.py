@@ -10,14 +10,23 @@ import math
 import pytest
 import torch
 
-from unirl_core.algorithms.flow_dppo import FlowDPPO, FlowDPPOConfig, trust_region_surrogate
+from unirl_core.algorithms.flow_dppo import (
+    FlowDPPO,
+    FlowDPPOConfig,
+    trust_region_surrogate,
+)
 from unirl_core.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError, InvariantError
 from unirl_core.models.diffusion import DiffusionBundle, DiffusionModelConfig
 from unirl_core.rollout.diffusion import DiffusionEngineConfig, TrainsideDiffusionEngine
 from unirl_core.sde import flow_sigmas
-from unirl_core.types import DiffusionSamplingParams, NoiseRecipe, PromptRecord, SampleBatch
+from unirl_core.types import (
+    DiffusionSamplingParams,
+    NoiseRecipe,
+    PromptRecord,
+    SampleBatch,
+)
 
 torch.set_num_threads(1)
 
@@ -27,7 +36,7 @@ def test_trust_region_surrogate_golden():
     old = torch.zeros(5)
     adv = torch.tensor([1.0, 1.0, -2.0, 1.0, 9.0])  # 9 clamps to 5
     kl = torch.tensor([0.5, 0.01, 0.5, 0.5, 0.01])
-    per, ratio, blocked = trust_region_surrogate(new, old, adv, kl, kl_bound=0.1, adv_clip_max=5.0)
+    per, _, blocked = trust_region_surrogate(new, old, adv, kl, kl_bound=0.1, adv_clip_max=5.0)
     # 0: KL past the bound, A > 0 and r > 1 -> blocked; 1: inside the ball; 2: A < 0 and r < 1 (favoured), past
     # the bound -> blocked; 3: A > 0 but r < 1 (moving back) -> free; 4: inside the ball
     assert blocked.tolist() == [True, False, True, False, False]

@@ -11,14 +11,28 @@ import math
 import pytest
 import torch
 
-from unirl_core.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig, surrogate_per_entry
-from unirl_core.algorithms.grpo_guard import GRPOGuard, GRPOGuardConfig, guarded_surrogate, step_scales
+from unirl_core.algorithms.flow_grpo import (
+    FlowGRPO,
+    FlowGRPOConfig,
+    surrogate_per_entry,
+)
+from unirl_core.algorithms.grpo_guard import (
+    GRPOGuard,
+    GRPOGuardConfig,
+    guarded_surrogate,
+    step_scales,
+)
 from unirl_core.config import load_recipe
 from unirl_core.models.diffusion import DiffusionBundle, DiffusionModelConfig
 from unirl_core.rollout.diffusion import DiffusionEngineConfig, TrainsideDiffusionEngine
 from unirl_core.sde import flow_sigmas
 from unirl_core.sde.kernels import schedule_coefficients
-from unirl_core.types import DiffusionSamplingParams, NoiseRecipe, PromptRecord, SampleBatch
+from unirl_core.types import (
+    DiffusionSamplingParams,
+    NoiseRecipe,
+    PromptRecord,
+    SampleBatch,
+)
 
 torch.set_num_threads(1)
 
@@ -37,7 +51,7 @@ def test_guarded_surrogate_golden():
     old = torch.zeros(3)
     adv = torch.tensor([1.0, 1.0, -1.0])
     mask = torch.ones(3, dtype=torch.bool)
-    per, ratio, normed = guarded_surrogate(new, old, adv, mask, scale=2.0, clip_range=0.3, adv_clip_max=5.0,
+    per, _, normed = guarded_surrogate(new, old, adv, mask, scale=2.0, clip_range=0.3, adv_clip_max=5.0,
                                            ratio_norm=True, grad_reweight=True)
     torch.testing.assert_close(normed, torch.exp(torch.tensor([0.4, 0.0, -0.4])))
     # entry 0: A>0, r~=e^0.4=1.49 > 1.3 -> blocked; entry 1: r~=1 free; entry 2: A<0, r~=e^-0.4=0.67 < 0.7 blocked

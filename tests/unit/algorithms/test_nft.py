@@ -11,7 +11,13 @@ Stationary point in v_theta (d L / d v_theta = 0, derived by hand):
 import pytest
 import torch
 
-from unirl_core.algorithms.nft import DiffusionNFT, DiffusionNFTConfig, nft_loss_per_sample, optimality_reward, renoise
+from unirl_core.algorithms.nft import (
+    DiffusionNFT,
+    DiffusionNFTConfig,
+    nft_loss_per_sample,
+    optimality_reward,
+    renoise,
+)
 from unirl_core.algorithms.registry import algorithm_names
 from unirl_core.errors import ConfigError, InvariantError
 from unirl_core.models.diffusion import DiffusionBundle, DiffusionModelConfig
@@ -19,7 +25,12 @@ from unirl_core.rollout.diffusion import DiffusionEngineConfig, TrainsideDiffusi
 from unirl_core.sde import flow_sigmas
 from unirl_core.train.backend import TrainBackend
 from unirl_core.train.config import TrainConfig
-from unirl_core.types import DiffusionSamplingParams, NoiseRecipe, PromptRecord, SampleBatch
+from unirl_core.types import (
+    DiffusionSamplingParams,
+    NoiseRecipe,
+    PromptRecord,
+    SampleBatch,
+)
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,12 @@ from unirl_core.algorithms.nft import DiffusionNFT, DiffusionNFTConfig
 from unirl_core.models.diffusion import DiffusionBundle, DiffusionModelConfig
 from unirl_core.rollout.diffusion import DiffusionEngineConfig, TrainsideDiffusionEngine
 from unirl_core.sde import flow_sigmas
-from unirl_core.types import DiffusionSamplingParams, NoiseRecipe, PromptRecord, SampleBatch
+from unirl_core.types import (
+    DiffusionSamplingParams,
+    NoiseRecipe,
+    PromptRecord,
+    SampleBatch,
+)
 
 torch.set_num_threads(1)
 STEPS, ITERS = 6, 20

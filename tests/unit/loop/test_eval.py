@@ -7,7 +7,12 @@ import torch
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
 from unirl_core.loop import phases
-from unirl_core.loop.evaluate import EvalConfig, eval_phase, eval_prompts, resolve_version
+from unirl_core.loop.evaluate import (
+    EvalConfig,
+    eval_phase,
+    eval_prompts,
+    resolve_version,
+)
 from unirl_core.loop.local import run_local
 from unirl_core.report.run_report import RunReport
 

@@ -3,7 +3,7 @@
 # (workflows/sft.py, recipe sft-shapes), pack its export into unirl_core/models/weights/shapes-sd3.safetensors,
 # then grade the model on 64 held-out prompts with the shapes_compositional rule.
 #   scripts/build_shapes_model.sh                 # runs/ as checkpoint root
-#   ROOT=/tmp/shapes WEIGHTS=/tmp/shapes/w.safetensors scripts/build_shapes_model.sh '["loop.total_steps=300"]'
+#   ROOT=scratch WEIGHTS=scratch/w.safetensors scripts/build_shapes_model.sh '["loop.total_steps=300"]'
 # The run resumes from its published version when re-run with the same ROOT. A rebuild is not bit-identical
 # across CPUs / torch builds (float reduction order), which is why the weights are shipped.
 set -euo pipefail

@@ -233,6 +233,27 @@ class LoopConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PartialRolloutConfig:
+    """LM partial rollouts under a lag (``unirl_core/rollout/partial.py``): the weight update reaches a running
+    generation after ``interrupt_at_tokens`` tokens, and the rest of the completion samples with the new version."""
+
+    interrupt_at_tokens: int
+    """Tokens sampled with version ``n - 1 - k`` before version ``n - k`` takes over (pinned: runs stay reproducible;
+    in a real pool the publication's timing decides)."""
+    old_tokens: Literal["mask", "correct"] = "correct"
+    """``correct``: the old policy's tokens stay in the loss with their own behaviour log-probs (TIS / MIS weight);
+    ``mask``: they leave it."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.interrupt_at_tokens, int) and self.interrupt_at_tokens >= 1):
+            raise field_error(ConfigError, "async_training.partial_rollout.interrupt_at_tokens", self.interrupt_at_tokens,
+                              "an integer >= 1", "e.g. half of lm.sampling.max_new_tokens")
+        if self.old_tokens not in ("mask", "correct"):
+            raise field_error(ConfigError, "async_training.partial_rollout.old_tokens", self.old_tokens,
+                              "'mask' or 'correct'", "pick one")
+
+
+@dataclass(frozen=True, kw_only=True)
 class AsyncTrainingConfig:
     """Asynchronous (off-policy) training with bounded staleness: rollouts run ahead of training.
 
@@ -250,6 +271,8 @@ class AsyncTrainingConfig:
     overlap: bool = True
     """``run_local``: sample on a worker thread while the driver scores and trains (the rollout and trainer model
     copies are separate); False samples inline (same numbers, no overlap)."""
+    partial_rollout: PartialRolloutConfig | None = None
+    """LM only: generations continue under the version published while they run (``run_local``); None: off."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_policy_lag, int) and not isinstance(self.max_policy_lag, bool)
@@ -361,6 +384,9 @@ class RunConfig:
         """Lagged rollouts: pods mode, no dynamic sampling, versions kept long enough, corrections that can act."""
         lag = self.async_training.max_policy_lag
         if lag == 0:
+            if self.async_training.partial_rollout is not None:
+                raise field_error(ConfigError, "async_training.max_policy_lag", 0, ">= 1 with async_training."
+                                  "partial_rollout", "the continuation samples with the next version: set a lag")
             return
         where = f"with async_training.max_policy_lag={lag}"
         if self.pool.execution == "pool":
@@ -376,6 +402,7 @@ class RunConfig:
         if self.checkpoint.keep_last < lag + 1:
             raise field_error(ConfigError, "checkpoint.keep_last", self.checkpoint.keep_last, f">= {lag + 1} {where}",
                               "a lagged rollout loads version step - 1 - lag; keep that many versions")
+        self._check_partial_rollout()
         algo = self.section.algorithm
         corrected = [k for k in ("tis_cap", "mis_bounds") if getattr(algo, k, None) is not None]
         if corrected and self.train.old_logp_source != "replay":
@@ -383,6 +410,22 @@ class RunConfig:
                               f"'replay' with {self.family}.algorithm.{corrected[0]} {where}",
                               "the behaviour weight is pi_old / pi_behav: pi_old must be replayed (with 'rollout' "
                               "it is pi_behav and the weight is 1)")
+
+    def _check_partial_rollout(self) -> None:
+        partial = self.async_training.partial_rollout
+        if partial is None:
+            return
+        field = "async_training.partial_rollout"
+        if self.family != "lm" or self.lm.dedicated is not None:
+            raise field_error(ConfigError, field, "set", "the trainside LM engine (family lm, deployment direct)",
+                              "partial rollouts continue the trainside decoder; remove the section")
+        if not self.async_training.overlap:
+            raise field_error(ConfigError, "async_training.overlap", False, f"True with {field}",
+                              "the continuation waits for the next publication on the sampler thread")
+        if not partial.interrupt_at_tokens < self.lm.sampling.max_new_tokens:
+            raise field_error(ConfigError, f"{field}.interrupt_at_tokens", partial.interrupt_at_tokens,
+                              f"< lm.sampling.max_new_tokens={self.lm.sampling.max_new_tokens}",
+                              "interrupt before the token limit")
 
     def _check_rollout_weights(self) -> None:
         """An algorithm that samples with EMA weights (DiffusionNFT's ``old_policy: ema``) needs them kept and

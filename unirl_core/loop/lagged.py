@@ -8,16 +8,23 @@ a dependency: rollout ``n`` waits for the publication of version ``n - 1 - k``, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, field_error
 from unirl_core.loop import build
 from unirl_core.loop.phases import rollout_phase
+from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.manager import ManagerConfig, RolloutManager, RolloutRequest, check_batch_provenance
+from unirl_core.rollout.partial import continue_generation
+from unirl_core.sde.noise import stable_seed
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,9 @@ class LaggedRollouts:
         self.manager = RolloutManager(config, self._launch, check=self._check, first_step=ckpt.step + 1,
                                       published=ckpt.step)
         self._last_take: float | None = None
+        self._available = ckpt.step  # newest published version (a partial rollout waits for the next one)
+        self._version_cond = threading.Condition()
+        self._closing = False
 
     def _ref(self, version: int) -> CheckpointRef:
         if version not in self._refs:
@@ -77,8 +87,57 @@ class LaggedRollouts:
 
     def _launch(self, req: RolloutRequest) -> Future:
         ref = self._ref(req.policy_version)
+        # the continuation samples with the next version, which must be one the step may train on (warm-up steps
+        # whose version is clamped to 0 have none: they sample whole completions)
+        if self.cfg.async_training.partial_rollout is not None and req.policy_version + 1 <= req.step - 1:
+            return self._executor.submit(self._partial_rollout, req, ref)
         return self._executor.submit(rollout_phase, self.cfg, ref, step=req.step, shard=req.shard,
                                      num_shards=self.cfg.loop.rollout_shards)
+
+    def _partial_rollout(self, req: RolloutRequest, ref: CheckpointRef) -> tuple[SampleBatch, dict[str, float]]:
+        """Sample ``interrupt_at_tokens`` tokens with ``ref``, wait for the next version's publication, continue
+        the running completions with it (``unirl_core/rollout/partial.py``). Runs on the sampler thread."""
+        cfg, partial = self.cfg, self.cfg.async_training.partial_rollout
+        t0 = time.perf_counter()
+        head = dataclasses.replace(cfg, async_training=dataclasses.replace(cfg.async_training, partial_rollout=None),
+                                   lm=dataclasses.replace(cfg.lm, sampling=dataclasses.replace(
+                                       cfg.lm.sampling, max_new_tokens=partial.interrupt_at_tokens)))
+        batch, metrics = rollout_phase(head, ref, step=req.step, shard=req.shard, num_shards=cfg.loop.rollout_shards)
+        first_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._wait_for(req.policy_version + 1)
+        waited = time.perf_counter() - t1
+        newer = self._ref(req.policy_version + 1)
+        policy = build.bundle(cfg)
+        build.load_policy_weights(policy, newer, cfg)
+        seed = stable_seed(cfg.loop.seed, "rollout", req.step, req.shard, "continue") % (2**63)
+        engine = TrainsideAREngine(policy, dataclasses.replace(cfg.lm.engine, seed=seed,
+                                                               micro_batch_tokens=cfg.train.micro_batch_tokens),
+                                   policy_version=ref.policy_version)
+        gen = torch.Generator(device=next(policy.module.parameters()).device).manual_seed(seed)
+        batch, more = continue_generation(engine, batch, max_new_tokens=cfg.lm.sampling.max_new_tokens, generator=gen,
+                                          old_tokens=partial.old_tokens)
+        lens = [p.segment.num_response_tokens for p in batch.generated]
+        busy = first_s + time.perf_counter() - t1 - waited
+        metrics.update(more)
+        metrics.update({"rollout/seconds": busy, "rollout/partial_wait_s": waited,
+                        "rollout/response_tokens_mean": sum(lens) / max(len(lens), 1),
+                        "rollout/tokens_per_s": sum(lens) / max(busy, 1e-9)})
+        return batch, metrics
+
+    def _wait_for(self, version: int) -> None:
+        with self._version_cond:
+            while self._available < version:
+                if self._closing:
+                    raise RuntimeError(f"lagged rollouts closed while a partial rollout waited for version {version}")
+                self._version_cond.wait(timeout=1.0)
+
+    def mark_available(self, ckpt: CheckpointRef) -> None:
+        """Version ``ckpt`` is published: a partial rollout waiting for it continues (no new dispatch yet)."""
+        self._refs[ckpt.step] = ckpt
+        with self._version_cond:
+            self._available = max(self._available, ckpt.step)
+            self._version_cond.notify_all()
 
     def _check(self, req: RolloutRequest, result: tuple[SampleBatch, dict]) -> None:
         ref = self._ref(req.policy_version)
@@ -98,11 +157,14 @@ class LaggedRollouts:
         return [r[0] for r in got.results], [r[1] for r in got.results], metrics
 
     def published(self, ckpt: CheckpointRef) -> None:
-        self._refs[ckpt.step] = ckpt
+        self.mark_available(ckpt)
         for old in [v for v in self._refs if v < ckpt.step - self.cfg.async_training.max_policy_lag]:
             del self._refs[old]
         self.manager.publish(ckpt.step)
 
     def close(self) -> None:
+        with self._version_cond:
+            self._closing = True
+            self._version_cond.notify_all()
         self.manager.close()
         self._executor.shutdown(wait=True, cancel_futures=True)

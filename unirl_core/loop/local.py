@@ -181,6 +181,8 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
         t["train"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         published = publish_phase(cfg, ckpt)
+        if lagged is not None:
+            lagged.mark_available(ckpt)  # a partial rollout waiting for this version continues
         metrics.update({k: float(v) for k, v in published.items() if k.startswith("pool/")})
         t["publish"] = time.perf_counter() - t1
         if cfg.eval is not None and cfg.eval.due(step, total):

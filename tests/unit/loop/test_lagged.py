@@ -81,6 +81,25 @@ def test_eval_quiesces_the_sampler_and_changes_no_sample(tmp_path, monkeypatch):
     assert all(any(k.startswith("eval/") for k in h) for h in evald)
 
 
+def test_partial_rollouts_continue_under_the_next_version(tmp_path):
+    """lag 1, interrupted after 2 of 4 tokens: from step 2 on running completions continue with the version published
+    meanwhile (step 1 samples version 0, the only one it may train on, whole); reproducible; masking the old
+    tokens changes the loss, not the samples."""
+    extra = ["async_training.max_policy_lag=1", "lm.sampling.max_new_tokens=4"]
+    part = "async_training.partial_rollout={{interrupt_at_tokens: 2, old_tokens: {}}}"
+    a = run_local(_lm(tmp_path / "a", *extra, part.format("correct")), progress=False)
+    b = run_local(_lm(tmp_path / "b", *extra, part.format("correct")), progress=False)
+    assert _numbers(a) == _numbers(b)
+    assert "rollout/partial_continued_frac" not in a[0]
+    assert all(h["rollout/partial_continued_frac"] > 0 and 0 < h["rollout/partial_old_token_frac"] < 1 for h in a[1:])
+    assert [h["train/staleness_max"] for h in a] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    plain = run_local(_lm(tmp_path / "p", *extra), progress=False)
+    assert _numbers(plain)[:1] == _numbers(a)[:1] and _numbers(plain)[1:] != _numbers(a)[1:]
+    m = run_local(_lm(tmp_path / "m", *extra, part.format("mask")), progress=False)
+    assert [h["reward/mean"] for h in m[:2]] == [h["reward/mean"] for h in a[:2]]  # same samples up to step 2
+    assert m[0]["train/loss"] == a[0]["train/loss"] and m[1]["train/loss"] != a[1]["train/loss"]
+
+
 def test_a_failed_rollout_reraises_the_original_error(tmp_path, monkeypatch):
     boom = RuntimeError("engine lost step 2")
     real = lagged.rollout_phase
@@ -111,10 +130,19 @@ def test_missing_lagged_version_names_keep_last(tmp_path):
     (["train.old_logp_source=rollout"], "train.old_logp_source"),
     (["filter_groups={max_num_gen_batches: 2}"], "filter_groups"),
     (["async_training.max_policy_lag=-1"], "async_training.max_policy_lag"),
+    (["async_training.overlap=false", "async_training.partial_rollout={interrupt_at_tokens: 2}"],
+     "async_training.overlap"),
+    (["async_training.partial_rollout={interrupt_at_tokens: 4}"], "interrupt_at_tokens"),
+    (["async_training.partial_rollout={interrupt_at_tokens: 2, old_tokens: drop}"], "old_tokens"),
 ])
 def test_config_errors_name_the_field(tmp_path, extra, field):
     with pytest.raises(ConfigError, match=field):
         _lm(tmp_path, "async_training.max_policy_lag=1", *extra)
+
+
+def test_partial_rollout_needs_a_lag(tmp_path):
+    with pytest.raises(ConfigError, match="async_training.max_policy_lag"):
+        _lm(tmp_path, "async_training.partial_rollout={interrupt_at_tokens: 2}")
 
 
 def test_diffusion_lag_one_trains_with_the_behaviour_weight(tmp_path):

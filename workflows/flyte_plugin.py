@@ -1,5 +1,8 @@
 """pyflyte plugin: ``pyflyte run --remote`` / ``register`` without a reachable backend fail in one line.
 
+Local ``pyflyte run`` (no ``--remote``) is untouched: pyflyte creates a remote there too, but without an upload
+location, and the check runs only for calls that upload to a backend.
+
 flytekit creates its ``FlyteRemote`` through the plugin registered under the entry-point group
 ``flytekit.configuration.plugin`` (this project registers ``UnirlFlytekitPlugin``; see pyproject.toml). Before
 handing the remote to pyflyte, the plugin runs ``workflows.remote_check.check`` on the same config: with no
@@ -25,7 +28,9 @@ class UnirlFlytekitPlugin(FlytekitPlugin):
 
     @staticmethod
     def get_remote(config, project, domain, data_upload_location=None):
-        if os.environ.get("UNIRL_REMOTE_CHECK", "1") != "0":
+        # pyflyte asks for a remote in local runs too (for its file access), without an upload location; only
+        # the commands that upload to a backend (run --remote, register, launchplan) pass one.
+        if data_upload_location is not None and os.environ.get("UNIRL_REMOTE_CHECK", "1") != "0":
             ok, line = check(config)
             if not ok:
                 raise click.ClickException(f"unirl: {line} (python -m workflows.remote_check re-checks; "

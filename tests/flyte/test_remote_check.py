@@ -76,3 +76,17 @@ def test_pyflyte_remote_unreachable_endpoint_names_it(tmp_path):
     p = _pyflyte_remote(tmp_path, FLYTECTL_CONFIG=_config(tmp_path, port))
     out = p.stdout + p.stderr
     assert p.returncode != 0 and f"127.0.0.1:{port}" in out and "is not reachable" in out and "Traceback" not in out
+
+
+def test_local_pyflyte_run_is_not_checked(tmp_path):
+    """Without --remote, pyflyte still asks the plugin for a remote (no upload location): no check, the run runs."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FLYTE", "FLYTECTL", "UNIRL_REMOTE"))}
+    base.update(HOME=str(tmp_path), OMP_NUM_THREADS="1")
+    pyflyte = Path(sys.executable).with_name("pyflyte")
+    root = tmp_path / "runs"
+    p = subprocess.run([str(pyflyte), "run", str(REPO / "workflows" / "grpo.py"), "grpo", "--recipe", "tiny-grpo",
+                        "--overrides", f'["loop.total_steps=1", "checkpoint.root={root}"]'],
+                       cwd=tmp_path, env=base, capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "unirl: no Flyte config" not in p.stdout + p.stderr
+    assert (tmp_path / "runs" / "tiny-grpo" / "LATEST").exists()

@@ -5,7 +5,9 @@ objective under a lag and a weight of exactly 1 without one):
 - ``sync``: ``async_training.max_policy_lag: 0`` (today's loop);
 - ``lag1``: ``max_policy_lag: 1``, rollouts on the manager's worker thread (overlap with reward + advantage +
   train + publish of the previous step);
-- ``lag1-inline``: ``max_policy_lag: 1``, ``overlap: false``: the same samples and numbers as ``lag1``, no thread.
+- ``lag1-inline``: ``max_policy_lag: 1``, ``overlap: false``: the same samples and numbers as ``lag1``, no thread;
+- ``lag1-partial``: ``lag1`` with partial rollouts: 2 of the 4 tokens sampled with version n-2, the rest with n-1
+  (the sampler waits for that publication), old tokens corrected by the same TIS weight.
 
 Reported per side: steady-state steps/s (steps 2..N of the driver's wall time, median over seeds), the median step time, the trainer's wait for
 rollouts, and the mean reward per third of the run (mean over seeds, with the spread over seeds as the noise).
@@ -28,7 +30,9 @@ from common import pin_threads, report  # noqa: E402
 
 SIDES = {"sync": ["async_training.max_policy_lag=0"],
          "lag1": ["async_training.max_policy_lag=1"],
-         "lag1-inline": ["async_training.max_policy_lag=1", "async_training.overlap=false"]}
+         "lag1-inline": ["async_training.max_policy_lag=1", "async_training.overlap=false"],
+         "lag1-partial": ["async_training.max_policy_lag=1",
+                          "async_training.partial_rollout={interrupt_at_tokens: 2, old_tokens: correct}"]}
 
 
 def run(side: str, seed: int, steps: int, root: Path) -> dict:

@@ -253,7 +253,9 @@ class RolloutManager:
         if self._published < need:
             return False
         version = self._version_for(step)
-        return version <= self._published and step - 1 - version <= self.config.max_policy_lag
+        # holds by construction (pinned: version = need; latest: version = published >= need); kept as the check
+        # the property test mutates
+        return need <= version <= self._published
 
     def _dispatch(self) -> None:
         req = RolloutRequest(step=self._next_step, shard=self._next_shard,

@@ -76,6 +76,6 @@ def test_masked_old_tokens_leave_the_loss():
 
 
 def test_bad_mode_names_the_field():
-    bundle, eng, a = _phase_a()
+    _, eng, a = _phase_a()
     with pytest.raises(ConfigError, match="partial_rollout.old_tokens"):
         continue_generation(eng, a, max_new_tokens=TOTAL, generator=torch.Generator(), old_tokens="drop")

@@ -50,6 +50,7 @@ def setup_task(recipe: str, overrides: list[str]) -> Setup:
     the models are reachable (a bad override or an unusable root fails here, before any GPU starts); with
     ``pool.kuberay`` the pool's RayCluster spec is validated and written as ``<root>/<run>/pool/raycluster.yaml``."""
     cfg, cluster = load_run_config(recipe, overrides)
+    cfg.async_training.check_workflow()
     for note in preflight(cfg):
         progress_logger().warning("preflight: %s", note)
     for note in setup_pool(cfg):  # pool.kuberay: the RayCluster spec, validated and written next to the run

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.flyte.conftest import tiny_overrides
@@ -30,3 +31,11 @@ def test_lag_one_workflow_matches_run_local(tmp_path, run_name):
     assert [m["train/staleness_max"] for m in flyte] == [0.0, 1.0, 1.0, 1.0]
     for key in ("reward/mean", "train/loss", "train/is_weight_mean"):
         assert [m[key] for m in flyte] == [h[key] for h in local], key
+
+
+def test_partial_rollouts_are_refused_by_the_workflow(tmp_path, run_name):
+    ov = tiny_overrides("tiny-grpo", str(tmp_path), run_name) + LAG + [
+        "async_training.partial_rollout={interrupt_at_tokens: 2}"]
+    with pytest.raises(Exception, match="async_training.partial_rollout"):
+        grpo(recipe="tiny-grpo", overrides=ov)
+    assert not (tmp_path / run_name).exists()  # refused at setup, before any version is written

@@ -283,6 +283,13 @@ class AsyncTrainingConfig:
             raise field_error(ConfigError, "async_training.max_inflight", self.max_inflight, "None or an integer >= 1",
                               "leave it unset")
 
+    def check_workflow(self) -> None:
+        """Refuse what the Flyte DAG does not run: partial rollouts need the sampler thread of ``run_local``."""
+        if self.partial_rollout is not None:
+            raise field_error(ConfigError, "async_training.partial_rollout", "set", "unset in the Flyte workflow",
+                              "partial rollouts run in run_local only (a rollout pod cannot wait for the next "
+                              "publication mid-generation yet); remove the section, the lag itself is wired")
+
     def rollout_version(self, step: int) -> int:
         """The version whose weights sample the rollout of training step ``step`` (which trains from ``step - 1``)."""
         return max(0, step - 1 - self.max_policy_lag)

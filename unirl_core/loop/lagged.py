@@ -146,7 +146,7 @@ class LaggedRollouts:
 
     def take(self, step: int) -> tuple[list[SampleBatch], list[dict[str, float]], dict[str, float]]:
         got = self.manager.take(step)
-        metrics = got.metrics()
+        metrics = got.metrics(self.cfg.async_training.max_policy_lag)
         now = time.perf_counter()
         if self._last_take is not None and self.cfg.async_training.overlap:
             # the sampler's share of the interval between two takes it spent not sampling (steady state: one

@@ -104,9 +104,12 @@ class StepRollout:
     inflight: int
     """Requests still running when this step was taken."""
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, max_policy_lag: int = 0) -> dict[str, float]:
+        """``async/*`` metrics; ``async/staleness_hist/<k>`` (k = 0..max_policy_lag, stable keys) is the share of
+        the step's requests sampled k versions behind."""
         s = [r.staleness for r in self.requests]
-        return {"async/staleness_mean": sum(s) / len(s), "async/staleness_max": float(max(s)),
+        hist = {f"async/staleness_hist/{k}": sum(x == k for x in s) / len(s) for k in range(max_policy_lag + 1)}
+        return {"async/staleness_mean": sum(s) / len(s), "async/staleness_max": float(max(s)), **hist,
                 "async/buffer_depth": float(self.buffer_depth), "async/inflight": float(self.inflight),
                 "async/rollout_wait_s": self.wait_seconds}
 

@@ -38,6 +38,7 @@ def test_lag_one_is_reproducible_and_the_thread_changes_no_number(tmp_path):
     assert [h["async/staleness_max"] for h in a] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert [h["train/staleness_max"] for h in a] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert all(h["async/staleness_mean"] == h["async/staleness_max"] for h in a)
+    assert [(h["async/staleness_hist/0"], h["async/staleness_hist/1"]) for h in a] == [(1.0, 0.0)] + [(0.0, 1.0)] * 4
     assert all(0.0 <= h["async/engine_idle_frac"] <= 1.0 for h in a[1:]) and "async/engine_idle_frac" not in inline[1]
     # stale batches are corrected (weights != 1); the first update's ratio against the replayed pi_old stays 1
     assert all(h["train/ratio_mean"] == 1.0 for h in a)
@@ -60,6 +61,15 @@ def test_resume_resamples_the_dropped_buffer_identically(tmp_path):
     rest = run_local(_lm(root, "async_training.max_policy_lag=2", "checkpoint.keep_last=3"), progress=False)
     assert _numbers(first + rest) == _numbers(whole)
     assert [h["async/staleness_max"] for h in whole] == [0.0, 1.0, 2.0, 2.0, 2.0]
+
+    # partial rollouts too: the first resumed step's continuation reads the next version back from the store
+    part = ["async_training.max_policy_lag=2", "checkpoint.keep_last=3", "lm.sampling.max_new_tokens=4",
+            "async_training.partial_rollout={interrupt_at_tokens: 2}"]
+    whole = run_local(_lm(tmp_path / "pw", *part), progress=False)
+    first = run_local(_lm(tmp_path / "pr", *part, steps=3), progress=False)
+    rest = run_local(_lm(tmp_path / "pr", *part), progress=False)
+    assert _numbers(first + rest) == _numbers(whole)
+    assert all("rollout/partial_continued_frac" in h for h in rest)
 
 
 def test_eval_quiesces_the_sampler_and_changes_no_sample(tmp_path, monkeypatch):

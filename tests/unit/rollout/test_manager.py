@@ -85,6 +85,8 @@ def test_pinned_lag_one_overlaps_one_step():
     assert [(r.step, r.policy_version) for r in m.dispatched][-1] == (3, 1)
     got = m.take(2)
     assert got.requests[0].staleness == 1 and got.buffer_depth == 0
+    assert {k: v for k, v in got.metrics(1).items() if "hist" in k} == {"async/staleness_hist/0": 0.0,
+                                                                         "async/staleness_hist/1": 1.0}
 
 
 def test_take_refuses_a_step_that_can_never_be_dispatched():

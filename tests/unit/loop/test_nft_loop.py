@@ -25,13 +25,14 @@ def test_tiny_nft_runs_with_ema_rollouts(tmp_path):
     assert hist[0]["train/v_old_absdiff_max"] == 0.0
     assert hist[1]["train/v_old_absdiff_mean"] > 0.0  # afterwards the EMA lags the trained weights
     assert all(h["train/grad_norm"] > 0 for h in hist)
+    assert "eval/reward/mean" in hist[1] and hist[1]["eval/samples"] == 8.0  # the recipe's eval, at the end
 
 
 def test_nft_config_needs_ema_decay_and_pods(tmp_path):
     with pytest.raises(ConfigError, match="train.ema_decay"):
         load_recipe("tiny-nft", [f"checkpoint.root={tmp_path}", "train.ema_decay=null"])
     load_recipe("tiny-nft", [f"checkpoint.root={tmp_path}", "train.ema_decay=null",
-                             "diffusion.algorithm.old_policy=policy"])
+                             "diffusion.algorithm.old_policy=policy", "eval.weights=policy"])
     with pytest.raises(ConfigError, match="pool.execution"):
         load_recipe("tiny-nft", [f"checkpoint.root={tmp_path}", "pool.execution=pool"])
     with pytest.raises(ConfigError, match="old_logp_source"):

@@ -191,7 +191,7 @@ def step_prompts(cfg: RunConfig, step: int, shard: int = 0, num_shards: int = 1,
 
 
 def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int = 0, num_shards: int = 1,
-                  weights: Literal["policy", "ema"] = "policy",
+                  weights: Literal["policy", "ema"] | None = None,
                   gen_round: int = 0) -> tuple[SampleBatch, dict[str, float]]:
     """Sample one shard of step ``step`` with the weights of ``ckpt``: the trainside engine, or the process's
     dedicated engine after syncing ``ckpt`` to it (then checked against the trainer's replay, fail-closed).
@@ -200,10 +200,13 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
     weights in the model dtype, the view the trainer's compute context reproduces. ``weights='ema'`` samples
     with the EMA weights stored in ``ckpt`` (``train.ema_decay`` set), e.g. for evaluation or EMA rollouts;
     such a batch is off-policy for the trainer's first-update check, which only runs on equal versions.
+    ``weights=None``: what the run's algorithm samples with (``build.rollout_weights``: ``ema`` for
+    DiffusionNFT's default sampling policy, else ``policy``).
     ``gen_round`` > 0: an extra round of dynamic sampling (new prompts and seeds, see ``step_prompts``).
 
     With ``pool.execution: pool`` the step runs on the pool's engine actor (``unirl_core.pool.phases``).
     """
+    weights = weights or build.rollout_weights(cfg)
     if cfg.pool.execution == "pool":
         if gen_round:
             raise field_error(ConfigError, "filter_groups", "set", "unset with pool.execution='pool'",

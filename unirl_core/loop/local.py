@@ -37,11 +37,16 @@ StepCallback = Callable[[dict, SampleBatch], None]
 
 
 def progress_line(step: int, total: int, metrics: dict, step_seconds: float, eta_seconds: float) -> str:
-    """``step k/N | reward mean | ratio | step time | ETA`` - one line per step."""
+    """``step k/N | reward mean | ratio | [eval] | step time | ETA`` - one line per step (no ratio for a loss
+    without one, e.g. DiffusionNFT; the eval reward on the steps that evaluate)."""
     reward = metrics.get("reward/mean", metrics.get("advantage/reward_mean", math.nan))
     ratio = metrics.get("train/ratio_mean", math.nan)
-    return (f"step {step}/{total} | reward {reward:.4f} | ratio {ratio:.4f} | "
-            f"step {step_seconds:.1f}s | ETA {eta_seconds:.0f}s")
+    line = f"step {step}/{total} | reward {reward:.4f} | "
+    if not math.isnan(ratio):
+        line += f"ratio {ratio:.4f} | "
+    if "eval/reward/mean" in metrics:
+        line += f"eval {metrics['eval/reward/mean']:.4f} | "
+    return line + f"step {step_seconds:.1f}s | ETA {eta_seconds:.0f}s"
 
 
 def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None = None,

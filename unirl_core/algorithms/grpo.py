@@ -257,6 +257,16 @@ class GRPO:
         metrics.update(staleness_metrics(micro_batch))
         return LossOutput(loss=loss, metrics=metrics)
 
+    def micro_batch_units(self, micro_batch: SampleBatch) -> float:
+        """What the backend weighs this micro-batch's loss by (its share of the batch's units): samples for
+        ``grpo`` / ``dr_grpo`` (per-sample means), loss tokens for ``dapo``'s token mean - so the batch loss is
+        the token mean over the whole batch whatever the micro-batch packing (fixed counts or token budgets)."""
+        if self.config.loss_agg != "dapo":
+            return float(len(micro_batch))
+        drop = truncated_completions(micro_batch).tolist() if self.config.mask_truncated_completions else None
+        return float(sum(int(p.segment.response_mask.sum()) for i, p in enumerate(micro_batch.generated)
+                         if not (drop and drop[i])))
+
     def token_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                    ref_logp: Tensor | None, rollout_logp: Tensor) -> tuple[Tensor, dict]:
         """The pure loss this algorithm applies (``grpo_token_loss``); variants override only this."""

@@ -42,7 +42,8 @@ class TrainMetrics:
     optimizer_steps: int
     """Optimizer updates so far."""
     loss: float
-    """The batch loss (micro-batch losses weighted by their share of samples, as backward weights them),
+    """The batch loss (micro-batch losses weighted by their share of the algorithm's units - samples, or loss
+    tokens for a token-mean loss - as backward weights them),
     averaged over updates and ranks."""
     grad_norms: tuple[float, ...]
     """Global pre-clip gradient L2 norm of each update."""
@@ -251,9 +252,15 @@ class TrainBackend:
         log-prob gap to its tolerance (whatever ``old_logp_source`` is).
         """
         loss_sum: Tensor | None = None
+        # Each micro-batch loss is a mean over the algorithm's units (samples; loss tokens for a token-mean loss
+        # such as dapo): weight it by its share of them, so packing and a ragged tail do not change the batch loss.
+        units_of = getattr(self.algorithm, "micro_batch_units", None)
+        units = [float(units_of(mb)) if units_of is not None else float(len(mb)) for mb in micro]
+        total = sum(units)
+        if total <= 0:  # nothing enters the loss anywhere (e.g. every completion masked): fall back to samples
+            units, total = [float(len(mb)) for mb in micro], float(local_n)
         for i, (mb, olp) in enumerate(zip(micro, old)):
-            # Each micro-batch loss is a per-sample mean; weight by its share so a ragged tail counts fairly.
-            weight = len(mb) / local_n
+            weight = units[i] / total
             # Backward inside the compute context too: activation checkpointing recomputes forwards during
             # backward, and they must see the same parameter casts as the first pass.
             with self.compute():

@@ -2,8 +2,9 @@
 
 The engine rescores over ``plan_micro_batches`` and the trainer replays over the same plan, so the first
 update's ratio is exactly 1 and |logp_rollout - logp_replay| exactly 0 (fp32 and bf16). The loss and the
-gradient equal the fixed-count path's within fp32 rounding: a micro-batch weighs its share of samples, so
-the ``grpo`` (mean of sequence means) and ``dr_grpo`` (constant normaliser) losses do not depend on packing.
+gradient equal the fixed-count path's within fp32 rounding: a micro-batch weighs its share of the loss's units
+(samples for ``grpo``'s mean of sequence means and ``dr_grpo``'s constant normaliser, loss tokens for ``dapo``'s
+token mean), so none of the three depends on packing.
 """
 
 import dataclasses
@@ -99,7 +100,7 @@ def test_mismatched_plans_are_not_exact_in_bf16():
     assert m.metrics["logp_absdiff_max"] > 0.0
 
 
-@pytest.mark.parametrize("agg", ["grpo", "dr_grpo"])
+@pytest.mark.parametrize("agg", ["grpo", "dr_grpo", "dapo"])
 def test_loss_and_gradient_match_fixed_count(agg):
     torch.set_num_threads(1)
     batch = rollout("float32", engine_tokens=None, fbs=4)
@@ -184,3 +185,15 @@ def test_two_fsdp_ranks_pack_to_the_same_count_and_stay_exact(dtype, tmp_path):
     assert m["own_counts"][0] != m["own_counts"][1]  # the ranks' own plans differ in count: one was split
     assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["grad_norm"] > 0
 
+
+
+def test_dapo_batch_loss_is_the_token_mean_over_the_whole_batch():
+    """DAPO's token mean (sum of per-token losses / number of loss tokens, over the batch): micro-batches of
+    different token counts weigh by their tokens, so the backend's batch loss equals one micro-batch of all."""
+    torch.set_num_threads(1)
+    batch = rollout("float32", engine_tokens=None, fbs=4)
+    algo = GRPOConfig(loss_agg="dapo", max_logp_absdiff=None)
+    _, split = train("float32", batch, tokens=None, mb=3, source="replay", algo=algo)
+    _, whole = train("float32", batch, tokens=None, mb=len(batch), source="replay", algo=algo)
+    torch.testing.assert_close(split.loss, whole.loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(split.grad_norm, whole.grad_norm, rtol=1e-5, atol=1e-7)

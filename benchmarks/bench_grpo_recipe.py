@@ -450,7 +450,9 @@ def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> 
     out = Path(a.results)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}.json"
-    args = {k: v for k, v in vars(a).items() if k not in ("worker", "out")}
+    # Folders of this machine stay out of the record (results dir, checkpoint root): only whether one was given.
+    args = {k: (("<set>" if v else v) if k in ("results", "checkpoint_root") else v)
+            for k, v in vars(a).items() if k not in ("worker", "out")}
     path.write_text(json.dumps({"setup": args, "hardware": hardware, "rows": rows, "runs": runs}, indent=2))
     return path
 

@@ -125,9 +125,10 @@ class TrainBackend:
         if D.is_sharded(module):
             raise field_error(ConfigError, "policy.module", "already sharded", "a module no backend has prepared",
                               "build one TrainBackend per bundle (the backend owns its module)")
-        upcast = upcast_trainable(module)
-        if upcast:
-            log.info("upcast %d trainable tensors to fp32 master weights", upcast)
+        if cfg.master_weights == "fp32":
+            upcast = upcast_trainable(module)
+            if upcast:
+                log.info("upcast %d trainable tensors to fp32 master weights", upcast)
         named = trainable_parameters(module)
         if cfg.shard == "always" or (cfg.shard == "auto" and self.world_size > 1):
             mp = None if self.compute_dtype == torch.float32 else self.compute_dtype

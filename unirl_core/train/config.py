@@ -13,6 +13,7 @@ from unirl_core.models.micro_batch import check_max_tokens
 LRSchedule = Literal["constant", "cosine", "linear"]
 ShardMode = Literal["auto", "never", "always"]
 WeightsScope = Literal["trainable", "full"]
+MasterWeights = Literal["fp32", "model"]
 
 _SCHEDULES = ("constant", "cosine", "linear")
 _OLD_LOGP = ("rollout", "replay")
@@ -75,6 +76,12 @@ class TrainConfig:
     the FSDP2 code path on one GPU."""
     fsdp_wrap_classes: tuple[str, ...] = ()
     """Class names of sub-modules (e.g. transformer blocks) that get their own FSDP2 unit before the root."""
+    master_weights: MasterWeights = "fp32"
+    """Dtype of the trainable weights the optimizer updates: ``fp32`` masters (cast to the model dtype per
+    forward; AdamW state in fp32: 16 bytes per trainable parameter) or ``model``: the weights stay in the model
+    dtype and so does the AdamW state (bf16: 8 bytes per parameter, TRL's ``bf16=True`` footprint). The forward
+    is the same either way, so the first update stays exact; with ``model`` in bf16 an update smaller than half
+    a bf16 step of a weight is lost (keep fp32 for small learning rates on large weights)."""
     weights_scope: WeightsScope = "trainable"
     """What a checkpoint stores: ``trainable`` parameters only (a LoRA adapter) or the ``full`` state dict."""
     seed: int = 0
@@ -97,6 +104,9 @@ class TrainConfig:
                               "use e.g. 0.95, or None to disable EMA")
         if self.shard not in ("auto", "never", "always"):
             raise field_error(ConfigError, "train.shard", self.shard, "'auto', 'never' or 'always'", "use 'auto'")
+        if self.master_weights not in ("fp32", "model"):
+            raise field_error(ConfigError, "train.master_weights", self.master_weights, "'fp32' or 'model'",
+                              "use 'fp32' (default), or 'model' to keep weights and AdamW state in the model dtype")
         if self.weights_scope not in ("trainable", "full"):
             raise field_error(ConfigError, "train.weights_scope", self.weights_scope, "'trainable' or 'full'",
                               "use 'trainable' for LoRA, 'full' for full fine-tuning")

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
   echo "# Exact versions that scripts/install.sh installs and CI tests (frozen from a .venv on Python" \
     "$(.venv/bin/python -c 'import platform; print(platform.python_version())'))."
   echo "# Regenerate with scripts/freeze_constraints.sh; do not edit by hand. torch carries no build tag, so a"
-  echo "# CUDA wheel of the same release satisfies it. The bench extra (trl) is not installed by install.sh."
+  echo "# CUDA wheel of the same release satisfies it."
   .venv/bin/python -m pip freeze --exclude-editable --disable-pip-version-check \
     | grep -v -e ' @ ' -e '^-e ' -e '^unirl-flyte==' \
     | sed -E 's/^(torch==[^+]+)\+.*$/\1/'

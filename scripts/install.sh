@@ -24,5 +24,5 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c "$CONSTRA
 [ -n "$have_torch" ] || "${PIP[@]}" "torch==$want_torch"
 "${PIP[@]}" -e .
 "${PIP[@]}" -e ".[flyte]"
-"${PIP[@]}" -e ".[reward,lm,pool,tracking,dev]"
+"${PIP[@]}" -e ".[reward,lm,pool,tracking,bench,dev]"
 echo "installed into .venv ($(.venv/bin/python -c 'import torch, flytekit; print("torch", torch.__version__, "flytekit", flytekit.__version__)'))"

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import wandb  # noqa: F401 - the tracking extra: scripts/install.sh installs it, so its absence fails here
 
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
 from unirl_core.loop.local import run_local
 
-wandb = pytest.importorskip("wandb", reason="the tracking extra (scripts/install.sh installs it)")
 REPO = Path(__file__).resolve().parents[3]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -64,9 +65,11 @@ def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | Non
     then re-raises the KeyboardInterrupt."""
     show = cfg.report.progress if progress is None else progress
     # The setup task's preflight, here too: a placeholder or unwritable checkpoint root, or an unreachable
-    # model, fails now naming the field - not as a storage/hub error after the model build.
-    for note in preflight(cfg):
-        _say(f"preflight: {note}", show)
+    # model, fails now naming the field - not as a storage/hub error after the model build. Once per run: under
+    # torchrun only rank 0 probes (a probe removes the run folder it created, under another rank's write).
+    if os.environ.get("RANK", "0") == "0":
+        for note in preflight(cfg):
+            _say(f"preflight: {note}", show)
     try:
         _say(f"run {cfg.name}: opening it (resume_from={resume_from!r}{f', fork_as={fork_as!r}' if fork_as else ''}"
              f"; an empty run builds model {_model_name(cfg)} for its step-0 version) ...", show)

@@ -14,24 +14,26 @@ from unirl_core.errors import ConfigError, field_error
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
 
 
-def recipe_names() -> list[str]:
-    """Names of the recipes shipped with the package."""
-    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+def recipe_names(folder: Path = RECIPE_DIR) -> list[str]:
+    """Names of the recipes shipped with the package (in ``folder``: the RL recipes by default)."""
+    return sorted(p.stem for p in folder.glob("*.yaml"))
 
 
-def recipe_path(name_or_path: str) -> Path:
+def recipe_path(name_or_path: str, folder: Path = RECIPE_DIR, kind: str = "recipe") -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         return p
-    shipped = RECIPE_DIR / f"{name_or_path}.yaml"
+    shipped = folder / f"{name_or_path}.yaml"
     if shipped.is_file():
         return shipped
-    raise field_error(ConfigError, "recipe", name_or_path, f"a shipped recipe {recipe_names()} or a .yaml file",
+    raise field_error(ConfigError, "recipe", name_or_path, f"a shipped {kind} {recipe_names(folder)} or a .yaml file",
                       "check the spelling or pass a path to your own recipe file")
 
 
-def load_recipe_dict(name_or_path: str, overrides: Sequence[str] = ()) -> dict:
-    path = recipe_path(name_or_path)
+def load_recipe_dict(name_or_path: str, overrides: Sequence[str] = (), folder: Path = RECIPE_DIR,
+                     kind: str = "recipe") -> dict:
+    """The recipe's YAML mapping with ``a.b=value`` overrides applied (not validated yet)."""
+    path = recipe_path(name_or_path, folder, kind)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from unirl_core.config.loader import apply_overrides, from_dict
+from unirl_core.config.loader import from_dict
+from unirl_core.config.recipes import load_recipe_dict, recipe_names, recipe_path
 from unirl_core.config.run import CheckpointConfig
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionModelConfig
@@ -208,31 +207,16 @@ class SFTConfig:
 
 def sft_recipe_names() -> list[str]:
     """Names of the SFT recipes shipped with the package."""
-    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+    return recipe_names(RECIPE_DIR)
 
 
 def sft_recipe_path(name_or_path: str) -> Path:
-    p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p
-    shipped = RECIPE_DIR / f"{name_or_path}.yaml"
-    if shipped.is_file():
-        return shipped
-    raise field_error(ConfigError, "recipe", name_or_path, f"a shipped SFT recipe {sft_recipe_names()} or a .yaml file",
-                      "check the spelling or pass a path to your own recipe file")
+    return recipe_path(name_or_path, RECIPE_DIR, "SFT recipe")
 
 
 def load_sft_recipe_dict(name_or_path: str, overrides: Sequence[str] = ()) -> dict:
     """The recipe's YAML mapping with ``a.b=value`` overrides applied (not validated yet)."""
-    path = sft_recipe_path(name_or_path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"recipe {path.name}: not valid YAML ({e})") from e
-    if not isinstance(data, dict):
-        raise field_error(ConfigError, f"recipe {path.name}", type(data).__name__, "a mapping at the top level",
-                          "start the file with 'name: ...' and the sections")
-    return apply_overrides(data, overrides)
+    return load_recipe_dict(name_or_path, overrides, RECIPE_DIR, "SFT recipe")
 
 
 def load_sft_recipe(name_or_path: str, overrides: Sequence[str] = ()) -> SFTConfig:

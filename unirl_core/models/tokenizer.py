@@ -96,9 +96,17 @@ def qwen25_tokenizer():
 
 
 def load_tokenizer(name_or_path: str | Path):
-    """``tiny`` / ``qwen2.5`` presets, else ``AutoTokenizer.from_pretrained`` (local dir or hub id)."""
+    """``tiny`` / ``qwen2.5`` / ``shapes-words`` presets, else ``AutoTokenizer.from_pretrained`` (local dir or hub id).
+
+    ``shapes-words``: the shapes world's word-level tokenizer (``models.diffusion_shapes.VOCAB``, 39 tokens, ``<s> text
+    </s>``, no chat template): an LM over it can only write words the shapes-sd3 text encoders know (the
+    ``shapes-enhance`` prompt enhancer)."""
     if name_or_path == "tiny":
         return build_tiny_tokenizer()
+    if name_or_path == "shapes-words":
+        from unirl_core.models.diffusion_shapes import word_tokenizer
+
+        return word_tokenizer(512)
     if name_or_path == "qwen2.5":
         return qwen25_tokenizer()
     from transformers import AutoTokenizer

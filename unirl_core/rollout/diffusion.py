@@ -184,11 +184,11 @@ class TrainsideDiffusionEngine:
 
 def conditioning_prompt(sample: Sample) -> str:
     """The text a diffusion Part is conditioned on: its parent Part's output text when it has one
-    (prompt enhancement: an AR Part rewrites the prompt), else its own prompt."""
+    (prompt enhancement: an AR Part rewrites the prompt; an empty completion conditions on ""), else its own prompt."""
     part = sample.generated
     if part.parent is not None:
         parent = sample.parts[part.parent]
-        if parent.text:
+        if parent.text is not None and (parent.text or parent.segment is not None):
             return parent.text
         if parent.kind == "ar":
             raise field_error(EngineError, f"sample[{sample.sample_id}].parts[{part.parent}].text", parent.text,

@@ -1,0 +1,181 @@
+"""The phases of a compose run: init -> rollout (both Parts) -> score (reward, propagation, advantages) -> train
+(both stacks) -> publish (both stacks). Flyte tasks call one each; ``compose.local.run_compose_local`` chains them.
+
+Each stack is a single-family ``RunConfig`` (``compose.config.stack_configs``) with its own store under
+``<checkpoint.root>/<name>/<stack>``; the single-family loop's pieces do the work (``build.bundle`` /
+``build.load_policy_weights`` for sampling, ``TrainBackend`` + the crash-safe checkpoint functions for training,
+``loop.phases.init_run`` / ``publish_phase`` for versions). A step writes both trained stacks' versions before it
+publishes either, so an interrupted publication is completed (rolled forward) by the next ``init_stacks``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from unirl_core.checkpoint import CheckpointRef, restore_train_checkpoint, save_train_checkpoint
+from unirl_core.compose.config import STACKS, ComposeRunConfig, stack_configs
+from unirl_core.compose.credit import assign_compose_advantages, enhancer_batch, image_batch, propagate_rewards
+from unirl_core.compose.engine import compose_rollout
+from unirl_core.compose.warm_start import warm_start_enhancer
+from unirl_core.config.loader import to_dict
+from unirl_core.config.run import RunConfig
+from unirl_core.errors import CheckpointError, ConfigError, field_error
+from unirl_core.loop import build
+from unirl_core.loop.phases import EMA_POLICY_VERSION, init_run, publish_phase, step_prompts
+from unirl_core.rollout.ar import TrainsideAREngine
+from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
+from unirl_core.rollout.sigma_verify import verify_batch_sigmas
+from unirl_core.sde.noise import stable_seed
+from unirl_core.train.backend import TrainBackend
+from unirl_core.types import NoiseRecipe, SampleBatch
+
+log = logging.getLogger(__name__)
+
+Refs = dict[str, CheckpointRef]
+"""``{"enhancer": ref, "image": ref}``: the version of each stack a phase works from."""
+
+
+def init_stacks(cfg: ComposeRunConfig, *, resume_from: str = "latest") -> Refs:
+    """Each stack's published version, or a fresh step-0 version (the enhancer warm-started when configured).
+
+    ``resume_from``: ``latest`` or ``never`` (an empty run). Trained stacks must stand at one step; a trained stack
+    one step behind whose version of the leader's step is complete but unpublished (a stop between the two
+    publications) is published now; any other disagreement is refused."""
+    if resume_from not in ("latest", "never"):
+        raise field_error(ConfigError, "resume_from", resume_from, "'latest' or 'never' in a compose run",
+                          "named versions and forks are not wired for compose runs")
+    subs = stack_configs(cfg)
+    refs: Refs = {}
+    for name in STACKS:
+        sub = subs[name]
+        if name == "enhancer" and cfg.enhancer.warm_start.steps and build.store(sub).latest() is None:
+            refs[name] = _fresh_enhancer(cfg, sub)
+        else:
+            refs[name] = init_run(sub, resume_from=resume_from)
+    return _roll_forward(cfg, subs, refs)
+
+
+def _fresh_enhancer(cfg: ComposeRunConfig, sub: RunConfig) -> CheckpointRef:
+    bundle = build.fresh_bundle(sub)
+    warm_start_enhancer(bundle, build.dataset(sub).records, cfg.enhancer.warm_start, sub.lm.engine)
+    backend = TrainBackend(bundle, build.algorithm(sub), sub.train)
+    return save_train_checkpoint(build.store(sub), backend, config=to_dict(sub), extra={}, publish=True)
+
+
+def _roll_forward(cfg: ComposeRunConfig, subs: dict[str, RunConfig], refs: Refs) -> Refs:
+    trained = cfg.trained
+    lead = max(refs[s].step for s in trained)
+    for name in trained:
+        ref = refs[name]
+        if ref.step == lead:
+            continue
+        store = build.store(subs[name])
+        ahead = [v for v in store.versions() if v.step == lead]
+        if ref.step == lead - 1 and ahead:
+            log.warning("stack %s: publishing its complete version of step %d (the run stopped between the two "
+                        "publications)", name, lead)
+            store.publish(ahead[0])
+            refs[name] = ahead[0]
+            continue
+        steps = {s: refs[s].step for s in trained}
+        raise field_error(CheckpointError, f"{name} stack version", steps, "trained stacks at one step",
+                          f"the stores under {cfg.run_root} disagree; remove the newer versions of the stack ahead "
+                          "(or start a new run name)")
+    for name in STACKS:
+        if name not in trained and refs[name].step != 0:
+            raise field_error(CheckpointError, f"{name}.frozen", True, f"a {name} store at step 0",
+                              f"the {name} stack was trained before ({refs[name].uri}); a frozen stack samples its "
+                              "step-0 version: start a new run name")
+    return refs
+
+
+def step_of(cfg: ComposeRunConfig, refs: Refs) -> int:
+    """The run's step: that of its trained stacks."""
+    return refs[cfg.trained[0]].step
+
+
+def rollout_phase(cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, dict[str, float]]:
+    """Sample step ``step``: enhancements with the enhancer's version, their images with the image stack's (its
+    EMA weights when its algorithm samples with them, e.g. DiffusionNFT). One SampleBatch, both Parts filled."""
+    t0 = time.perf_counter()
+    subs = stack_configs(cfg)
+    lm_sub, img_sub = subs["enhancer"], subs["image"]
+    lm_policy, img_policy = build.bundle(lm_sub), build.bundle(img_sub)
+    build.load_policy_weights(lm_policy, refs["enhancer"], lm_sub)
+    ema = build.rollout_weights(img_sub) == "ema"
+    build.load_policy_weights(img_policy, refs["image"], img_sub, ema=ema)
+    img_version = EMA_POLICY_VERSION if ema else refs["image"].policy_version
+    seed = stable_seed(cfg.loop.seed, "compose-rollout", step) % (2**63)
+    enhancer = TrainsideAREngine(lm_policy, dataclasses.replace(lm_sub.lm.engine, seed=seed,
+                                                                micro_batch_tokens=lm_sub.train.micro_batch_tokens),
+                                 policy_version=refs["enhancer"].policy_version)
+    image = TrainsideDiffusionEngine(img_policy, dataclasses.replace(img_sub.diffusion.engine, seed=seed),
+                                     policy_version=img_version)
+    sampling = img_sub.diffusion.sampling
+    enhanced, batch = compose_rollout(
+        enhancer, image, step_prompts(lm_sub, step), cfg.grouping, ar_sampling=lm_sub.lm.sampling,
+        image_sampling=sampling.params(img_policy.family, step),
+        noise=NoiseRecipe(base_seed=stable_seed(seed, "image"), same_noise_per_group=sampling.same_noise_per_group),
+        image_version=img_version, metadata={"run": cfg.name, "step": str(step)})
+    verify_batch_sigmas(image_batch(batch, cfg.grouping))
+    lens = [s.generated.segment.num_response_tokens for s in enhanced.samples]
+    metrics = {"rollout/samples": float(len(batch)), "rollout/enhancements": float(len(enhanced)),
+               "rollout/enhancer_tokens_mean": sum(lens) / max(len(lens), 1),
+               "rollout/seconds": time.perf_counter() - t0}
+    if enhancer.last_decode_rescore_absdiff is not None:
+        metrics["rollout/decode_rescore_absdiff_max"] = enhancer.last_decode_rescore_absdiff
+    return batch, metrics
+
+
+def score_phase(cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
+    """Score every image against its original prompt, propagate to the enhancements, advantages per stack."""
+    scored, stats = build.reward_service(stack_configs(cfg)["image"]).score_with_stats(batch)
+    metrics = stats.as_metrics()
+    metrics.update(propagate_rewards(scored))
+    metrics.update(assign_compose_advantages(scored, cfg.grouping, cfg.advantage))
+    return scored, metrics
+
+
+_TRAINERS: dict[str, tuple[str, TrainBackend]] = {}
+"""One TrainBackend per stack for this process (keyed by the stack's config), owned by ``train_phase``."""
+
+
+def _trainer(name: str, sub: RunConfig) -> TrainBackend:
+    key = build._key(to_dict(sub.section.model)) + build._key(to_dict(sub.train)) + build._key(sub.section.algorithm)
+    held = _TRAINERS.get(name)
+    if held is None or held[0] != key:
+        _TRAINERS[name] = (key, TrainBackend(build.fresh_bundle(sub), build.algorithm(sub), sub.train))
+    return _TRAINERS[name][1]
+
+
+def train_phase(cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *,
+                step: int) -> tuple[Refs, dict[str, float]]:
+    """One update of every trained stack on its projection of ``batch``; writes (unpublished) version ``step`` of
+    each. A frozen stack keeps its ref. Each stack restores its own full state (weights, optimizer, RNG) first."""
+    subs = stack_configs(cfg)
+    rows = {"enhancer": enhancer_batch(batch), "image": image_batch(batch, cfg.grouping)}
+    out, metrics = dict(refs), {}
+    for name in cfg.trained:
+        ref, sub = refs[name], subs[name]
+        if step != ref.step + 1:
+            raise field_error(CheckpointError, f"{name} step", step, f"{name} ckpt.step + 1 = {ref.step + 1}",
+                              "train each step from the versions of the step before it")
+        t0 = time.perf_counter()
+        backend = _trainer(name, sub)
+        restore_train_checkpoint(backend, ref, storage_options=sub.checkpoint.storage_options)
+        m = backend.step(rows[name]).as_dict()
+        out[name] = save_train_checkpoint(build.store(sub), backend, config=to_dict(sub), extra={}, publish=False,
+                                          overwrite=True)
+        metrics.update({f"{name}/train/{k}": float(v) for k, v in m.items()})
+        metrics[f"time/train_{name}"] = time.perf_counter() - t0
+    return out, metrics
+
+
+def publish_stacks(cfg: ComposeRunConfig, refs: Refs) -> Refs:
+    """Publish every trained stack's version (after all were written: see the module docstring)."""
+    subs = stack_configs(cfg)
+    for name in cfg.trained:
+        publish_phase(subs[name], refs[name])
+    return refs

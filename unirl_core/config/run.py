@@ -21,6 +21,7 @@ from unirl_core.models.lm import LMConfig
 from unirl_core.pool.config import PoolConfig
 from unirl_core.report.wandb_log import WandbConfig
 from unirl_core.reward.config import RewardConfig
+from unirl_core.rollout.agentic import AgentConfig, check_agent_config
 from unirl_core.rollout.ar import AREngineConfig
 from unirl_core.rollout.diffusion import DiffusionEngineConfig
 from unirl_core.rollout.logp_check import LogpCheckConfig
@@ -145,6 +146,9 @@ class LMSection:
     """The SGLang server to attach to (``deployment.engine='sglang'``, ``sglang.base_url`` required)."""
     logp_check: LogpCheckConfig = field(default_factory=LogpCheckConfig)
     """Fail-closed bounds on |engine log-prob - trainer replay| of every dedicated-engine rollout."""
+    agent: AgentConfig | None = None
+    """Multi-turn rollouts with an environment (``unirl_core/rollout/agentic.py``; ``sampling.max_new_tokens``
+    caps each model turn); None: single-turn completions."""
 
     @property
     def dedicated(self) -> VLLMEngineConfig | SGLangEngineConfig | None:
@@ -359,6 +363,7 @@ class RunConfig:
         if self.lm is not None:
             check_lm_deployment(self.lm, self.train.old_logp_source)
         check_rollout_seeds(self)
+        check_agent_config(self)
         self._check_filter_groups()
         self._check_rollout_weights()
         check_eval_config(self)

@@ -10,6 +10,7 @@ a few dozen GRPO steps (mean reward ~0.02 -> ~0.5) and then starts to get sums r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -29,24 +30,29 @@ class ToyArithmeticConfig:
     """Prompt text; ``{a}`` and ``{b}`` are the operands."""
     seed: int = 0
     """Seed of the operand draw."""
+    operation: Literal["add", "mul"] = "add"
+    """The answer is ``a + b`` (``add``) or ``a * b`` (``mul``, e.g. with template ``'{a} * {b} ='``: the
+    calculator-tool task of ``tiny-agent-calc``)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.num_prompts, int) and self.num_prompts >= 1):
             raise field_error(ConfigError, "toy.num_prompts", self.num_prompts, "an integer >= 1", "use e.g. 64")
         if not (isinstance(self.max_operand, int) and 1 <= self.max_operand <= 10**6):
             raise field_error(ConfigError, "toy.max_operand", self.max_operand, "an integer in [1, 1e6]", "use 9")
+        if self.operation not in ("add", "mul"):
+            raise field_error(ConfigError, "toy.operation", self.operation, "'add' or 'mul'", "use 'add'")
         if "{a}" not in self.template or "{b}" not in self.template:
             raise field_error(ConfigError, "toy.template", self.template, "a template with {a} and {b}",
                               "use e.g. '{a} + {b} ='")
 
 
 def toy_arithmetic_prompts(cfg: ToyArithmeticConfig | None = None) -> list[PromptRecord]:
-    """Deterministic addition prompts with ``targets['answer']`` = the sum as a decimal string."""
+    """Deterministic prompts with ``targets['answer']`` = the sum (or product) as a decimal string."""
     cfg = cfg or ToyArithmeticConfig()
     g = torch.Generator().manual_seed(cfg.seed)
     ops = torch.randint(0, cfg.max_operand + 1, (cfg.num_prompts, 2), generator=g).tolist()
     return [PromptRecord(prompt_id=f"toy-{i:05d}", prompt=cfg.template.format(a=a, b=b),
-                         targets={"answer": str(a + b)}) for i, (a, b) in enumerate(ops)]
+                         targets={"answer": str(a * b if cfg.operation == "mul" else a + b)}) for i, (a, b) in enumerate(ops)]
 
 
 def toy_arithmetic_reward(completion: str, answer: str) -> float:

@@ -151,7 +151,12 @@ def eval_phase(cfg, ckpt: CheckpointRef, *,
         batch = engine.generate(request, noise=NoiseRecipe(base_seed=ev.seed))
     else:
         engine = TrainsideAREngine(policy, dataclasses.replace(cfg.lm.engine, seed=ev.seed), policy_version=version)
-        batch = engine.generate(request)
+        if cfg.lm.agent is not None:
+            from unirl_core.rollout.agentic import AgenticEngine
+
+            batch = AgenticEngine(engine, cfg.lm.agent).generate(request)
+        else:
+            batch = engine.generate(request)
     sample_s = time.perf_counter() - t0
     batch, reward = reward_phase(cfg, batch)
     metrics = {f"eval/{k}": v for k, v in reward.items()

@@ -30,6 +30,7 @@ from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
 from unirl_core.loop import build, resume
 from unirl_core.loop.dynamic_sampling import MAX_ROUNDS, fill_groups
+from unirl_core.rollout.agentic import AgenticEngine
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
 from unirl_core.rollout.logp_check import check_logp_agreement, replay_agreement
@@ -252,7 +253,12 @@ def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard
     else:
         engine_cfg = dataclasses.replace(section.engine, seed=seed, micro_batch_tokens=cfg.train.micro_batch_tokens)
         engine = TrainsideAREngine(policy, engine_cfg, policy_version=version)
-        batch = engine.generate(request)
+        if cfg.lm.agent is not None:  # multi-turn episodes with the run's environment
+            agentic = AgenticEngine(engine, cfg.lm.agent)
+            batch = agentic.generate(request)
+            metrics.update({f"rollout/{k}": v for k, v in agentic.last_metrics.items()})
+        else:
+            batch = engine.generate(request)
         if engine.last_decode_rescore_absdiff is not None:
             # How far the KV-cached decode drifts from the full forward (recorded log-probs come from the latter).
             metrics["rollout/decode_rescore_absdiff_max"] = engine.last_decode_rescore_absdiff

@@ -203,6 +203,36 @@ class TrainsideAREngine:
             module.train(was_training)
         return self._fill(batch, segments)
 
+    def decode_ids(self, prompts: Sequence[Tensor], sp: ARSamplingParams,
+                   generator: torch.Generator | None = None) -> list[tuple[Tensor, Tensor, str]]:
+        """Continue token-id contexts ``[P_i]`` (no template, no rescoring): per row the sampled ids ``[R]``,
+        their decode-time log-probs ``[R]`` and finish reason (``stop`` / ``length``). Rows are decoded in
+        batches of the decode width; multi-turn engines (``unirl_core.rollout.agentic``) call it once per turn."""
+        width = self.config.decode_batch_size or self.config.forward_batch_size
+        gen = generator or self._generator
+        module, out = self.bundle.module, []
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad(), self.bundle.compute():
+                for k in range(0, len(prompts), width):
+                    d = self._decode(list(prompts[k:k + width]), sp, gen)
+                    out += list(zip(d.response_ids, d.log_probs, d.finish))
+        finally:
+            module.train(was_training)
+        return out
+
+    def rescore(self, segments: list[TokenSegment], sps: Sequence[ARSamplingParams]) -> None:
+        """Set every segment's ``log_probs`` to the trainer's replay over its micro-batch plan (in place)."""
+        module = self.bundle.module
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad(), self.bundle.compute():
+                self._rescore(segments, sps)
+        finally:
+            module.train(was_training)
+
     def _use_lean(self, model) -> bool:
         mode = self.config.decoder
         if mode == "transformers":

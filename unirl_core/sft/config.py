@@ -17,6 +17,7 @@ from typing import Literal
 from unirl_core.config.loader import from_dict
 from unirl_core.config.recipes import load_recipe_dict, recipe_names, recipe_path
 from unirl_core.config.run import CheckpointConfig
+from unirl_core.rollout.agentic import CHATML_OBSERVATION
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
@@ -78,6 +79,9 @@ class SFTPromptConfig:
     """Wrap the prompt as one user message of the tokenizer's chat template; None = when it has one."""
     system_prompt: str | None = None
     """Optional system message (chat template only)."""
+    observation_template: str = CHATML_OBSERVATION
+    """Multi-turn records (``turns``): how an ``env`` turn becomes tokens; keep it equal to the RL run's
+    ``lm.agent.observation_template`` (``unirl_core/rollout/agentic.py``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from unirl_core.errors import ConfigError, InvariantError, field_error
+from unirl_core.rollout.agentic import conversation_segment
 from unirl_core.sft.config import SFTConfig
 from unirl_core.sft.losses import TARGET_IMAGE
 from unirl_core.types import Part, Sample, SampleBatch, TokenSegment
@@ -38,6 +39,8 @@ class ImageRecord:
 class TextRecord:
     prompt: str
     completion: str
+    turns: tuple[tuple[str, str], ...] | None = None
+    """Multi-turn record: ``(role, text)`` with role ``assistant`` or ``env``; ``completion`` is then the joined text."""
 
 
 Record = ImageRecord | TextRecord
@@ -54,12 +57,15 @@ def _read_png(path: Path, where: str) -> np.ndarray:
 
 
 def read_jsonl(cfg: SFTConfig) -> list[Record]:
-    """Rows of ``data.path``: ``caption`` + ``image`` (a path relative to the file) or ``prompt`` + ``completion``."""
+    """Rows of ``data.path``: ``caption`` + ``image`` (a path relative to the file) or ``prompt`` + ``completion``
+    (or ``turns``, see ``_read_text_rows``)."""
     path = Path(cfg.data.path)
     if path.suffix != ".jsonl" or not path.is_file():
         raise field_error(ConfigError, "data.path", cfg.data.path, "an existing .jsonl file",
                           "write one JSON object per line and point data.path at it")
-    keys = ("caption", "image") if cfg.family == "diffusion" else ("prompt", "completion")
+    if cfg.family == "lm":
+        return _read_text_rows(path)
+    keys = ("caption", "image")
     out: list[Record] = []
     with path.open(encoding="utf-8") as f:
         for i, line in enumerate(f):
@@ -73,12 +79,45 @@ def read_jsonl(cfg: SFTConfig) -> list[Record]:
             if missing:
                 raise field_error(ConfigError, f"{path}:{i + 1}.{missing[0]}", row.get(missing[0]), "a string",
                                   f"family={cfg.family!r} rows need {keys} (found {sorted(row)})")
-            if cfg.family == "diffusion":
-                out.append(ImageRecord(row["caption"], _read_png(path.parent / row["image"], f"{path}:{i + 1}.image")))
-            else:
-                out.append(TextRecord(row["prompt"], row["completion"]))
+            out.append(ImageRecord(row["caption"], _read_png(path.parent / row["image"], f"{path}:{i + 1}.image")))
     if not out:
         raise field_error(ConfigError, "data.path", cfg.data.path, "at least one record", "the file is empty")
+    return out
+
+
+def _read_text_rows(path: Path) -> list[Record]:
+    """LM rows: ``prompt`` + ``completion``, or ``prompt`` + ``turns`` (a list of ``{"role": "assistant" | "env",
+    "content": str}``: an agentic conversation, trained on the assistant turns only)."""
+    out: list[Record] = []
+    with path.open(encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            where = f"{path}:{i + 1}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise field_error(ConfigError, where, line[:80], "a JSON object", str(e)) from e
+            if not isinstance(row.get("prompt"), str):
+                raise field_error(ConfigError, f"{where}.prompt", row.get("prompt"), "a string",
+                                  f"LM rows need prompt and completion (or turns); found {sorted(row)}")
+            if "turns" in row:
+                turns = row["turns"]
+                ok = isinstance(turns, list) and turns and all(
+                    isinstance(t, dict) and t.get("role") in ("assistant", "env") and isinstance(t.get("content"), str)
+                    for t in turns)
+                if not ok:
+                    raise field_error(ConfigError, f"{where}.turns", turns, "a non-empty list of {role: assistant|env, "
+                                      "content: str}", "write each turn as an object with role and content")
+                pairs = tuple((t["role"], t["content"]) for t in turns)
+                out.append(TextRecord(row["prompt"], "\n".join(c for _, c in pairs), turns=pairs))
+            elif isinstance(row.get("completion"), str):
+                out.append(TextRecord(row["prompt"], row["completion"]))
+            else:
+                raise field_error(ConfigError, f"{where}.completion", row.get("completion"), "a string",
+                                  f"LM rows need prompt and completion (or turns); found {sorted(row)}")
+    if not out:
+        raise field_error(ConfigError, "data.path", str(path), "at least one record", "the file is empty")
     return out
 
 
@@ -145,6 +184,10 @@ def supervised_batch(cfg: SFTConfig, records: list[Record], step: int, *, policy
 
 def _token_segment(cfg: SFTConfig, rec: TextRecord, encode_prompt, tokenizer, eos_id: int | None) -> TokenSegment:
     prompt_ids = encode_prompt(rec.prompt)
+    if rec.turns is not None:
+        return conversation_segment(prompt_ids, rec.turns, tokenizer=tokenizer, eos_id=eos_id,
+                                    observation_template=cfg.lm.prompt.observation_template,
+                                    max_tokens=cfg.lm.max_completion_tokens)
     completion = tokenizer(rec.completion, add_special_tokens=False)["input_ids"]
     ids = list(completion) + ([eos_id] if eos_id is not None else [])
     limit = cfg.lm.max_completion_tokens

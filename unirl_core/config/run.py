@@ -393,7 +393,7 @@ class RunConfig:
                               "dynamic sampling's extra rounds run in pods mode only; use execution 'pods'")
 
     def _check_async(self) -> None:
-        """Lagged rollouts: pods mode, no dynamic sampling, versions kept long enough, corrections that can act."""
+        """Lagged rollouts: no dynamic sampling, versions kept long enough, corrections that can act."""
         lag = self.async_training.max_policy_lag
         if lag == 0:
             if self.async_training.partial_rollout is not None:
@@ -401,9 +401,6 @@ class RunConfig:
                                   "partial_rollout", "the continuation samples with the next version: set a lag")
             return
         where = f"with async_training.max_policy_lag={lag}"
-        if self.pool.execution == "pool":
-            raise field_error(ConfigError, "pool.execution", "pool", f"'pods' {where}",
-                              "the pool's rollout manager is not built yet; use execution 'pods' or lag 0")
         if self.filter_groups is not None:
             raise field_error(ConfigError, "filter_groups", "set", f"unset {where}",
                               "dynamic sampling's refill rounds sample on-policy; remove one of them")
@@ -431,6 +428,10 @@ class RunConfig:
         if self.family != "lm" or self.lm.dedicated is not None:
             raise field_error(ConfigError, field, "set", "the trainside LM engine (family lm, deployment direct)",
                               "partial rollouts continue the trainside decoder; remove the section")
+        if self.pool.execution == "pool":
+            raise field_error(ConfigError, field, "set", "unset with pool.execution='pool'", "partial rollouts "
+                              "continue on the driver's decoder, not on the pool's engines yet; remove the section "
+                              "(the lag itself runs in the pool) or use execution 'pods'")
         if not self.async_training.overlap:
             raise field_error(ConfigError, "async_training.overlap", False, f"True with {field}",
                               "the continuation waits for the next publication on the sampler thread")

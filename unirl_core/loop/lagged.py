@@ -2,7 +2,8 @@
 
 Step ``n`` trains from version ``n - 1`` and its rollout samples with version ``rollout_version(cfg, n) =
 max(0, n - 1 - k)`` (``AsyncTrainingConfig.rollout_version``). ``run_local`` gets its rollouts through
-``LaggedRollouts`` (the rollout manager with a worker thread, or inline); the Flyte workflow wires the same rule as
+``LaggedRollouts`` (the rollout manager with a worker thread, or inline; in pool mode the manager dispatches to the
+pool's engine actors, which sample while the trainer actor trains); the Flyte workflow wires the same rule as
 a dependency: rollout ``n`` waits for the publication of version ``n - 1 - k``, not for train ``n - 1``.
 """
 
@@ -12,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -62,17 +63,29 @@ class LaggedRollouts:
     """``run_local``'s rollout source under a lag: a ``RolloutManager`` over ``rollout_phase`` (pinned versions).
 
     ``take(step)`` returns the step's shard batches, their metrics and ``async/*`` metrics; ``published(ckpt)``
-    after every publication lets the manager dispatch what the new version admits."""
+    after every publication lets the manager dispatch what the new version admits (and resumes a ``quiesce``).
+
+    Pool mode (``pool.execution: pool``): no thread; each request is an engine actor call (``submit_rollout``), so
+    rollout ``n + 1`` runs on the engines while the trainer actor trains ``n``. The engines receive every published
+    version in-pool, so ``quiesce()`` drains them before the publish (``quiesce_before_publish``)."""
 
     def __init__(self, cfg: RunConfig, ckpt: CheckpointRef) -> None:
         a = cfg.async_training
         shards = cfg.loop.rollout_shards
         self.cfg = cfg
+        self.in_pool = cfg.pool.execution == "pool"
         self._refs: dict[int, CheckpointRef] = {ckpt.step: ckpt}
         self._start = ckpt
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if a.overlap else _Inline()
+        self._quiesced = False
+        if self.in_pool:
+            from unirl_core.pool.cluster import Pool
+
+            Pool.get(cfg)  # Ray and the actors start on this (the driver's) thread, before any dispatch
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if a.overlap and not self.in_pool \
+            else _Inline()
         config = ManagerConfig(max_policy_lag=a.max_policy_lag, num_shards=shards,
-                               max_inflight=a.max_inflight or shards * (a.max_policy_lag + 1))
+                               max_inflight=a.max_inflight or shards * (a.max_policy_lag + 1),
+                               last_step=cfg.loop.total_steps)
         self.manager = RolloutManager(config, self._launch, check=self._check, first_step=ckpt.step + 1,
                                       published=ckpt.step)
         self._last_take: float | None = None
@@ -85,8 +98,26 @@ class LaggedRollouts:
             self._refs[version] = lagged_checkpoint(self.cfg, self._start, version)
         return self._refs[version]
 
+    @property
+    def quiesce_before_publish(self) -> bool:
+        """True when a publication changes the weights in-flight rollouts sample with (the pool's engines)."""
+        return self.in_pool
+
+    def quiesce(self) -> None:
+        """Pause dispatch and drain in-flight rollouts (before a publish into the engines, or an eval that loads
+        weights into the sampler's model); the next ``published`` resumes."""
+        self.manager.quiesce()
+        self._quiesced = True
+
     def _launch(self, req: RolloutRequest) -> Future:
         ref = self._ref(req.policy_version)
+        if self.in_pool:
+            from unirl_core.pool.phases import submit_rollout
+
+            fut = submit_rollout(self.cfg, ref, step=req.step, shard=req.shard, num_shards=self.cfg.loop.rollout_shards)
+            if not self.cfg.async_training.overlap:
+                wait([fut])  # inline: the same numbers, nothing runs beside the driver
+            return fut
         # the continuation samples with the next version, which must be one the step may train on (warm-up steps
         # whose version is clamped to 0 have none: they sample whole completions)
         if self.cfg.async_training.partial_rollout is not None and req.policy_version + 1 <= req.step - 1:
@@ -161,6 +192,9 @@ class LaggedRollouts:
         for old in [v for v in self._refs if v < ckpt.step - self.cfg.async_training.max_policy_lag]:
             del self._refs[old]
         self.manager.publish(ckpt.step)
+        if self._quiesced:  # after the version is recorded: what resume dispatches samples with it
+            self._quiesced = False
+            self.manager.resume()
 
     def close(self) -> None:
         with self._version_cond:

@@ -188,6 +188,10 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
         metrics.update(m)
         t["train"] = time.perf_counter() - t1
         t1 = time.perf_counter()
+        if lagged is not None and lagged.quiesce_before_publish:
+            tq = time.perf_counter()
+            lagged.quiesce()  # pool: the engines get the new weights; no rollout may be mid-sample on them
+            metrics["async/publish_quiesce_s"] = time.perf_counter() - tq
         published = publish_phase(cfg, ckpt)
         if lagged is not None:
             lagged.mark_available(ckpt)  # a partial rollout waiting for this version continues
@@ -196,13 +200,11 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
         if cfg.eval is not None and cfg.eval.due(step, total):
             t1 = time.perf_counter()
             if lagged is not None:  # eval loads its version into the rollout model the sampler thread uses
-                lagged.manager.quiesce()
+                lagged.quiesce()
             metrics.update(eval_phase(cfg, ckpt)[1])  # held-out, deterministic: eval/* in the step's record
-            if lagged is not None:
-                lagged.manager.resume()
             t["eval"] = time.perf_counter() - t1
         if lagged is not None:
-            lagged.published(ckpt)  # after eval: the version admits the next rollouts
+            lagged.published(ckpt)  # after eval: the version admits the next rollouts (and ends a quiesce)
         step_seconds = time.perf_counter() - t0
         metrics.update({f"time/{k}": v for k, v in t.items()})
         metrics.update({"step": float(step), "time/step": step_seconds})

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 
 import torch
@@ -50,6 +51,12 @@ from unirl_core.train.weight_sync import (
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
+
+QUERY_GROUP = "query"
+"""Ray concurrency group (one thread) of the methods in ``QUERIES``: they answer while the actor's default group
+runs a rollout, a train step or a publish (lagged rollouts: the trainer fetches step n's batch from an engine that
+is sampling step n + 1). They only read or drop bookkeeping, never the module."""
+QUERIES = frozenset({"pid", "placement", "current_sync", "served_version", "batch_ref", "release"})
 
 Version = tuple[str, int]
 """(checkpoint URI, policy version): the identity of a set of weights inside the pool."""
@@ -129,6 +136,7 @@ class EngineActor(_Actor):
         """Wire name -> dtype of the tensors a publish writes into (the trainer casts its fp32 masters to these
         on its device, rounding exactly as a load from the store does)."""
         targets = sync_names(self.policy.module, _scope(self.cfg))
+        self._batches_lock = threading.Lock()  # rollout (default group) and batch_ref / release (query group)
         return {n: str(t.dtype).removeprefix("torch.") for n, t in targets.items()}
 
     def join_sync(self, token: str, addr: str, port: int, rank: int, num_engines: int) -> None:
@@ -169,19 +177,25 @@ class EngineActor(_Actor):
             self.served = _version(ckpt)
         batch, metrics = phases.sample_step(self.cfg, self.policy, ckpt, step=step, shard=shard,
                                             num_shards=num_shards, weights="policy", started=t0)
-        self._batches = {k: v for k, v in self._batches.items() if k[0] >= step}
-        self._batches[(step, shard)] = ray.put(batch)  # owned by this actor: lives as long as it holds it
+        ref = ray.put(batch)  # owned by this actor: lives as long as it holds it
+        # a lagged rollout of step n runs while step n - lag still waits for its train call: keep those
+        keep_from = step - self.cfg.async_training.max_policy_lag
+        with self._batches_lock:
+            self._batches = {k: v for k, v in self._batches.items() if k[0] >= keep_from}
+            self._batches[(step, shard)] = ref
         metrics["pool/weights_from_store"] = float(from_store)
         return (batch if emit == "full" else project(batch)), metrics
 
     def batch_ref(self, step: int, shard: int) -> list:
         """``[ObjectRef]`` of the full batch of (step, shard), or ``[]`` when this engine does not hold it."""
-        ref = self._batches.get((step, shard))
+        with self._batches_lock:
+            ref = self._batches.get((step, shard))
         return [] if ref is None else [ref]
 
     def release(self, step: int) -> None:
         """Drop the full batches of steps up to ``step`` (the trainer has consumed them)."""
-        self._batches = {k: v for k, v in self._batches.items() if k[0] > step}
+        with self._batches_lock:
+            self._batches = {k: v for k, v in self._batches.items() if k[0] > step}
 
 
 class TrainerActor(_Actor):

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import sys
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from unirl_core.config.loader import to_dict
@@ -204,7 +205,10 @@ class Pool:
                     placement_group=self.pg, placement_group_bundle_index=self.bundle_of[name])}
         if self.detached:
             opts["lifetime"] = "detached"
-        handle = ray.remote(role.cls).options(**opts).remote(self.cfg, name, max(1, int(res.num_cpus)))
+        # queries (batch_ref, release, served_version, ...) run in their own thread while a rollout or train call
+        # holds the default group, so a lagged rollout on an engine does not block the trainer fetching its batch
+        remote = ray.remote(concurrency_groups={actors.QUERY_GROUP: 1})(role.cls)
+        handle = remote.options(**opts).remote(self.cfg, name, max(1, int(res.num_cpus)))
         self._handles[name] = handle
         return handle
 
@@ -213,10 +217,46 @@ class Pool:
         """Names of the actors this process holds handles of (created, not known dead)."""
         return sorted(self._handles)
 
+    def remote(self, name: str, method: str, *args):
+        """Start ``actor(name).method(*args)``; returns its ObjectRef. Methods in ``actors.QUERIES`` run in the
+        actor's query group (beside a running rollout or train call), every other one in call order."""
+        bound = getattr(self.actor(name), method)
+        if method in actors.QUERIES:
+            bound = bound.options(concurrency_group=actors.QUERY_GROUP)
+        return bound.remote(*args)
+
     def call(self, name: str, method: str, *args, what: str):
         """``actor(name).method(*args)``, waited for at most ``pool.call_timeout_s``. A dead actor raises
         PoolActorDied naming it (and is re-created by the next call); a hung one is killed first."""
-        return self.wait(name, getattr(self.actor(name), method).remote(*args), what=what)
+        return self.wait(name, self.remote(name, method, *args), what=what)
+
+    def submit(self, name: str, method: str, *args, what: str) -> Future:
+        """``call`` without waiting: a Future of the result (for the rollout manager). A dead actor sets
+        PoolActorDied naming it, as ``call`` raises it. No timeout: the caller bounds its wait."""
+        out: Future = Future()
+        ref = self.remote(name, method, *args)
+
+        def done(fut: Future) -> None:
+            try:
+                out.set_result(fut.result())
+            except BaseException as e:  # noqa: BLE001 - handed to the Future's owner, typed like call()'s
+                out.set_exception(self._died(name, e, what) or e)
+
+        ref.future().add_done_callback(done)
+        return out
+
+    def _died(self, name: str, error: BaseException, what: str) -> PoolActorDied | None:
+        """PoolActorDied naming ``name`` when ``error`` says the actor is gone (its handle is dropped), else None."""
+        from ray.exceptions import RayActorError
+
+        if not isinstance(error, RayActorError):
+            return None
+        self._handles.pop(name, None)
+        died = PoolActorDied(f"pool actor {name!r} of run {self.cfg.name!r} ({self.prefix}-{name}) died during "
+                             f"{what}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}; "
+                             "the next call re-creates it from the last published version (retry the phase)")
+        died.__cause__ = error
+        return died
 
     def wait(self, name: str, ref, *, what: str):
         import ray
@@ -225,10 +265,7 @@ class Pool:
         try:
             return ray.get(ref, timeout=self.pcfg.call_timeout_s)
         except RayActorError as e:
-            self._handles.pop(name, None)
-            raise PoolActorDied(f"pool actor {name!r} of run {self.cfg.name!r} ({self.prefix}-{name}) died during "
-                                f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; the next "
-                                "call re-creates it from the last published version (retry the phase)") from e
+            raise self._died(name, e, what) from e
         except GetTimeoutError as e:
             self.kill(name)
             raise TransientError(f"pool actor {name!r} of run {self.cfg.name!r} did not finish {what} within "

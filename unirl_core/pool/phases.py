@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import Future
 from typing import Literal
 
 from unirl_core.checkpoint import CheckpointRef
@@ -35,6 +36,16 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
     name = _engine_of(cfg, shard)
     return pool.call(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit,
                      what=f"rollout step {step} shard {shard}")
+
+
+def submit_rollout(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int,
+                   num_shards: int) -> Future:
+    """``rollout_phase`` without waiting: a Future of (projection, metrics) for the rollout manager (lagged
+    rollouts). The engine runs its calls in order, so a publish queued after it waits for it (the manager also
+    quiesces before publishing); a dead engine sets ``PoolActorDied`` naming it."""
+    name = _engine_of(cfg, shard)
+    return Pool.get(cfg).submit(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit,
+                                what=f"rollout step {step} shard {shard} (v{ckpt.policy_version})")
 
 
 def reward_phase(cfg: RunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:

@@ -69,12 +69,17 @@ class ManagerConfig:
     """Requests per step (``loop.rollout_shards``); a step is complete when all its shards are."""
     version_policy: VersionPolicy = "pinned"
     """``pinned``: step n samples with version ``max(0, n - 1 - lag)``; ``latest``: the newest published one."""
+    last_step: int | None = None
+    """The run's last step: nothing past it is dispatched (None: as far as the lag admits)."""
 
     def __post_init__(self) -> None:
         for name, low in (("max_policy_lag", 0), ("max_inflight", 1), ("num_shards", 1)):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
                 raise field_error(ConfigError, f"manager.{name}", v, f"an integer >= {low}", "use e.g. 1")
+        if self.last_step is not None and not (isinstance(self.last_step, int) and self.last_step >= 1):
+            raise field_error(ConfigError, "manager.last_step", self.last_step, "None or an integer >= 1",
+                              "pass loop.total_steps")
         if self.version_policy not in ("pinned", "latest"):
             raise field_error(ConfigError, "manager.version_policy", self.version_policy, "'pinned' or 'latest'",
                               "use 'pinned' for reproducible runs")
@@ -251,6 +256,8 @@ class RolloutManager:
         if len(self._inflight) >= self.config.max_inflight:
             return False
         step = self._next_step
+        if self.config.last_step is not None and step > self.config.last_step:
+            return False
         # dispatchable only once a version within the lag of step's trainer version (step - 1) is published
         need = max(0, step - 1 - self.config.max_policy_lag)
         if self._published < need:

@@ -136,7 +136,7 @@ def test_missing_lagged_version_names_keep_last(tmp_path):
 
 @pytest.mark.parametrize("extra,field", [
     (["checkpoint.keep_last=1"], "checkpoint.keep_last"),
-    (["pool.execution=pool"], "pool.execution"),
+    (["pool.execution=pool", "async_training.partial_rollout={interrupt_at_tokens: 2}"], "async_training.partial_rollout"),
     (["train.old_logp_source=rollout"], "train.old_logp_source"),
     (["filter_groups={max_num_gen_batches: 2}"], "filter_groups"),
     (["async_training.max_policy_lag=-1"], "async_training.max_policy_lag"),

@@ -7,6 +7,7 @@ What it runs (all shipped paths, CPU):
    calculator (``[a*b]`` -> observation -> the product), the rest answer directly with the product (a tiny model
    cannot multiply, so direct answers are mostly wrong). ``unirl_core.sft`` trains the tiny preset on them
    (multi-turn records: environment turns masked) and exports the model.
+   Rerunning with the same ``--root`` resumes the finished SFT run (no training) and only redoes RL.
 2. ``tiny-agent-calc`` starts from that export (``lm.model.model``); ``eval_phase`` scores the held-out prompts
    greedily before RL, ``run_local`` trains, and the last step's eval scores them after.
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import platform
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -95,6 +97,7 @@ def main() -> None:
     sft_s = time.perf_counter() - t_sft
     export = root / "agent-calc-sft" / "export"
     cfg = load_recipe("tiny-agent-calc", [*rl_overrides, f"lm.model.model={export}"])
+    shutil.rmtree(root / cfg.name, ignore_errors=True)  # the RL run starts from the SFT export every time
     ref0 = init_run(cfg)
     before, before_m = eval_phase(cfg, ref0)
     t_rl = time.perf_counter()

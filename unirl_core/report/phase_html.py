@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from unirl_core.report import charts
+from unirl_core.report.conversation import conversations_html
 from unirl_core.report.preview import batch_preview_html
 from unirl_core.types import SampleBatch
 
@@ -58,8 +59,10 @@ def _split_timings(metrics: Mapping[str, float], title: str) -> str:
 
 
 def rollout_html(batch: SampleBatch, metrics: Mapping[str, float]) -> str:
-    """Rollout deck: the sample grid (image thumbnails or a text table) and the engine's timings."""
-    return batch_preview_html(batch, title="rollout") + _split_timings(metrics, "rollout metrics")
+    """Rollout deck: the sample grid (image thumbnails or a text table), agentic conversations turn by turn, and
+    the engine's timings."""
+    return (batch_preview_html(batch, title="rollout") + conversations_html(batch)
+            + _split_timings(metrics, "rollout metrics"))
 
 
 def reward_html(batch: SampleBatch, metrics: Mapping[str, float]) -> str:

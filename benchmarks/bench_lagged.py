@@ -7,12 +7,16 @@ objective under a lag and a weight of exactly 1 without one):
   train + publish of the previous step);
 - ``lag1-inline``: ``max_policy_lag: 1``, ``overlap: false``: the same samples and numbers as ``lag1``, no thread;
 - ``lag1-partial``: ``lag1`` with partial rollouts: 2 of the 4 tokens sampled with version n-2, the rest with n-1
-  (the sampler waits for that publication), old tokens corrected by the same TIS weight.
+  (the sampler waits for that publication), old tokens corrected by the same TIS weight;
+- ``pool-sync`` / ``pool-lag1``: ``pool.execution: pool`` on a local Ray head this process starts once (engine and
+  trainer actors with one CPU each, the reward actor none): lag 0, and lag 1 where the rollout manager runs rollout
+  n + 1 on the engine actor while the trainer actor trains n (quiesced before each in-pool publish).
 
-Reported per side: steady-state steps/s (steps 2..N of the driver's wall time, median over seeds), the median step time, the trainer's wait for
-rollouts, and the mean reward per third of the run (mean over seeds, with the spread over seeds as the noise).
+Reported per side: steady-state steps/s (steps 2..N of the driver's wall time, median over seeds; step 1 builds
+models, and in the pool starts the actors: reported apart), the median step time, the trainer's wait for rollouts,
+and the mean reward per third of the run (mean over seeds, with the spread over seeds as the noise).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_lagged.py --steps 60 --seeds 3
+    OMP_NUM_THREADS=1 python benchmarks/bench_lagged.py --steps 60 --seeds 3 [--sides sync lag1 pool-sync pool-lag1]
 """
 
 from __future__ import annotations
@@ -32,7 +36,19 @@ SIDES = {"sync": ["async_training.max_policy_lag=0"],
          "lag1": ["async_training.max_policy_lag=1"],
          "lag1-inline": ["async_training.max_policy_lag=1", "async_training.overlap=false"],
          "lag1-partial": ["async_training.max_policy_lag=1",
-                          "async_training.partial_rollout={interrupt_at_tokens: 2, old_tokens: correct}"]}
+                          "async_training.partial_rollout={interrupt_at_tokens: 2, old_tokens: correct}"],
+         "pool-sync": ["async_training.max_policy_lag=0", "pool.execution=pool"],
+         "pool-lag1": ["async_training.max_policy_lag=1", "pool.execution=pool"]}
+
+
+def start_ray() -> None:
+    """One local Ray head for every pool side (the pools attach to it instead of starting and stopping their own)."""
+    import os
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only, as the pool's own head
+    import ray
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
 
 
 def run(side: str, seed: int, steps: int, root: Path) -> dict:
@@ -50,7 +66,9 @@ def run(side: str, seed: int, steps: int, root: Path) -> dict:
     # steady state: the driver's wall time of steps 2..N (step 1 builds models; a lagged step's time includes any
     # wait for its rollout, so overlapped rollout time is not hidden)
     return {"wall_s": wall, "steps_per_s": (steps - 1) / sum(h["time/step"] for h in hist[1:]),
-            "median_step_s": statistics.median(h["time/step"] for h in hist),
+            "first_step_s": hist[0]["time/step"], "median_step_s": statistics.median(h["time/step"] for h in hist[1:]),
+            "median_quiesce_s": statistics.median(h.get("async/publish_quiesce_s", 0.0) for h in hist[1:]),
+            "median_engine_idle": statistics.median(h.get("async/engine_idle_frac", float("nan")) for h in hist[1:]),
             "median_wait_s": statistics.median(h.get("async/rollout_wait_s", h["time/rollout"]) for h in hist),
             "reward_thirds": [statistics.mean(rewards[i * third:(i + 1) * third]) for i in range(3)],
             "staleness_max_after_warmup": max((h.get("async/staleness_max", 0.0) for h in hist[1:]), default=0.0),
@@ -61,14 +79,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
     args = ap.parse_args()
     pin_threads(1)
-    out: dict[str, list[dict]] = {s: [] for s in SIDES}
+    if any(side.startswith("pool") for side in args.sides):
+        start_ray()
+    out: dict[str, list[dict]] = {s: [] for s in args.sides}
     with tempfile.TemporaryDirectory() as tmp:
-        for side in SIDES:  # warm-up: imports and the per-process model caches, not recorded
+        for side in args.sides:  # warm-up: imports and the per-process model caches, not recorded
             run(side, 99, 3, Path(tmp))
         for seed in range(args.seeds):
-            for side in SIDES:  # interleaved, so machine load drifts hit every side alike
+            for side in args.sides:  # interleaved, so machine load drifts hit every side alike
                 out[side].append(run(side, seed, args.steps, Path(tmp)))
     rows = []
     for side, runs in out.items():
@@ -77,17 +98,25 @@ def main() -> None:
         rows.append([side, f"{statistics.median(r['steps_per_s'] for r in runs):.2f}",
                      f"{statistics.median(r['median_step_s'] for r in runs):.3f}",
                      f"{statistics.median(r['median_wait_s'] for r in runs):.3f}",
+                     f"{statistics.median(r['median_quiesce_s'] for r in runs):.3f}",
+                     f"{statistics.median(r['first_step_s'] for r in runs):.1f}",
                      *[cell(t) for t in thirds], f"{max(r['staleness_max_after_warmup'] for r in runs):.0f}"])
-    same = all(a["rewards"] == b["rewards"] for a, b in zip(out["lag1"], out["lag1-inline"]))
+    same = {f"{a} == {b}": all(x["rewards"] == y["rewards"] for x, y in zip(out[a], out[b]))
+            for a, b in (("lag1", "lag1-inline"), ("lag1", "pool-lag1"), ("sync", "pool-sync"))
+            if a in out and b in out}
     notes = (f"{args.steps} steps x {args.seeds} seeds per side, tiny-grpo (4 prompts x 8 samples per step), one torch "
-             f"thread per process, run_local in one process. lag1 and lag1-inline rewards identical per seed: {same}. "
+             f"thread per process, run_local in one process (pool sides: driver + engine, trainer and reward actors "
+             f"on a local Ray head). Rewards identical per seed: {same}. 'quiesce' is the driver's wait for in-flight "
+             "rollouts before each publish (pool lag 1: the rest of rollout n+1 after train n); 'first step' "
+             "includes model builds (pool: the actors' start; Ray's own start is before the run). "
              "Reward cells: mean over seeds +- population std over seeds (the run-to-run noise). 'wait' is the "
              "driver's time blocked on rollouts per step (sync: the rollout itself). In one process only the "
              "worker thread's rollout overlaps the driver's reward/advantage/train/publish; torch releases the GIL "
              "inside kernels, but Python-level work (tokenizer, sampling loop, checkpoint I/O) serialises, and this "
              "machine's 2 cores are shared with other jobs.")
     report("lagged_tiny_grpo_cpu", "Lagged rollouts (max_policy_lag 1) vs synchronous, tiny-grpo, CPU",
-           ["side", "steps/s", "median step s", "median wait s", "reward 1st third", "reward 2nd third",
+           ["side", "steps/s", "median step s", "median wait s", "median quiesce s", "first step s",
+            "reward 1st third", "reward 2nd third",
             "reward 3rd third", "max staleness"], rows,
            {side: [{k: v for k, v in r.items()} for r in runs] for side, runs in out.items()}, notes)
 

@@ -10,6 +10,15 @@ overhead per task execution in ms. Rounds alternate baseline and flyte; medians 
 uses a fresh run name, so the flytekit cache never hits.
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_orchestration [--steps 6] [--rounds 3] [--recipes tiny-grpo]
+
+``--execution pool``: the same comparison with ``pool.execution: pool`` at steady state (a local Ray head started
+once by this process; its start and each run's actor start are reported apart, not in the per-step times):
+  * plain: ``run_local`` in-process (the warm loop), ``time/step`` of the steps after the warm-up ones;
+  * plain-pool: ``run_local`` in pool mode, the same steps;
+  * flyte-pool: ``grpo`` in pool mode, one execution of ``--warmup`` steps (``max_steps``: starts the actors), then
+    one of ``--steps`` steps on the same config (same actors, warm): its wall / steps, setup and init tasks included.
+Per-phase seconds per step come from the steps' ``time/<phase>`` (Flyte: recorded by each task around the library
+call); Flyte's remainder (task machinery, Arrow IPC + hashing, decks, report) is its overhead.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -59,15 +69,105 @@ def _flyte(recipe: str, root: str, steps: int, chunk: int) -> tuple[float, float
     return wall, compute
 
 
+PHASES = ("rollout", "reward", "advantage", "train", "publish")
+
+
+def _phase_means(records: list[dict]) -> dict[str, float]:
+    return {p: statistics.mean(r.get(f"time/{p}", 0.0) for r in records) for p in PHASES}
+
+
+def _pool_plain(recipe: str, root: str, warmup: int, steps: int, pool: bool) -> dict:
+    from unirl_core.config import load_recipe
+    from unirl_core.loop.local import run_local
+
+    extra = ["pool.execution=pool"] if pool else []
+    cfg = load_recipe(recipe, [*_overrides(root, f"p-{uuid.uuid4().hex[:8]}", warmup + steps, warmup + steps), *extra])
+    t0 = time.perf_counter()
+    hist = run_local(cfg, progress=False)
+    steady = hist[warmup:]
+    return {"step_s": sum(h["time/step"] for h in steady) / steps, "first_s": time.perf_counter() - t0
+            - sum(h["time/step"] for h in steady), "phases": _phase_means(steady)}
+
+
+def _pool_flyte(recipe: str, root: str, warmup: int, steps: int) -> dict:
+    from workflows.grpo import grpo
+
+    name = f"f-{uuid.uuid4().hex[:8]}"
+    overrides = [*_overrides(root, name, warmup + steps, 3), "pool.execution=pool"]
+    t0 = time.perf_counter()
+    grpo(recipe=recipe, overrides=overrides, max_steps=warmup)  # starts the actors (a new config: a new pool)
+    t1 = time.perf_counter()
+    out = grpo(recipe=recipe, overrides=overrides, max_steps=steps)  # the same config: the same, warm actors
+    wall = time.perf_counter() - t1
+    if out.step != warmup + steps:
+        raise RuntimeError(f"flyte-pool ran to step {out.step}, expected {warmup + steps}")
+    recs = [json.loads(path.read_text())["metrics"]
+            for path in sorted((Path(root) / name / "report").glob("step-*/metrics.json"))[warmup:]]
+    return {"step_s": wall / steps, "first_s": t1 - t0, "phases": _phase_means(recs)}
+
+
+def pool_main(args) -> None:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only, as the pool's own head
+    import ray
+
+    t0 = time.perf_counter()
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    ray_start = time.perf_counter() - t0
+    rows, data = [], {"ray_head_start_s": ray_start}
+    with tempfile.TemporaryDirectory() as root:
+        for recipe in args.recipes:
+            _pool_plain(recipe, root, 1, 1, False)  # warm-up: imports, the in-process model caches
+            runs = {"plain": [], "plain-pool": [], "flyte-pool": []}
+            for _ in range(args.rounds):  # alternating, so load drifts hit every side alike
+                runs["plain"].append(_pool_plain(recipe, root, args.warmup, args.steps, False))
+                runs["plain-pool"].append(_pool_plain(recipe, root, args.warmup, args.steps, True))
+                runs["flyte-pool"].append(_pool_flyte(recipe, root, args.warmup, args.steps))
+            med = {side: statistics.median(r["step_s"] for r in rs) for side, rs in runs.items()}
+            ratio = lambda a, b: statistics.median(x["step_s"] / y["step_s"] for x, y in zip(runs[a], runs[b]))  # noqa: E731
+            phases = {side: {p: statistics.median(r["phases"][p] for r in rs) for p in PHASES}
+                      for side, rs in runs.items()}
+            flyte_overhead = med["flyte-pool"] - sum(phases["flyte-pool"].values())
+            data[recipe] = {"warmup_steps": args.warmup, "steps": args.steps, "rounds": args.rounds,
+                            "step_s": med, "flyte_pool_vs_plain": ratio("flyte-pool", "plain"),
+                            "plain_pool_vs_plain": ratio("plain-pool", "plain"),
+                            "flyte_pool_vs_plain_pool": ratio("flyte-pool", "plain-pool"),
+                            "phase_s_per_step": phases, "flyte_overhead_s_per_step": flyte_overhead,
+                            "first_s": {side: statistics.median(r["first_s"] for r in rs) for side, rs in runs.items()},
+                            "target_flyte_pool_vs_plain": 1.15, "raw": runs}
+            cell = lambda side: " / ".join(f"{phases[side][p]:.3f}" for p in PHASES)  # noqa: E731
+            rows.append([recipe, f"{med['plain']:.3f}", f"{med['plain-pool']:.3f}", f"{med['flyte-pool']:.3f}",
+                         f"{data[recipe]['flyte_pool_vs_plain']:.2f}", f"{data[recipe]['plain_pool_vs_plain']:.2f}",
+                         cell("plain"), cell("plain-pool"), cell("flyte-pool"), f"{flyte_overhead:.3f}",
+                         f"{data[recipe]['first_s']['flyte-pool']:.1f}"])
+    header = ["recipe", "plain s/step", "plain-pool s/step", "flyte-pool s/step", "flyte-pool/plain",
+              "plain-pool/plain", "plain phases s", "plain-pool phases s", "flyte-pool phases s",
+              "flyte overhead s/step", "flyte-pool first execution s"]
+    notes = (f"Steady state, {args.steps} steps after {args.warmup} warm-up step(s), medians over {args.rounds} "
+             f"alternating rounds (ratios: median of per-round ratios). Phases: {' / '.join(PHASES)} seconds per step "
+             "inside the phase functions (pool: the driver's wait on the actor call, so it includes Ray's call and "
+             "(de)serialisation). Flyte overhead = flyte-pool step - its phases (task machinery, Arrow IPC + sha256, "
+             "decks, report; setup + init tasks once per execution). One-off, not in the steps: Ray head start "
+             f"{ray_start:.1f} s; 'first execution' = actor start + the warm-up step(s) through flytekit. "
+             "Engine and trainer actors reserve one CPU each on a 2-core machine shared with other jobs; "
+             "OMP_NUM_THREADS=1.")
+    report("bench_orchestration_pool", "Local Flyte run in pool mode vs run_local, steady state", header, rows, data,
+           notes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=["tiny-flow-grpo", "tiny-grpo"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--chunk", type=int, default=3, help="loop.steps_per_chunk (>1 chunk exercises chaining)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--execution", choices=["pods", "pool"], default="pods")
+    ap.add_argument("--warmup", type=int, default=2, help="pool: steps before the measured ones")
     args = ap.parse_args()
     pin_threads(1)
     logging.getLogger("unirl.progress").disabled = True
+    if args.execution == "pool":
+        pool_main(args)
+        return
     rows, data = [], {}
     with tempfile.TemporaryDirectory() as root:
         for recipe in args.recipes:

@@ -64,6 +64,10 @@ def _model_overrides(cfg) -> list[str]:
     return [f"lm.model.seed={m.seed}", *(f"lm.model.tiny.{k}={v}" for k, v in vars(m.tiny).items())]
 
 
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None  # None: the SFT run was resumed finished (no step trained here)
+
+
 def tool_rate(batch) -> float:
     parts = batch.generated
     return sum(int((p.conditions[TURNS_KEY][:, 0] == 0).sum()) > 1 for p in parts) / max(len(parts), 1)
@@ -71,7 +75,8 @@ def tool_rate(batch) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--sft-steps", type=int, default=1500)
+    ap.add_argument("--sft-lr", type=float, default=2e-3)
     ap.add_argument("--rl-steps", type=int, default=40)
     ap.add_argument("--tool-frac", type=float, default=0.3)
     ap.add_argument("--root", default=None, help="checkpoint root (default: a temporary folder)")
@@ -89,7 +94,8 @@ def main() -> None:
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("".join(json.dumps(r) + "\n" for r in sft_rows(cfg, args.tool_frac, seed=0)))
     sft = load_sft_recipe("sft-tiny-lm", [f"data.path={data}", f"checkpoint.root={root}", "name=agent-calc-sft",
-                                          f"loop.total_steps={args.sft_steps}", "loop.steps_per_chunk=100",
+                                          f"loop.total_steps={args.sft_steps}", "loop.steps_per_chunk=500",
+                                          f"train.lr={args.sft_lr}",
                                           "data.batch_size=16", "lm.max_completion_tokens=48",
                                           *_model_overrides(cfg), *args.sft_override])
     t_sft = time.perf_counter()
@@ -107,8 +113,9 @@ def main() -> None:
     result = {
         "benchmark": "agent_calc", "recipe": "tiny-agent-calc", "sft_steps": args.sft_steps, "rl_steps": args.rl_steps,
         "tool_frac_sft_data": args.tool_frac, "overrides": args.override, "sft_overrides": args.sft_override,
-        "sft_loss_first10": sum(h["sft/loss"] for h in sft_hist[:10]) / 10,
-        "sft_loss_last10": sum(h["sft/loss"] for h in sft_hist[-10:]) / 10,
+        "sft_lr": args.sft_lr,
+        "sft_loss_first10": _mean([h["sft/loss"] for h in sft_hist[:10]]),
+        "sft_loss_last10": _mean([h["sft/loss"] for h in sft_hist[-10:]]),
         "eval_prompts": len(before),
         "before": {"accuracy": before_m["eval/reward/mean"], "tool_call_rate": tool_rate(before)},
         "after": {"accuracy": after_m["eval/reward/mean"], "tool_call_rate": tool_rate(after)},

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from unirl_core.advantage.config import AdvantageConfig
+from unirl_core.compose.eval_config import ComposeEvalConfig
 from unirl_core.config.loader import from_dict
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
 from unirl_core.config.run import CheckpointConfig, DataConfig, DiffusionSection, LMSection, LoopConfig, ReportConfig, RunConfig
@@ -130,6 +131,9 @@ class ComposeRunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    eval: ComposeEvalConfig | None = None
+    """Greedy enhancement vs the prompt itself, fixed-noise images of every prompt (``compose/evaluate.py``) at step 0,
+    every ``eval.every_n_steps`` and the last step (``run_compose_local``); None: none."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

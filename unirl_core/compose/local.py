@@ -18,6 +18,7 @@ from unirl_core.compose.phases import (
     step_of,
     train_phase,
 )
+from unirl_core.compose.evaluate import evaluate_compose
 from unirl_core.compose.report import write_step_report
 from unirl_core.report.tensorboard import ScalarLog
 from unirl_core.types import SampleBatch
@@ -31,9 +32,17 @@ def progress_line(step: int, total: int, m: dict[str, float], seconds: float) ->
         v = m.get(key, math.nan)
         return "-" if math.isnan(v) else f"{v:.4f}"
 
-    return (f"step {step}/{total} | reward {f('reward/mean')} | ratio enhancer {f('enhancer/train/ratio_mean')} "
-            f"image {f('image/train/ratio_mean')} | enhancement tokens {f('rollout/enhancer_tokens_mean')} | "
-            f"step {seconds:.1f}s")
+    line = (f"step {step}/{total} | reward {f('reward/mean')} | ratio enhancer {f('enhancer/train/ratio_mean')} "
+            f"image {f('image/train/ratio_mean')} | enhancement tokens {f('rollout/enhancer_tokens_mean')} | ")
+    if "eval/reward/mean" in m:
+        line += f"eval {f('eval/reward/mean')} (copy {f('eval/copy_reward/mean')}) | "
+    return line + f"step {seconds:.1f}s"
+
+
+def _say(line: str, show: bool) -> None:
+    log.info(line)
+    if show:
+        print(line, file=sys.stderr, flush=True)
 
 
 def compose_step(cfg: ComposeRunConfig, refs: Refs, step: int) -> tuple[Refs, SampleBatch, dict[str, float]]:
@@ -68,16 +77,25 @@ def run_compose_local(cfg: ComposeRunConfig, *, resume_from: str = "latest", pro
     tb = ScalarLog(cfg.run_root, storage_options=cfg.checkpoint.storage_options) \
         if cfg.report.tensorboard and step_of(cfg, refs) < total else None
     try:
+        if cfg.eval is not None and step_of(cfg, refs) == 0 < total:
+            metrics, texts = evaluate_compose(cfg, refs, cfg.eval)
+            write_step_report(cfg, 0, None, metrics, texts)
+            history.append({**metrics, "step": 0.0})
+            _say(f"step 0/{total} | eval {metrics['eval/reward/mean']:.4f} (copy {metrics['eval/copy_reward/mean']:.4f})",
+                 show)
         for step in range(step_of(cfg, refs) + 1, total + 1):
             refs, batch, metrics = compose_step(cfg, refs, step)
-            write_step_report(cfg, step, batch, metrics)
+            texts = None
+            if cfg.eval is not None and cfg.eval.due(step, total):
+                t0 = time.perf_counter()
+                m, texts = evaluate_compose(cfg, refs, cfg.eval)
+                metrics.update(m)
+                metrics["time/eval"] = time.perf_counter() - t0
+            write_step_report(cfg, step, batch, metrics, texts)
             if tb is not None:
                 tb.log(step, metrics)
             history.append(metrics)
-            line = progress_line(step, total, metrics, metrics["time/step"])
-            log.info(line)
-            if show:
-                print(line, file=sys.stderr, flush=True)
+            _say(progress_line(step, total, metrics, metrics["time/step"]), show)
             if on_step is not None:
                 on_step(metrics, batch)
     finally:

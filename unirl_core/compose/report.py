@@ -19,7 +19,7 @@ from unirl_core.report.charts import line_chart_svg
 from unirl_core.report.preview import thumbnail_data_uri
 from unirl_core.types import SampleBatch
 
-CURVES = ("reward/mean", "enhancer/reward/mean", "enhancer/train/loss", "image/train/loss",
+CURVES = ("reward/mean", "eval/reward/mean", "eval/copy_reward/mean", "eval/exact_copy_fraction", "enhancer/reward/mean", "enhancer/train/loss", "image/train/loss",
           "enhancer/train/ratio_mean", "image/train/ratio_mean", "rollout/enhancer_tokens_mean")
 MAX_ROWS = 64
 
@@ -46,14 +46,23 @@ def samples_html(batch: SampleBatch, *, max_rows: int = MAX_ROWS) -> str:
     return f"<table border=1 cellspacing=0 cellpadding=3>{head}{''.join(rows)}</table>{more}"
 
 
-def write_step_report(cfg: ComposeRunConfig, step: int, batch: SampleBatch, metrics: dict[str, float]) -> str:
-    """Write step ``step``'s page, record its metrics and rebuild the index; returns the index URI."""
+def _eval_html(enhancements: dict[str, str] | None) -> str:
+    if not enhancements:
+        return ""
+    rows = "".join(f"<tr><td>{html.escape(p)}</td><td>{html.escape(t)}</td></tr>" for p, t in enhancements.items())
+    return f"<h3>evaluation: greedy enhancement per prompt</h3><table border=1 cellspacing=0 cellpadding=3>{rows}</table>"
+
+
+def write_step_report(cfg: ComposeRunConfig, step: int, batch: SampleBatch | None, metrics: dict[str, float],
+                      enhancements: dict[str, str] | None = None) -> str:
+    """Write step ``step``'s page (its samples; ``enhancements``: the evaluation's greedy rewrites), record its
+    metrics and rebuild the index; returns the index URI. ``batch`` None (step 0's evaluation): no sample table."""
     root = posixpath.join(cfg.run_root, "report")
     fs, path = fsspec.core.url_to_fs(root, **cfg.checkpoint.storage_options)
     fs.makedirs(path, exist_ok=True)
     page = (f"<html><head><meta charset='utf-8'><title>{html.escape(cfg.name)} step {step}</title></head><body>"
             f"<h2>{html.escape(cfg.name)}: step {step}</h2><p><a href='index.html'>index</a></p>"
-            f"{samples_html(batch)}</body></html>")
+            f"{samples_html(batch) if batch is not None else ''}{_eval_html(enhancements)}</body></html>")
     fs.pipe_file(posixpath.join(path, f"step-{step:08d}.html"), page.encode())
     lines_path = posixpath.join(path, "metrics.jsonl")
     history = [json.loads(x) for x in fs.cat_file(lines_path).decode().splitlines()] if fs.exists(lines_path) else []

@@ -17,10 +17,14 @@ SMALL = ["data.prompts_per_step=2", "grouping.enhancements_per_prompt=2", "group
          "image.train.micro_batch_size=4", "loop.total_steps=2", "report.tensorboard=false"]
 
 
-def small_config(root, *extra: str, name: str = "enh"):
+def small_overrides(root, *extra: str, name: str = "enh") -> list[str]:
     # enhancer micro-batches must equal its engine's slices for exact rollout log-probs
     over = [o for o in SMALL if not o.startswith("enhancer.train.micro_batch_size")] + ["enhancer.train.micro_batch_size=4"]
-    return load_compose_recipe("shapes-enhance", [f"checkpoint.root={root}", f"name={name}", *over, *extra])
+    return [f"checkpoint.root={root}", f"name={name}", "eval=null", *over, *extra]
+
+
+def small_config(root, *extra: str, name: str = "enh"):
+    return load_compose_recipe("shapes-enhance", small_overrides(root, *extra, name=name))
 
 
 @pytest.fixture

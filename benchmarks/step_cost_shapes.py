@@ -134,3 +134,21 @@ def write_standin(path: Path, nbytes: int) -> None:
         tensors[f"blob_{i:03d}"] = torch.zeros(n, dtype=torch.uint8)
         left, i = left - n, i + 1
     save_file(tensors, str(path))
+
+
+class _NoClock:
+    def timed(self, _name, fn, *a, **kw):
+        return fn(*a, **kw)
+
+
+SPEC_ENV = "UNIRL_SHAPED_STATE"
+"""The state folder (``spec.json`` + ``model-init.safetensors``) a pool actor's ``worker_hook`` patches from."""
+
+
+def worker_hook() -> None:
+    """``pool.worker_setup_hook``: the shaped builder in a Ray actor process (it does not see the driver's patch)."""
+    import json
+    import os
+
+    state = Path(os.environ[SPEC_ENV])
+    patch_shaped(json.loads((state / "spec.json").read_text()), state, _NoClock())

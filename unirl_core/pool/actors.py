@@ -35,7 +35,7 @@ from unirl_core.checkpoint.store import (
 )
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
-from unirl_core.errors import CheckpointError, field_error
+from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.loop import build, phases
 from unirl_core.pool.config import Emit
 from unirl_core.pool.projection import for_training, project
@@ -66,12 +66,28 @@ def _version(ckpt: CheckpointRef) -> Version:
     return ckpt.uri, ckpt.policy_version
 
 
+def run_setup_hook(hook: str | None) -> None:
+    """Import ``module:function`` (``pool.worker_setup_hook``) and call it; a failure names the field."""
+    if hook is None:
+        return
+    import importlib
+
+    module, _, func = hook.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError) as exc:
+        raise field_error(ConfigError, "pool.worker_setup_hook", hook, "a function importable in the actor "
+                          "process", f"install its module in the image or put it on PYTHONPATH ({exc})") from exc
+    fn()
+
+
 class _Actor:
     def __init__(self, cfg: RunConfig, name: str, threads: int) -> None:
         # Ray sets OMP_NUM_THREADS from num_cpus only when unset; set torch's pool explicitly so a CPU actor
         # computes with the thread count it reserved (thread counts can change a reduction's bits).
         torch.set_num_threads(threads)
         self.cfg, self.name = cfg, name
+        run_setup_hook(cfg.pool.worker_setup_hook)
 
     def pid(self) -> int:
         """The worker process id (tests kill it to simulate a lost node)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -127,6 +128,10 @@ class PoolConfig:
     """How long setup waits for ``address`` to accept a connection."""
     call_timeout_s: float = 7200.0
     """Upper bound of one actor call (a rollout, a train step); past it the phase raises a TransientError."""
+    worker_setup_hook: str | None = None
+    """``"module:function"`` called with no arguments in every actor process before it builds anything (e.g. to
+    register a custom model builder or scorer the actors must see); the module must be importable there (installed
+    in the image, or on ``PYTHONPATH`` when the pool starts its own head)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.num_engines, int) and self.num_engines >= 1):
@@ -142,6 +147,10 @@ class PoolConfig:
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 unit = "MiB" if name.endswith("_mb") else "seconds"
                 raise field_error(ConfigError, f"pool.{name}", v, f"a finite number of {unit} > 0", "e.g. 60")
+        hook = self.worker_setup_hook
+        if hook is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", str(hook)):
+            raise field_error(ConfigError, "pool.worker_setup_hook", hook, "'module:function' (a dotted module path, "
+                              "a colon, a function name)", "e.g. 'my_project.pool_setup:register'")
         if self.address is not None and not self.address.strip():
             raise field_error(ConfigError, "pool.address", self.address, "None or host:port",
                               "leave it unset to start a local head")

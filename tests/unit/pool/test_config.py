@@ -33,6 +33,7 @@ def test_pods_is_the_default():
     ("checkpoint.every_n_steps=2", "checkpoint.every_n_steps"),  # pods restore the full state every step
     ("checkpoint.full_state=sharded", "checkpoint.full_state"),
     ("checkpoint.full_state=dcp", "checkpoint.full_state"),
+    ("pool.worker_setup_hook=my_module.setup", "pool.worker_setup_hook"),
 ])
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
@@ -66,3 +67,16 @@ def test_the_library_does_not_import_ray_in_pods_mode():
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
+
+
+def test_worker_setup_hook_runs_in_the_actor_process_and_names_the_field_when_missing(monkeypatch):
+    from unirl_core.pool.actors import run_setup_hook
+
+    calls = []
+    monkeypatch.setattr(sys.modules[__name__], "_hook_target", lambda: calls.append(1), raising=False)
+    run_setup_hook(f"{__name__}:_hook_target")
+    assert calls == [1]
+    with pytest.raises(ConfigError, match="pool.worker_setup_hook.*PYTHONPATH"):
+        run_setup_hook("no_such_module_here:setup")
+    with pytest.raises(ConfigError, match="pool.worker_setup_hook"):
+        run_setup_hook(f"{__name__}:no_such_function")

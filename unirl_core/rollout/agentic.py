@@ -194,7 +194,8 @@ class AgenticEngine:
     def _generator(self, sp: ARSamplingParams, turn: int) -> torch.Generator:
         dev = next(self.engine.bundle.module.parameters()).device
         seed = self.engine.config.seed if sp.seed is None else sp.seed
-        return torch.Generator(device=dev).manual_seed(stable_seed(seed, "agent-turn", turn) % (2**63))
+        # rows are decoded in groups of equal turn budget: each group draws from its own stream
+        return torch.Generator(device=dev).manual_seed(stable_seed(seed, "agent-turn", turn, sp.max_new_tokens))
 
     def _segment(self, t: _Trajectory) -> TokenSegment:
         ids = torch.cat(t.ids)

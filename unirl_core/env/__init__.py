@@ -2,8 +2,8 @@
 
 from unirl_core.env.base import (
     EnvChoice,
-    EnvTask,
     Environment,
+    EnvTask,
     StepResult,
     build_env,
     env_entry,

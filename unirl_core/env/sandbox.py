@@ -79,7 +79,7 @@ def evaluate(text: str, limits: SandboxLimits | None = None) -> int | float:
     return _Walker(lim).value(tree.body, 1)
 
 
-def format_number(x: int | float) -> str:
+def format_number(x: float) -> str:
     """Text of a result: integers exactly, floats to 12 significant digits (integral floats without '.0')."""
     if isinstance(x, int):
         return str(x)
@@ -114,7 +114,7 @@ class _Walker:
         raise ToolError(f"'{type(node).__name__}' is not allowed (numbers, + - * / // % **, parentheses and "
                         f"{', '.join(_FUNCS)} only)")
 
-    def _checked(self, v: int | float) -> int | float:
+    def _checked(self, v: float) -> int | float:
         if isinstance(v, int):
             if v.bit_length() > self.lim.max_int_bits:
                 raise ToolError(f"number too large (> {self.lim.max_int_bits} bits)")
@@ -123,7 +123,7 @@ class _Walker:
             raise ToolError("result is not a finite number")
         return v
 
-    def _binop(self, op: str, a: int | float, b: int | float) -> int | float:
+    def _binop(self, op: str, a: float, b: float) -> int | float:
         cap = self.lim.max_int_bits
         both_int = isinstance(a, int) and isinstance(b, int)
         if op == "*" and both_int and a.bit_length() + b.bit_length() > cap + 1:
@@ -141,7 +141,7 @@ class _Walker:
             raise ToolError("result is not a real number")
         return self._checked(out)
 
-    def _check_power(self, a: int | float, b: int | float) -> None:
+    def _check_power(self, a: float, b: float) -> None:
         if abs(b) > 10_000:
             raise ToolError("exponent too large")
         if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 \

@@ -32,13 +32,19 @@ from typing import Annotated, Any, Literal
 import torch
 from torch import Tensor
 
-from unirl_core.env.base import EnvChoice, EnvTask, Environment, build_env
+from unirl_core.env.base import EnvChoice, Environment, EnvTask, build_env
 from unirl_core.env.calculator import CalculatorEnvConfig
 from unirl_core.env.reward import RETURN_TARGET
 from unirl_core.errors import ConfigError, EngineError, field_error
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.sde.noise import stable_seed
-from unirl_core.types import ARSamplingParams, NoiseRecipe, Sample, SampleBatch, TokenSegment
+from unirl_core.types import (
+    ARSamplingParams,
+    NoiseRecipe,
+    Sample,
+    SampleBatch,
+    TokenSegment,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import Literal
 from unirl_core.config.loader import from_dict
 from unirl_core.config.recipes import load_recipe_dict, recipe_names, recipe_path
 from unirl_core.config.run import CheckpointConfig
-from unirl_core.rollout.agentic import CHATML_OBSERVATION
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
+from unirl_core.rollout.agentic import CHATML_OBSERVATION
 from unirl_core.train.config import TrainConfig
 
 SFTFamily = Literal["diffusion", "lm"]

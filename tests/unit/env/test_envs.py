@@ -3,7 +3,7 @@
 import pytest
 
 from unirl_core.config.loader import from_dict, to_dict
-from unirl_core.env import EnvTask, Environment, build_env, env_names, register_env
+from unirl_core.env import Environment, EnvTask, build_env, env_names, register_env
 from unirl_core.env.calculator import CalculatorEnv, CalculatorEnvConfig, answer_matches
 from unirl_core.env.guess import GuessNumberEnv, GuessNumberEnvConfig
 from unirl_core.env.reward import AgentReturnScorer

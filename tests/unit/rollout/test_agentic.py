@@ -1,6 +1,7 @@
 """Agentic multi-turn rollouts over the tiny LM: trajectory layout and masks, finish reasons, zero gradient on
 environment tokens, exact first-update ratio through TrainBackend, Arrow round trip."""
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -80,7 +81,7 @@ def test_trajectory_is_one_masked_segment_with_turn_structure():
         first = GuessNumberEnv(agentic.config.env).reset(EnvTask(prompt=part.prompt, group_id=part.group_id))
         assert torch.equal(seg.prompt_ids, engine.encode_prompt(first))  # the environment's first message
         roles = turns[:, 0].tolist()
-        assert roles[0] == MODEL and all(a != b for a, b in zip(roles, roles[1:]))  # alternating, model first
+        assert roles[0] == MODEL and all(a != b for a, b in itertools.pairwise(roles))  # alternating, model first
         assert turns[0, 1] == 0 and turns[-1, 2] == seg.num_response_tokens
         assert torch.equal(turns[1:, 1], turns[:-1, 2])  # contiguous spans
         want_mask = torch.cat([torch.full((int(b - a),), r == MODEL) for r, a, b in turns.tolist()])

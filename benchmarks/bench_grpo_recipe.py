@@ -164,6 +164,8 @@ def run_config(a, texts: list[str], root: str):
             "report.tensorboard=true"]
     if a.micro_batch_tokens:  # token-budget packing (ours only; TRL's micro-batch is a row count)
         over.append(f"train.micro_batch_tokens={a.micro_batch_tokens}")
+    if a.master_weights:  # model: bf16 weights + AdamW state like TRL's (ours only)
+        over.append(f"train.master_weights={a.master_weights}")
     data = load_recipe_dict("tiny-grpo", over)
     data["data"] = {"source": "inline", "prompts": texts, "prompts_per_step": a.prompts,
                     "samples_per_prompt": a.group}
@@ -343,7 +345,8 @@ def run_side(a, side: str) -> dict:
     os.close(fd)
     argv = [sys.executable, __file__, "--worker", side, "--out", out]
     for k in ("shape", "dtype", "device", "prompts", "group", "new_tokens", "prompt_len", "micro_batch",
-              "decode_batch", "micro_batch_tokens", "loss", "lr", "steps", "warmup", "checkpoint_root"):
+              "decode_batch", "micro_batch_tokens", "loss", "lr", "steps", "warmup", "checkpoint_root",
+              "master_weights"):
         if getattr(a, k) is not None:
             argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.grad_ckpt:
@@ -368,6 +371,8 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="ours: train.micro_batch_tokens (token-budget micro-batches); 0 = fixed micro-batch")
     ap.add_argument("--loss", choices=("grpo", "dapo", "dr_grpo"))
+    ap.add_argument("--master-weights", choices=("fp32", "model"), default=None,
+                    help="ours: train.master_weights (default: the recipe's fp32 masters; model = TRL's footprint)")
     ap.add_argument("--lr", type=float)
     ap.add_argument("--grad-ckpt", action="store_true", default=None)
     ap.add_argument("--sides", help="comma list of loop, backend, trl (default: the preset's)")
@@ -449,7 +454,8 @@ def report(a, sides: list[str], runs: dict[str, list[dict]], *, final: bool = Tr
 def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> Path:
     out = Path(a.results)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}.json"
+    tag = f"_master-{a.master_weights}" if a.master_weights else ""
+    path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}{tag}.json"
     # Folders of this machine stay out of the record (results dir, checkpoint root): only whether one was given.
     args = {k: (("<set>" if v else v) if k in ("results", "checkpoint_root") else v)
             for k, v in vars(a).items() if k not in ("worker", "out")}

@@ -37,14 +37,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-MODES = ("warm", "pool-separate", "pool-colocate")
-KEEP = ("time/", "pool/", "train/ratio", "train/logp", "train/absdiff", "rollout/logp", "reward/mean")
+MODES = ("warm", "pool-separate", "pool-colocate", "pool-separate-lag1")
+KEEP = ("time/", "pool/", "async/", "train/ratio", "train/logp", "train/absdiff", "rollout/logp", "reward/mean")
 
 
 def _pool_overrides(mode: str, gpus: bool, cpus: float) -> list[str]:
-    sep = mode == "pool-separate"
+    sep = mode.startswith("pool-separate")
     g = ("1" if sep else "0.5") if gpus else "0"
-    return ["pool.execution=pool", f"pool.placement={'separate' if sep else 'colocate'}",
+    lag = ["async_training.max_policy_lag=1"] if mode.endswith("-lag1") else []
+    return [*lag, "pool.execution=pool", f"pool.placement={'separate' if sep else 'colocate'}",
             f"pool.engine.num_gpus={g}", f"pool.trainer.num_gpus={g}", "pool.reward.num_gpus=0",
             f"pool.engine.num_cpus={cpus}", f"pool.trainer.num_cpus={cpus}", f"pool.reward.num_cpus={cpus}",
             "pool.worker_setup_hook=step_cost_shapes:worker_hook"]
@@ -150,11 +151,14 @@ def _summary(res: dict) -> dict:
     steady = walls[1:] or walls
     phases = sorted({k for m in ms for k in m if k.startswith("time/")})
     per_phase = {k[5:]: statistics.median(m.get(k, 0.0) for m in ms[1:] or ms) for k in phases}
-    pool = {k: [m[k] for m in ms if k in m] for k in sorted({k for m in ms for k in m if k.startswith("pool/")})}
+    pool = {k: [m[k] for m in ms if k in m] for k in sorted({k for m in ms for k in m
+                                                            if k.startswith(("pool/", "async/"))})}
     first = ms[0] if ms else {}
     agree = {k: v for k, v in first.items() if k.startswith(("train/ratio", "train/logp", "train/absdiff",
                                                             "rollout/logp"))}
-    return {"mode": res["mode"], "init_s": res["init_s"], "first_step_s": walls[0], "steady_step_s":
+    trainer_idle = 1.0 - per_phase.get("train", 0.0) / max(statistics.median(steady), 1e-9)
+    return {"mode": res["mode"], "trainer_idle_frac": trainer_idle, "init_s": res["init_s"],
+            "first_step_s": walls[0], "steady_step_s":
             statistics.median(steady), "steady_steps": len(steady), "phases_s": per_phase, "pool": pool,
             "first_update": agree, "reward_mean": [m.get("reward/mean") for m in ms],
             "gpu_peak_mib": res["gpu_peak_mib"], "process_s": res["process_s"]}
@@ -212,23 +216,25 @@ def _table(out: dict) -> None:
         warm = next((m for m in pr["modes"] if m["mode"] == "warm" and "error" not in m), None)
         for m in pr["modes"]:
             if "error" in m:
-                rows.append([pr["preset"], m["mode"], m["error"], "", "", "", "", ""])
+                rows.append([pr["preset"], m["mode"], m["error"], "", "", "", "", "", ""])
                 continue
             ratio = f"{m['steady_step_s'] / warm['steady_step_s']:.3f}x" if warm else "-"
             serving = m["pool"].get("pool/engines_serving")
             send = m["pool"].get("pool/publish_send_s")
             peak = ", ".join(f"{i}: {v / 1024:.1f}" for i, v in sorted(m["gpu_peak_mib"].items())) or "-"
+            idle = m["pool"].get("async/engine_idle_frac")
             rows.append([pr["preset"], m["mode"], f"{m['first_step_s']:.2f}", f"{m['steady_step_s']:.2f}", ratio,
+                         f"{statistics.median(idle[1:] or idle):.2f}" if idle else "-",
                          f"{statistics.median(send):.3f}" if send else "-",
                          f"{min(serving):.0f}/{len(serving)} steps" if serving else "-", peak])
     name = "gpu_pool_loop_smoke" if out["smoke"] else "gpu_pool_loop"
     report(name, "The shipped loop in pool mode vs in-process, recipe shapes" + (" (SMOKE: CPU plumbing only)"
            if out["smoke"] else ""), ["preset", "mode", "first step s", "steady step s", "vs warm",
-           "publish send s", "engines serving (min)", "peak GiB per GPU"], rows, out,
+           "engine idle frac", "publish send s", "engines serving (min)", "peak GiB per GPU"], rows, out,
            notes=f"{out['presets'][0]['steps']} steps per mode, each mode a fresh process; steady = median of the "
                  "steps after the first; warm = run_local in one process on GPU 0; pool-separate = trainer and "
                  "engine actors on their own GPUs, NCCL publish; pool-colocate = both on GPU 0, object-store "
-                 "publish. Peak = nvidia-smi memory.used (all processes on that GPU).")
+                 "publish; -lag1 = async_training.max_policy_lag 1 (rollout n+1 beside train n). Peak = nvidia-smi memory.used (all processes on that GPU).")
 
 
 def main() -> None:

@@ -264,6 +264,10 @@ def check_agent_config(cfg) -> None:
         raise field_error(ConfigError, "lm.deployment.engine", cfg.lm.deployment.engine, "'trainside' with lm.agent",
                           "multi-turn rollouts run over the trainside engine only (a vLLM turn loop is not built); "
                           "remove lm.agent or the dedicated engine")
+    if cfg.pool.execution == "pool":
+        raise field_error(ConfigError, "pool.execution", "pool", "'pods' with lm.agent", "agentic rollouts have not "
+                          "run on the pool's engine actors (its Arrow projection also drops the turn structure the "
+                          "deck shows); use execution 'pods'")
     if cfg.async_training.max_policy_lag > 0:
         raise field_error(ConfigError, "async_training.max_policy_lag", cfg.async_training.max_policy_lag,
                           "0 with lm.agent", "the lagged sampler is single-turn (suspending trajectories at turn "

@@ -25,6 +25,7 @@ def test_tiny_agent_calc_recipe():
     ("tiny-agent-calc", ["lm.agent.env.limits.max_int_bits=0"], r"limits.max_int_bits=0"),
     ("tiny-agent-calc", ["async_training.max_policy_lag=1", "checkpoint.keep_last=3"],
      r"async_training.max_policy_lag=1: expected 0 with lm.agent"),
+    ("tiny-agent-calc", ["pool.execution=pool"], r"pool.execution='pool': expected 'pods' with lm.agent"),
     ("tiny-grpo-vllm", ["lm.agent.max_turns=2"], r"lm.deployment.engine='vllm': expected 'trainside' with lm.agent"),
 ])
 def test_refused_agent_settings_name_the_field(recipe, overrides, message):

@@ -21,6 +21,7 @@ from tasks.common import (
     deck,
     phase,
 )
+from tasks.report import run_report
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config import RunConfig
 from unirl_core.report.phase_html import reward_html
@@ -35,6 +36,7 @@ def _evaluate(cfg: RunConfig, ckpt: CheckpointRef, weights: str | None) -> dict[
         batch, m = evaluate.eval_phase(cfg, ckpt, weights=weights or None)
     metrics.update(m)
     deck("eval", reward_html(batch, metrics))
+    run_report(cfg).record_eval(ckpt.step, batch, metrics)  # per-prompt samples for the report's before/after
     return metrics
 
 

@@ -61,6 +61,8 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
     # The published version of each step: step n's rollout samples with version n - 1 - max_policy_lag, so with a
     # lag it depends on that publication only and Flyte runs it beside train n - 1 (lag 0: the previous publish).
     published_at = {ckpt.step: ckpt}
+    if ckpt.step == 0 and cfg.eval is not None and cfg.eval.due(0, total):
+        prev_report = eval_task(cfg=cfg, ckpt=ckpt)  # the starting policy: the report's held-out "before"
     for step in range(first, last + 1):
         version = cfg.async_training.rollout_version(step)
         if version not in published_at:  # published before this chunk: read its ref from the store

@@ -23,6 +23,9 @@ def test_grpo_evaluates_each_due_step_and_evaluate_reproduces_it(tmp_path, run_n
     assert len(evals) == 2
     index = (tmp_path / run_name / "report" / "index.html").read_text()
     assert 'data-metric="eval/reward/mean"' in index
+    assert "held-out evaluation: step 0 vs step 2" in index  # the start eval's record, next to the last one
+    assert sorted(p.name for p in (tmp_path / run_name / "report" / "eval").glob("*[0-9].json")) == [
+        "step-00000000.json", "step-00000001.json", "step-00000002.json"]
     out = evaluate(recipe="tiny-flow-grpo", overrides=overrides, version="latest", weights="")
     assert out["eval/step"] == 2.0 and out["eval/reward/mean"] == pytest.approx(evals[-1], abs=0.0)
     first = evaluate(recipe="tiny-flow-grpo", overrides=overrides, version=str(tmp_path / run_name / "step-00000001"),
@@ -37,7 +40,9 @@ def test_eval_task_is_wired_after_publish_of_due_steps_only():
                      "eval.num_prompts=2"])
     names = [t.rsplit(".", 1)[1] for t in _targets(spec)]
     step = ["rollout_step", "reward_task", "advantage_task", "train_task", "publish_task"]
-    assert names == [*step, "report_task", *step, "eval_task", "report_task", *step, "report_task", "grpo_chunk"]
+    # the starting version first (the report's held-out "before"), then every due step
+    assert names == ["eval_task", *step, "report_task", *step, "eval_task", "report_task", *step, "report_task",
+                     "grpo_chunk"]
     by_id = {n.id: n for n in spec.nodes}
     ev = next(n for n in spec.nodes if n.task_node and n.task_node.reference_id.name.endswith("eval_task"))
     report = next(n for n in spec.nodes if ev.id in n.upstream_node_ids)

@@ -35,6 +35,9 @@ class EvalConfig:
     """Evaluate after every n-th training step (0: only ``at_end``)."""
     at_end: bool = True
     """Also evaluate the last step's version."""
+    at_start: bool = True
+    """Also evaluate the starting version of a new run (step 0, before any update): the "before" of the run
+    report's before/after comparison. A resumed run does not evaluate its resume point again."""
     weights: Literal["policy", "ema"] = "policy"
     """The version's policy weights or its EMA weights (``train.ema_decay`` required)."""
     prompts: tuple[str, ...] = ()
@@ -58,12 +61,15 @@ class EvalConfig:
         if self.weights not in ("policy", "ema"):
             raise field_error(ConfigError, "eval.weights", self.weights, "'policy' or 'ema'", "use 'policy'")
         object.__setattr__(self, "prompts", tuple(self.prompts))
-        if self.every_n_steps == 0 and not self.at_end:
-            raise field_error(ConfigError, "eval", "every_n_steps=0, at_end=false", "an evaluation at some step",
+        if self.every_n_steps == 0 and not self.at_end and not self.at_start:
+            raise field_error(ConfigError, "eval", "every_n_steps=0, at_end=false, at_start=false",
+                              "an evaluation at some step",
                               "set eval.every_n_steps, or eval.at_end: true, or remove the eval section")
 
     def due(self, step: int, total_steps: int) -> bool:
-        """Whether the version of training step ``step`` is evaluated."""
+        """Whether the version of training step ``step`` is evaluated (step 0: the starting version)."""
+        if step == 0:
+            return self.at_start
         return (self.every_n_steps > 0 and step % self.every_n_steps == 0) or (self.at_end and step == total_steps)
 
 

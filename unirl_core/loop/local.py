@@ -28,6 +28,7 @@ from unirl_core.loop.phases import (
     rollout_phase,
     train_phase,
 )
+from unirl_core.report.run_report import RunReport
 from unirl_core.report.tensorboard import ScalarLog
 from unirl_core.report.wandb_log import MetricSinks, WandbLog
 from unirl_core.types import SampleBatch
@@ -139,6 +140,14 @@ def _run_steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
 
 def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool,
            scalars: MetricSinks | None) -> list[dict]:
+    if cfg.eval is not None and ckpt.step == 0 and cfg.loop.total_steps > 0 and cfg.eval.due(0, cfg.loop.total_steps):
+        # the "before" of the report's held-out before/after; ahead of the rollout manager, which would sample with
+        # the rollout model while eval loads weights into it
+        start = evaluate_into_report(cfg, ckpt)
+        if scalars is not None:
+            scalars.log(0, start)
+        _say(f"step 0/{cfg.loop.total_steps} | eval {start.get('eval/reward/mean', math.nan):.4f} (starting policy, "
+             "held out)", show)
     # async_training.max_policy_lag > 0: rollouts come from the rollout manager, sampled with lagged versions
     lagged = LaggedRollouts(cfg, ckpt) if cfg.async_training.max_policy_lag and ckpt.step < cfg.loop.total_steps \
         else None
@@ -147,6 +156,16 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
     finally:
         if lagged is not None:
             lagged.close()
+
+
+def evaluate_into_report(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
+    """The eval phase on ``ckpt``, its per-prompt samples and metrics written to the run report's ``eval/``
+    (``<checkpoint.root>/<run>/report``) and the report's index re-rendered; returns the ``eval/*`` metrics."""
+    batch, metrics = eval_phase(cfg, ckpt)
+    report = RunReport(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}", storage_options=cfg.checkpoint.storage_options)
+    report.record_eval(ckpt.step, batch, metrics)
+    report.render(title=f"run {cfg.name}")
+    return metrics
 
 
 def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool,
@@ -201,7 +220,7 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
             t1 = time.perf_counter()
             if lagged is not None:  # eval loads its version into the rollout model the sampler thread uses
                 lagged.quiesce()
-            metrics.update(eval_phase(cfg, ckpt)[1])  # held-out, deterministic: eval/* in the step's record
+            metrics.update(evaluate_into_report(cfg, ckpt))  # held-out, deterministic: eval/* in the step's record
             t["eval"] = time.perf_counter() - t1
         if lagged is not None:
             lagged.published(ckpt)  # after eval: the version admits the next rollouts (and ends a quiesce)

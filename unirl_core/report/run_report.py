@@ -35,6 +35,15 @@ import fsspec
 from unirl_core.checkpoint.ref import parse_step_dirname, step_dirname
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.report.charts import line_chart_svg
+from unirl_core.report.eval_report import (
+    EVAL_DIR,
+    EvalRecord,
+    before_after_html,
+    dump_record,
+    eval_record,
+    eval_strip_html,
+    load_record,
+)
 from unirl_core.report.preview import thumbnail_data_uri
 from unirl_core.report.text import display_html
 from unirl_core.types import SampleBatch
@@ -151,7 +160,34 @@ class RunReport:
         self._write(SUMMARY, json.dumps([r.__dict__ for r in sorted([*others, rec], key=lambda r: r.step)]))
         return rec
 
+    def record_eval(self, step: int, batch: SampleBatch, metrics: Mapping[str, float]) -> EvalRecord:
+        """Write the held-out eval of step ``step``'s version (metrics, per-prompt rewards and samples) to
+        ``eval/``; the index shows the first and the last of them side by side."""
+        rec = eval_record(step, batch, dict(metrics))
+        raw, cells = dump_record(rec, eval_strip_html(batch))
+        self._write(f"{EVAL_DIR}/{step_dirname(step)}.json", raw)
+        self._write(f"{EVAL_DIR}/{step_dirname(step)}.cells.json", cells)
+        return rec
+
     # ------------------------------------------------------------------------------------------- read
+
+    def evals(self) -> list[tuple[EvalRecord, dict[str, str]]]:
+        """Every recorded eval (record, per-prompt sample cells), in step order."""
+        folder = posixpath.join(self.path, EVAL_DIR)
+        self.fs.invalidate_cache(folder)
+        try:
+            names = [posixpath.basename(p) for p in self.fs.ls(folder, detail=False)]
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            step = parse_step_dirname(name[:-len(".json")]) if name.endswith(".json") else None
+            if step is None or name.endswith(".cells.json"):
+                continue
+            raw = self._read(f"{EVAL_DIR}/{name}")
+            if raw is not None:
+                out.append(load_record(raw, self._read(f"{EVAL_DIR}/{step_dirname(step)}.cells.json")))
+        return sorted(out, key=lambda rc: rc[0].step)
 
     def steps(self) -> list[StepRecord]:
         """Every recorded step, in step order."""
@@ -184,7 +220,10 @@ class RunReport:
         for s in strip_steps([r.step for r in records]):
             raw = self._read(f"{step_dirname(s)}/grid.html") or b""
             grids[s] = raw.decode() if len(raw) <= MAX_STRIP_BYTES else "(strip too large to embed)"
-        self._write("index.html", _page(title, index_body(title, records, config, grids, smooth=smooth)))
+        evals = self.evals()
+        held_out = before_after_html(*evals[0], *evals[-1]) if evals else ""
+        self._write("index.html", _page(title, index_body(title, records, config, grids, smooth=smooth,
+                                                          held_out=held_out)))
         return self.index_uri
 
 
@@ -265,8 +304,9 @@ def _chart_groups(records: list[StepRecord], smooth: float | None) -> list[tuple
 
 
 def index_body(title: str, records: list[StepRecord], config: bytes | None, grids: Mapping[int, str],
-               *, smooth: float | None = SMOOTHING) -> str:
-    """Body of ``index.html``: charts, one row per step (metrics, samples, page links), the config."""
+               *, smooth: float | None = SMOOTHING, held_out: str = "") -> str:
+    """Body of ``index.html``: charts, the held-out before/after section (``held_out``), one row per step
+    (metrics, samples, page links), the config."""
     sections = "".join(f"<h3>{html.escape(t)}</h3><div class='charts'>{''.join(cs)}</div>"
                        for t, cs in _chart_groups(records, smooth))
     reward_key = next((k for k in REWARD_KEYS if any(k in r.metrics for r in records)), None)
@@ -288,7 +328,7 @@ def index_body(title: str, records: list[StepRecord], config: bytes | None, grid
     smooth_note = f" Thick lines are an EMA with smoothing {smooth:g}." if smooth is not None else ""
     cfg = html.escape(config.decode()) if config else "(no config recorded)"
     return (f"<h2>{html.escape(title)}</h2><p>{len(records)} steps recorded.{smooth_note}</p>{sections}"
-            f"<h3>steps</h3>{note}"
+            f"{held_out}<h3>steps</h3>{note}"
             f"<table border='1' cellspacing='0' cellpadding='3' style='font-size:12px'><tr><th>step</th>{head}"
             f"<th>pages</th><th>samples</th></tr>{''.join(rows)}</table>"
             f"<h3>config</h3><pre style='font-size:11px'>{cfg}</pre>")

@@ -28,10 +28,11 @@ def test_due_and_config_errors(tmp_path):
     assert [s for s in range(1, 8) if ev.due(s, 7)] == [3, 6, 7]
     assert [s for s in range(1, 8) if EvalConfig(every_n_steps=3, at_end=False).due(s, 7)] == [3, 6]
     assert [s for s in range(1, 5) if EvalConfig().due(s, 4)] == [4]
+    assert EvalConfig().due(0, 4) and not EvalConfig(at_start=False).due(0, 4)  # the starting version
     with pytest.raises(ConfigError, match="eval.every_n_steps"):
         EvalConfig(every_n_steps=-1)
     with pytest.raises(ConfigError, match="eval"):
-        EvalConfig(at_end=False)
+        EvalConfig(at_end=False, at_start=False)
     with pytest.raises(ConfigError, match="eval.prompts"):  # inline prompts cannot draw a held-out set
         load_recipe("tiny-flow-grpo", [f"checkpoint.root={tmp_path}", "eval.every_n_steps=1"])
     with pytest.raises(ConfigError, match="eval.weights"):
@@ -97,3 +98,27 @@ def test_run_report_charts_eval_curves(tmp_path):
     index = (tmp_path / "run" / "report" / "index.html").read_text()
     assert "<h3>eval</h3>" in index and 'data-metric="eval/reward/mean"' in index
 
+
+
+def test_start_and_end_eval_go_into_the_report_before_after(tmp_path):
+    cfg = load_recipe("tiny-flow-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=2", *DIFF,
+                                         "checkpoint.keep_last=3"])
+    hist = run_local(cfg, progress=False)
+    assert "eval/reward/mean" not in hist[0] and "eval/reward/mean" in hist[1]  # step 0 is not a training step
+    evals = RunReport(str(tmp_path / cfg.name)).evals()
+    assert [rec.step for rec, _ in evals] == [0, 2]
+    start, cells = evals[0]
+    assert start.prompts == ["a red fox", "a blue lake"] and set(cells) == set(start.prompts)
+    assert all(cells[p].count("<img") == 2 for p in start.prompts)  # eval.samples_per_prompt thumbnails each
+    # the recorded "before" is the deterministic eval of the step-0 version, the "after" the last step's
+    _, again = eval_phase(cfg, resolve_version(cfg, str(tmp_path / cfg.name / "step-00000000")))
+    assert start.metrics["eval/reward/mean"] == again["eval/reward/mean"]
+    assert evals[1][0].metrics["eval/reward/mean"] == hist[1]["eval/reward/mean"]
+    means = start.prompt_reward
+    assert sum(means) / len(means) == pytest.approx(start.metrics["eval/reward/mean"])  # 2 samples per prompt
+    index = (tmp_path / cfg.name / "report" / "index.html").read_text()
+    assert "held-out evaluation: step 0 vs step 2" in index and index.count("class='eval-prompt'") == 2
+    # no start eval for a run resumed past step 0
+    cfg3 = load_recipe("tiny-flow-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=3", *DIFF])
+    run_local(cfg3, progress=False)
+    assert [rec.step for rec, _ in RunReport(str(tmp_path / cfg.name)).evals()] == [0, 2, 3]

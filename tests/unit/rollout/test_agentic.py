@@ -199,3 +199,15 @@ def test_stored_log_probs_equal_a_replay_and_survive_arrow(tmp_path):
         assert agent_finish(x) == agent_finish(y) and x.targets == y.targets
         for key in (TURNS_KEY, TEXT_SPANS_KEY, TURN_REWARDS_KEY):
             assert torch.equal(x.conditions[key], y.conditions[key])
+
+
+def test_return_is_final_reward_plus_weighted_shaping():
+    bundle = build_tiny_lm(seed=0)
+    batch, _, _ = _rollout(bundle, _guess(max_turns=3, max_response_tokens=200, shaping_weight=0.5))
+    for part in batch.generated:
+        turns, rewards = part.conditions[TURNS_KEY], part.conditions[TURN_REWARDS_KEY]
+        steps = rewards[turns[:, 0] == MODEL].tolist()
+        final = steps[-1] if agent_finish(part) == "done" else 0.0
+        shaping = sum(steps[:-1]) if agent_finish(part) == "done" else sum(steps)
+        assert all(r == pytest.approx(-0.1) for r in (steps[:-1] if final else steps))
+        assert float(part.targets["agent_return"]) == pytest.approx(final + 0.5 * shaping)

@@ -191,5 +191,6 @@ def compose_report_task(cfg: ComposeRunConfig, batch: SampleBatch, step: int, ro
     """Step ``step``'s report page (prompt, enhanced prompt, image per sample) and the run index; logs the progress
     line. ``after``: the previous step's report (keeps the writes to ``metrics.jsonl`` in step order)."""
     metrics = {**rollout, **score, **train, **evaluation, "step": float(step)}
-    progress_logger().info(progress_line(step, cfg.loop.total_steps, metrics, metrics.get("time/train", 0.0)))
+    seconds = sum(metrics.get(f"time/{k}", 0.0) for k in ("rollout", "score", "train"))  # the tasks' own compute
+    progress_logger().info(progress_line(step, cfg.loop.total_steps, metrics, seconds))
     return write_step_report(cfg, step, batch, metrics, enhancements or None)

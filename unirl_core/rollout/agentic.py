@@ -36,6 +36,7 @@ from unirl_core.env.base import EnvChoice, Environment, EnvTask, build_env
 from unirl_core.env.calculator import CalculatorEnvConfig
 from unirl_core.env.reward import RETURN_TARGET
 from unirl_core.errors import ConfigError, EngineError, field_error
+from unirl_core.models.text import decode_completion
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.sde.noise import stable_seed
 from unirl_core.types import (
@@ -120,6 +121,7 @@ class AgenticEngine:
         self.engine = engine
         self.config = config
         self.last_metrics: dict[str, float] = {}
+        self._calls = 0  # mixed into the turn seeds: a reused engine does not repeat its draws
 
     @property
     def policy_version(self) -> int:
@@ -141,6 +143,7 @@ class AgenticEngine:
                                   "a task the environment can start", str(e)) from e
             trajs.append(_Trajectory(env=env, prompt_ids=self.engine.encode_prompt(first)))
         sps = [p.sampling or ARSamplingParams() for p in parts]
+        self._calls += 1
         for turn in range(self.config.max_turns):
             active = [i for i, t in enumerate(trajs) if t.finish is None]
             if not active:
@@ -163,7 +166,7 @@ class AgenticEngine:
             outs = self.engine.decode_ids([trajs[i].context() for i in rows], sp, gen)
             for i, (ids, _, _) in zip(rows, outs):
                 t = trajs[i]
-                text = tok.decode(ids.tolist(), skip_special_tokens=True)
+                text = decode_completion(tok, ids.tolist(), skip_ids=self.engine.bundle.eos_token_ids)
                 try:
                     res = t.env.step(text)
                 except Exception as e:  # noqa: BLE001 - an environment bug ends this trajectory, not the batch
@@ -201,7 +204,8 @@ class AgenticEngine:
         dev = next(self.engine.bundle.module.parameters()).device
         seed = self.engine.config.seed if sp.seed is None else sp.seed
         # rows are decoded in groups of equal turn budget: each group draws from its own stream
-        return torch.Generator(device=dev).manual_seed(stable_seed(seed, "agent-turn", turn, sp.max_new_tokens))
+        return torch.Generator(device=dev).manual_seed(
+            stable_seed(seed, "agent-turn", self._calls, turn, sp.max_new_tokens))
 
     def _segment(self, t: _Trajectory) -> TokenSegment:
         ids = torch.cat(t.ids)

@@ -14,6 +14,7 @@ from unirl_core.env.guess import GuessNumberEnv, GuessNumberEnvConfig
 from unirl_core.errors import EngineError
 from unirl_core.io import read_batch, write_batch
 from unirl_core.models.lm import build_layout, build_tiny_lm, replay_log_probs
+from unirl_core.models.text import decode_completion
 from unirl_core.rollout.agentic import (
     ENV,
     MODEL,
@@ -89,12 +90,12 @@ def test_trajectory_is_one_masked_segment_with_turn_structure():
         spans = part.conditions[TEXT_SPANS_KEY].tolist()
         for (role, a, b), (ca, cb) in zip(turns.tolist(), spans):
             text = part.text[ca:cb]
-            decoded = tok.decode(seg.response_ids[a:b].tolist(), skip_special_tokens=role == MODEL)
             if role == ENV:
+                decoded = tok.decode(seg.response_ids[a:b].tolist())
                 assert decoded == agentic.config.observation_template.format(observation=text)
                 assert text.startswith("error:") or text in ("higher", "lower")
             else:
-                assert decoded == text
+                assert text == decode_completion(tok, seg.response_ids[a:b].tolist(), skip_ids=bundle.eos_token_ids)
         rewards = part.conditions[TURN_REWARDS_KEY]
         assert rewards.shape == (turns.shape[0],) and (rewards[turns[:, 0] == ENV] == 0).all()
         assert float(part.targets["agent_return"]) == pytest.approx(

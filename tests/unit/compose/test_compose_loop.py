@@ -14,7 +14,7 @@ from unirl_core.compose.config import stack_configs
 from unirl_core.compose.local import run_compose_local
 from unirl_core.compose.phases import init_stacks, rollout_phase, score_phase, train_phase
 from unirl_core.errors import CheckpointError
-from unirl_core.loop.phases import publish_phase
+from unirl_core.loop.phases import EMA_POLICY_VERSION, publish_phase
 
 torch.set_num_threads(1)
 
@@ -91,3 +91,16 @@ def test_a_step_published_on_one_stack_only_is_rolled_forward(tmp_path):
     refs = init_stacks(cfg)
     assert refs["enhancer"].step == refs["image"].step == 1
     assert CheckpointStore(f"{tmp_path}/enh", "image").latest().step == 1
+
+
+def test_image_stack_under_nft_samples_with_its_ema_weights(tmp_path):
+    cfg = small_config(tmp_path, "loop.total_steps=1", "image.diffusion.sampling.sde_type=ode",
+                       "image.diffusion.sampling.sde_window_size=null", "image.diffusion.sampling.sde_window_range=null",
+                       "image.diffusion.algorithm={name: nft, beta: 1.0, old_policy: ema, old_logp_source: replay}",
+                       "image.train.old_logp_source=replay", "image.train.ema_decay=0.5")
+    batches = []
+    hist = run_compose_local(cfg, progress=False, on_step=lambda m, b: batches.append(b))
+    assert {s.parts[1].policy_version for s in batches[0]} == {EMA_POLICY_VERSION}
+    assert {s.parts[0].policy_version for s in batches[0]} == {0}
+    assert hist[0]["enhancer/train/ratio_mean"] == 1.0 and "image/train/loss" in hist[0]
+    assert [v.step for v in CheckpointStore(f"{tmp_path}/enh", "image").versions()] == [0, 1]

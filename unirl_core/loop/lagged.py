@@ -77,6 +77,8 @@ class LaggedRollouts:
         self._refs: dict[int, CheckpointRef] = {ckpt.step: ckpt}
         self._start = ckpt
         self._quiesced = False
+        # an actor call is bounded by pool.call_timeout_s; the manager's futures by the same bound on each wait
+        self._timeout = cfg.pool.call_timeout_s if self.in_pool else None
         if self.in_pool:
             from unirl_core.pool.cluster import Pool
 
@@ -106,7 +108,7 @@ class LaggedRollouts:
     def quiesce(self) -> None:
         """Pause dispatch and drain in-flight rollouts (before a publish into the engines, or an eval that loads
         weights into the sampler's model); the next ``published`` resumes."""
-        self.manager.quiesce()
+        self.manager.quiesce(timeout=self._timeout)
         self._quiesced = True
 
     def _launch(self, req: RolloutRequest) -> Future:
@@ -176,7 +178,7 @@ class LaggedRollouts:
                                result[0])
 
     def take(self, step: int) -> tuple[list[SampleBatch], list[dict[str, float]], dict[str, float]]:
-        got = self.manager.take(step)
+        got = self.manager.take(step, timeout=self._timeout)
         metrics = got.metrics(self.cfg.async_training.max_policy_lag)
         now = time.perf_counter()
         if self._last_take is not None and self.cfg.async_training.overlap:

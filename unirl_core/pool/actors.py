@@ -37,6 +37,7 @@ from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.loop import build, phases
+from unirl_core.pool import transport
 from unirl_core.pool.config import Emit
 from unirl_core.pool.projection import for_training, project
 from unirl_core.train.weight_sync import (
@@ -87,6 +88,7 @@ class _Actor:
         # computes with the thread count it reserved (thread counts can change a reduction's bits).
         torch.set_num_threads(threads)
         self.cfg, self.name = cfg, name
+        transport.register()  # batches this actor returns or puts travel as Arrow IPC
         run_setup_hook(cfg.pool.worker_setup_hook)
 
     def pid(self) -> int:
@@ -136,6 +138,7 @@ class EngineActor(_Actor):
         self.policy = build.bundle(cfg)
         self.served: Version | None = None
         self._batches: dict[tuple[int, int], object] = {}  # (step, shard) -> ObjectRef of the full batch
+        self._batches_lock = threading.Lock()  # rollout (default group) and batch_ref / release (query group)
 
     def served_version(self) -> Version | None:
         return self.served
@@ -152,7 +155,6 @@ class EngineActor(_Actor):
         """Wire name -> dtype of the tensors a publish writes into (the trainer casts its fp32 masters to these
         on its device, rounding exactly as a load from the store does)."""
         targets = sync_names(self.policy.module, _scope(self.cfg))
-        self._batches_lock = threading.Lock()  # rollout (default group) and batch_ref / release (query group)
         return {n: str(t.dtype).removeprefix("torch.") for n, t in targets.items()}
 
     def join_sync(self, token: str, addr: str, port: int, rank: int, num_engines: int) -> None:

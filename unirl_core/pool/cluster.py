@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import ConfigError, PoolActorDied, TransientError, field_error
-from unirl_core.pool import actors
+from unirl_core.pool import actors, transport
 from unirl_core.pool.config import ActorResources, PoolConfig
 
 log = logging.getLogger(__name__)
@@ -116,10 +116,12 @@ class Pool:
         self.prefix = f"{cfg.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
         self.detached = self.pcfg.address is not None
         self.started_ray = _connect(self.pcfg)
+        transport.register()  # SampleBatch arguments as Arrow IPC, not pickled tensor by tensor
         self.roles = {r.name: r for r in _roles(self.pcfg)}
         self.bundle_of: dict[str, int] = {}
         self.pg = self._placement_group()
         self._handles: dict[str, object] = {}
+        self._memo: dict[str, dict[str, object]] = {}
 
     # ----------------------------------------------------------------------------- placement
 
@@ -210,7 +212,13 @@ class Pool:
         remote = ray.remote(concurrency_groups={actors.QUERY_GROUP: 1})(role.cls)
         handle = remote.options(**opts).remote(self.cfg, name, max(1, int(res.num_cpus)))
         self._handles[name] = handle
+        self._memo.pop(name, None)
         return handle
+
+    def memo(self, name: str) -> dict[str, object]:
+        """What this process learned about the current incarnation of actor ``name`` (its placement, its publish
+        group), so a step does not ask again; emptied when the handle is dropped or re-created."""
+        return self._memo.setdefault(name, {})
 
     @property
     def live(self) -> list[str]:
@@ -252,6 +260,7 @@ class Pool:
         if not isinstance(error, RayActorError):
             return None
         self._handles.pop(name, None)
+        self._memo.pop(name, None)
         died = PoolActorDied(f"pool actor {name!r} of run {self.cfg.name!r} ({self.prefix}-{name}) died during "
                              f"{what}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}; "
                              "the next call re-creates it from the last published version (retry the phase)")
@@ -276,6 +285,7 @@ class Pool:
         import ray
 
         handle = self._handles.pop(name, None)
+        self._memo.pop(name, None)
         if handle is not None:
             ray.kill(handle, no_restart=True)
 

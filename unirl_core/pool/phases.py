@@ -75,7 +75,7 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
         refs.extend(got)
     ref, metrics = pool.call(TRAINER, "train", ckpt, step, batch, *refs, what=f"train step {step}")
     for name in sorted({_engine_of(cfg, s) for s in range(shards)}):
-        pool.call(name, "release", step, what=f"releasing step {step}")
+        pool.remote(name, "release", step)  # not waited for: a lost release only keeps a batch until the next
     metrics["pool/resampled_shards"] = float(resampled)
     return ref, metrics
 
@@ -96,17 +96,23 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
     want = (ckpt.uri, ckpt.policy_version)
     engines = [engine_name(i) for i in range(cfg.pool.num_engines)]
     out = {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0}
+    served: dict[str, tuple] | None = None
     try:
-        stale = [name for name in engines if tuple(pool.call(name, "served_version", what="publish") or ()) != want]
+        served = {name: tuple(pool.call(name, "served_version", what="publish") or ()) for name in engines}
+        stale = [name for name in engines if served[name] != want]
         if stale and pool.call(TRAINER, "holds", ckpt, what=f"publish v{ckpt.policy_version}"):
             if cfg.pool.publish == "collective" and _collective_fits(pool, engines):
                 out.update(_broadcast(pool, engines, ckpt))
+                served = dict.fromkeys(engines, want)  # each receive checked the version it got
             else:
-                out.update(_through_object_store(pool, stale, ckpt))
+                pushed = _through_object_store(pool, stale, ckpt)
+                out.update(pushed)
+                if pushed:
+                    served.update(dict.fromkeys(stale, want))
     except PoolActorDied as e:
         log.warning("pool: in-pool publication of %s skipped (%s); engines load it from the store", ckpt.uri, e)
-    served = [pool.call(name, "served_version", what="publish") for name in engines]
-    out["pool/engines_serving"] = float(sum(tuple(v or ()) == want for v in served))
+        served = {name: tuple(pool.call(name, "served_version", what="publish") or ()) for name in engines}
+    out["pool/engines_serving"] = float(sum(v == want for v in served.values()))
     out["pool/publish_s"] = time.perf_counter() - t0
     return out
 
@@ -114,14 +120,30 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
 def _collective_fits(pool: Pool, engines: list[str]) -> bool:
     """False when an engine shares a GPU with the trainer (a colocated fractional GPU): NCCL refuses two ranks
     on one device, so those versions go through the object store."""
-    node, gpus = pool.call(TRAINER, "placement", what="publish")
+    node, gpus = _placement(pool, TRAINER)
     for name in engines:
-        other_node, other_gpus = pool.call(name, "placement", what="publish")
+        other_node, other_gpus = _placement(pool, name)
         if other_node == node and set(gpus) & set(other_gpus):
             log.info("pool: %s shares GPU %s with the trainer; publishing through the object store", name,
                      sorted(set(gpus) & set(other_gpus)))
             return False
     return True
+
+
+def _placement(pool: Pool, name: str) -> tuple:
+    memo = pool.memo(name)
+    if "placement" not in memo:  # an actor does not move
+        memo["placement"] = pool.call(name, "placement", what="publish")
+    return memo["placement"]
+
+
+def _sync_token(pool: Pool, name: str) -> str | None:
+    """The publish group actor ``name`` is in. Remembered between steps only when this process is the pool's one
+    driver (no ``pool.address``): attached, another task process may re-open the group on the same actors."""
+    memo = pool.memo(name)
+    if pool.detached or "sync" not in memo:
+        memo["sync"] = pool.call(name, "current_sync", what="publish")
+    return memo["sync"]
 
 
 def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
@@ -135,6 +157,7 @@ def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
             errors.append(e)
     if errors:
         for name, _ in calls:
+            pool.memo(name).pop("sync", None)
             if name in pool.live:
                 try:
                     pool.call(name, "close_sync", what="closing the publish group")
@@ -146,7 +169,7 @@ def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
 
 def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str, float]:
     members = [TRAINER, *engines]
-    tokens = {pool.call(name, "current_sync", what="publish") for name in members}
+    tokens = {_sync_token(pool, name) for name in members}
     opened = 0.0
     if len(tokens) != 1 or None in tokens:  # first publish, or an actor was re-created since
         token = uuid.uuid4().hex
@@ -157,6 +180,8 @@ def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str,
         calls += [(name, pool.actor(name).join_sync.remote(token, addr, port, i + 1, n))
                   for i, name in enumerate(engines)]
         _gather(pool, calls, "opening the publish group")
+        for name in members:
+            pool.memo(name)["sync"] = token
         opened = 1.0
     what = f"publish v{ckpt.policy_version} (collective)"
     calls = [(TRAINER, pool.actor(TRAINER).broadcast_weights.remote(ckpt))]

@@ -81,6 +81,7 @@ RESUME_RULES: dict[str, Rule] = {
     "lm.vllm": "apply",
     "lm.sglang": "apply",
     "lm.logp_check": "apply",
+    "lm.agent": "fork",  # the environment and turn limits shape every trajectory
     "pool": "apply",  # where the phases execute, not what they compute
     "report": "ignore",  # what the run shows (TensorBoard scalars, progress lines), not what it trains
 }

@@ -65,12 +65,20 @@ def toy_arithmetic_reward(completion: str, answer: str) -> float:
     return 0.5 * digit_frac + 0.5 * float(correct)
 
 
+def toy_correct(completion: str, answer: str) -> float:
+    """Exact match: 1.0 when the stripped completion is the answer's integer in decimal digits, else 0.0."""
+    text = completion.strip()
+    return float(text.isdigit() and int(text) == int(answer))
+
+
 class ToyArithmeticScorer:
     """Reward-registry scorer (name ``toy_arithmetic``): ``toy_arithmetic_reward`` per ScoreItem.
 
     Reads ``item.text`` (the completion) and ``item.targets['answer']``; a missing answer raises,
     which the RewardService's failure policy turns into a per-item error.
     """
+
+    score = staticmethod(toy_arithmetic_reward)
 
     def __call__(self, items) -> list[float]:
         out = []
@@ -79,5 +87,12 @@ class ToyArithmeticScorer:
             if answer is None:
                 raise field_error(ConfigError, f"items[{i}].targets['answer']", None, "the expected sum",
                                   "build prompts with toy_arithmetic_prompts() (they carry the answer)")
-            out.append(toy_arithmetic_reward(item.text or "", answer))
+            out.append(self.score(item.text or "", answer))
         return out
+
+
+class ToyCorrectScorer(ToyArithmeticScorer):
+    """Reward-registry scorer (name ``toy_correct``): ``toy_correct`` exact match per ScoreItem. Its mean is the
+    task's accuracy; as the only weighted component it is GRPO on correctness alone."""
+
+    score = staticmethod(toy_correct)

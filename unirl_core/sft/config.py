@@ -17,6 +17,7 @@ from typing import Literal
 from unirl_core.config.loader import from_dict
 from unirl_core.config.recipes import load_recipe_dict, recipe_names, recipe_path
 from unirl_core.config.run import CheckpointConfig
+from unirl_core.data.toy import ToyArithmeticConfig
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
@@ -25,7 +26,7 @@ from unirl_core.train.config import TrainConfig
 
 SFTFamily = Literal["diffusion", "lm"]
 SigmaSampling = Literal["logit_normal", "uniform"]
-RecordSource = Literal["jsonl", "shapes"]
+RecordSource = Literal["jsonl", "shapes", "toy_arithmetic"]
 
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
 
@@ -114,20 +115,25 @@ class SFTDataConfig:
     """Where records come from and how many go into one step."""
 
     source: RecordSource = "jsonl"
-    """``jsonl`` (``path``: one JSON object per line) or ``shapes`` (generated captioned images)."""
+    """``jsonl`` (``path``: one JSON object per line), ``shapes`` (generated captioned images) or
+    ``toy_arithmetic`` (prompts and answers of the toy task, ``toy``)."""
     path: str | None = None
     """JSONL file. Diffusion rows: ``{"caption": ..., "image": <png path, relative to the file>}``;
     LM rows: ``{"prompt": ..., "completion": ...}``."""
     shapes: ShapesSourceConfig = field(default_factory=ShapesSourceConfig)
     """Generator settings (``source='shapes'``); the image size is ``diffusion.height``."""
+    toy: ToyArithmeticConfig = field(default_factory=ToyArithmeticConfig)
+    """Toy arithmetic prompts (``source='toy_arithmetic'``): each prompt with its answer as the completion, the
+    warm start that teaches an LM the answer format before GRPO on correctness."""
     batch_size: int = 16
     """Records per step (one optimizer update per step; split into ``train.micro_batch_size`` pieces)."""
     seed: int = 0
     """Seed of the per-epoch shuffle of the records."""
 
     def __post_init__(self) -> None:
-        if self.source not in ("jsonl", "shapes"):
-            raise field_error(ConfigError, "data.source", self.source, "'jsonl' or 'shapes'", "pick a record source")
+        if self.source not in ("jsonl", "shapes", "toy_arithmetic"):
+            raise field_error(ConfigError, "data.source", self.source, "'jsonl', 'shapes' or 'toy_arithmetic'",
+                              "pick a record source")
         if self.source == "jsonl" and not self.path:
             raise field_error(ConfigError, "data.path", self.path, "a .jsonl file for source='jsonl'",
                               "set data.path, or use source='shapes' for generated images")

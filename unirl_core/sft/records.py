@@ -134,9 +134,19 @@ def shapes_records(cfg: SFTConfig) -> list[Record]:
             for c, img in shapes.make_dataset(src.num_records, seed=src.seed, size=size)]
 
 
+def toy_records(cfg: SFTConfig) -> list[Record]:
+    """The toy arithmetic prompts (``data.toy``), each with its answer as the completion."""
+    from unirl_core.data.toy import toy_arithmetic_prompts
+
+    if cfg.family != "lm":
+        raise field_error(ConfigError, "data.source", "toy_arithmetic", "an lm run", "use source='shapes' or 'jsonl'")
+    return [TextRecord(r.prompt, r.targets["answer"]) for r in toy_arithmetic_prompts(cfg.data.toy)]
+
+
 def load_records(cfg: SFTConfig) -> list[Record]:
     """All records of the run, checked against the model section (image size)."""
-    records = read_jsonl(cfg) if cfg.data.source == "jsonl" else shapes_records(cfg)
+    source = {"jsonl": read_jsonl, "shapes": shapes_records, "toy_arithmetic": toy_records}[cfg.data.source]
+    records = source(cfg)
     if cfg.family == "diffusion":
         want = (cfg.diffusion.height, cfg.diffusion.width, 3)
         for i, r in enumerate(records):

@@ -63,6 +63,7 @@ _REGISTRY: dict[str, str | Callable[..., Scorer]] = {
     "format": "unirl_core.reward.scorers.text:FormatScorer",
     "length_penalty": "unirl_core.reward.scorers.text:LengthPenalty",
     "toy_arithmetic": "unirl_core.data.toy:ToyArithmeticScorer",
+    "toy_correct": "unirl_core.data.toy:ToyCorrectScorer",
     "agent_return": "unirl_core.env.reward:AgentReturnScorer",
     "shapes_compositional": "unirl_core.reward.scorers.shapes:ShapesCompositional",
     "shapes_object": "unirl_core.reward.scorers.shapes:ShapesObjectScore",

@@ -1,0 +1,128 @@
+"""Does a recipe's reward (or accuracy) climb? Runs it through ``run_local`` for several seeds, one process per
+seed (each single-threaded, side by side), and reports the climb statistics of ``unirl_core.loop.climb`` per seed
+plus the held-out eval of the starting and the last version (from the run report's ``eval/`` records).
+
+    python benchmarks/first_run_climb.py --recipe shapes-climb --seeds 0 1          # the default run's numbers
+    python benchmarks/first_run_climb.py --recipe toy-sums --metric reward/toy_correct/mean --sft sft-toy-sums
+
+``--sft NAME`` first trains that SFT recipe (its export is what the RL recipe's model points at, under the same
+checkpoint root). Writes ``benchmarks/results/first_run_climb_<recipe>.{json,md}`` (``--results`` elsewhere).
+The climb tests (``tests/integration/test_first_run_learns.py``) call ``measure`` with the same code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def run_seed(recipe: str, seed: int, root: str, overrides: list[str], out: str) -> None:
+    """One seed in this process: run_local, then write every step's metrics and the eval records to ``out``."""
+    import torch
+
+    torch.set_num_threads(1)
+    from unirl_core.config.recipes import load_recipe
+    from unirl_core.loop.local import run_local
+    from unirl_core.report.run_report import RunReport
+
+    cfg = load_recipe(recipe, [f"checkpoint.root={root}", f"name={recipe}-seed{seed}", f"loop.seed={seed}",
+                               "report.tensorboard=false", *overrides])
+    t0 = time.perf_counter()
+    hist = run_local(cfg, resume_from="never", progress=False)
+    seconds = time.perf_counter() - t0
+    evals = [rec.__dict__ for rec, _ in RunReport(f"{root}/{cfg.name}").evals()]
+    Path(out).write_text(json.dumps({"seed": seed, "seconds": seconds, "history": hist, "evals": evals}))
+
+
+def train_sft(name: str, root: str) -> float:
+    """Train (and export) SFT recipe ``name`` under ``root``; returns its seconds."""
+    import torch
+
+    torch.set_num_threads(1)
+    from unirl_core.sft.config import load_sft_recipe
+    from unirl_core.sft.local import run_sft
+
+    t0 = time.perf_counter()
+    run_sft(load_sft_recipe(name, [f"checkpoint.root={root}"]), resume_from="never", progress=False)
+    return time.perf_counter() - t0
+
+
+def measure(recipe: str, seeds: list[int], root: str, *, metric: str = "reward/mean", overrides: list[str] = (),
+            timeout: float = 7200) -> dict:
+    """Run ``recipe`` for every seed in parallel subprocesses; per seed its ``metric`` curve, climb statistics,
+    failures against the default ``ClimbCriteria``, held-out eval records and seconds."""
+    from unirl_core.loop.climb import climb_stats
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = []
+    for s in seeds:
+        out = f"{root}/seed{s}.json"
+        code = (f"from benchmarks.first_run_climb import run_seed; "
+                f"run_seed({recipe!r}, {s}, {root!r}, {list(overrides)!r}, {out!r})")
+        procs.append((s, out, subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO,
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    result = {"recipe": recipe, "metric": metric, "overrides": list(overrides), "seeds": {}}
+    for s, out, p in procs:
+        log, _ = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"seed {s} of {recipe} failed (exit {p.returncode}):\n{log[-4000:]}")
+        data = json.loads(Path(out).read_text())
+        curve = [h[metric] for h in data["history"]]
+        stats = climb_stats(curve)
+        result["seeds"][s] = {"curve": curve, "stats": stats.__dict__, "failures": stats.failures(),
+                              "summary": stats.summary(), "evals": data["evals"], "seconds": data["seconds"],
+                              "step_seconds_median": sorted(h["time/step"] for h in data["history"])[
+                                  len(data["history"]) // 2]}
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="shapes-climb")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--metric", default="reward/mean")
+    ap.add_argument("--sft", default="", help="an SFT recipe to train first (its export under the same root)")
+    ap.add_argument("--root", default="runs/first_run_climb", help="checkpoint root of the runs")
+    ap.add_argument("--override", action="append", default=[])
+    ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    args = ap.parse_args()
+    from benchmarks.common import environment
+
+    root = str(Path(args.root).resolve())
+    os.makedirs(root, exist_ok=True)
+    overrides = list(args.override)
+    sft_s = None
+    if args.sft:
+        sft_s = train_sft(args.sft, root)
+        overrides.append(f"lm.model.model={root}/{args.sft}/export")
+    res = measure(args.recipe, args.seeds, root, metric=args.metric, overrides=overrides)
+    res["sft_seconds"] = sft_s
+    res["env"] = environment()
+    eval_key = "eval/reward/mean"
+    lines = [f"{args.recipe}, {args.metric} per step ({res['env']['cpu']}, {res['env']['cores']} cores):"]
+    for s, r in res["seeds"].items():
+        ev = r["evals"]
+        held = (f"; held-out {eval_key} step {ev[0]['step']} {ev[0]['metrics'].get(eval_key, float('nan')):.3f} -> "
+                f"step {ev[-1]['step']} {ev[-1]['metrics'].get(eval_key, float('nan')):.3f}") if ev else ""
+        lines.append(f"seed {s}: {r['summary']}{held}; {r['seconds']:.0f} s ({r['step_seconds_median']:.1f} s/step)"
+                     f"; {'CLIMBS' if not r['failures'] else 'FAILS: ' + '; '.join(r['failures'])}")
+    print("\n".join(lines))
+    res["root"] = "(--root)"  # no machine paths in results
+    Path(args.results).mkdir(parents=True, exist_ok=True)
+    stem = f"first_run_climb_{args.recipe}"
+    (Path(args.results) / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
+    (Path(args.results) / f"{stem}.md").write_text("\n\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ publishes either, so an interrupted publication is completed (rolled forward) by
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 
@@ -143,7 +144,8 @@ _TRAINERS: dict[str, tuple[str, TrainBackend]] = {}
 
 
 def _trainer(name: str, sub: RunConfig) -> TrainBackend:
-    key = build._key(to_dict(sub.section.model)) + build._key(to_dict(sub.train)) + build._key(sub.section.algorithm)
+    key = json.dumps([to_dict(sub.section.model), to_dict(sub.train), to_dict(sub.section.algorithm)], sort_keys=True,
+                     default=str)
     held = _TRAINERS.get(name)
     if held is None or held[0] != key:
         _TRAINERS[name] = (key, TrainBackend(build.fresh_bundle(sub), build.algorithm(sub), sub.train))

@@ -190,3 +190,19 @@ def test_take_timeout_and_completion_from_another_thread():
     t = threading.Timer(0.05, lambda: launcher.complete(len(launcher.running) - 1))
     t.start()
     assert m2.take(1, timeout=10).results[0][1] == 1
+
+
+def test_nothing_is_dispatched_past_the_last_step():
+    """last_step (the run's loop.total_steps): the lag would admit step 4 with version 2, but the run ends at 3."""
+    launcher = HandLauncher()
+    m = RolloutManager(ManagerConfig(max_policy_lag=1, max_inflight=4, last_step=3), launcher)
+    m.pump()
+    for step in (1, 2, 3):
+        while launcher.running:
+            launcher.complete(0)
+        got = m.take(step)
+        assert got.requests[0].policy_version == max(0, step - 2)
+        m.publish(step)
+    assert [r.step for r in m.dispatched] == [1, 2, 3] and m.inflight == 0
+    with pytest.raises(ConfigError, match="manager.last_step"):
+        ManagerConfig(last_step=0)

@@ -21,10 +21,12 @@ from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, field_error
 from unirl_core.loop import build
+from unirl_core.loop.agent_lagged import agentic_rollout, suspends_turns
 from unirl_core.loop.phases import rollout_phase
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.manager import ManagerConfig, RolloutManager, RolloutRequest, check_batch_provenance
 from unirl_core.rollout.partial import continue_generation
+from unirl_core.rollout.turn_gate import TurnGate
 from unirl_core.sde.noise import stable_seed
 from unirl_core.types import SampleBatch
 
@@ -88,8 +90,10 @@ class LaggedRollouts:
         config = ManagerConfig(max_policy_lag=a.max_policy_lag, num_shards=shards,
                                max_inflight=a.max_inflight or shards * (a.max_policy_lag + 1),
                                last_step=cfg.loop.total_steps)
+        # agentic rollouts park at turn boundaries on quiesce (unirl_core/loop/agent_lagged.py)
+        self.gate = TurnGate() if suspends_turns(cfg) else None
         self.manager = RolloutManager(config, self._launch, check=self._check, first_step=ckpt.step + 1,
-                                      published=ckpt.step)
+                                      published=ckpt.step, gate=self.gate)
         self._last_take: float | None = None
         self._available = ckpt.step  # newest published version (a partial rollout waits for the next one)
         self._version_cond = threading.Condition()
@@ -103,7 +107,7 @@ class LaggedRollouts:
     @property
     def quiesce_before_publish(self) -> bool:
         """True when a publication changes the weights in-flight rollouts sample with (the pool's engines)."""
-        return self.in_pool
+        return self.in_pool or (self.gate is not None and self.cfg.lm.agent.resume_version == "latest")
 
     def quiesce(self) -> None:
         """Pause dispatch and drain in-flight rollouts (before a publish into the engines, or an eval that loads
@@ -112,6 +116,9 @@ class LaggedRollouts:
         self._quiesced = True
 
     def _launch(self, req: RolloutRequest) -> Future:
+        if self.gate is not None:
+            return self._executor.submit(agentic_rollout, self.cfg, req, gate=self.gate, ref_of=self._ref,
+                                         available=lambda: self._available)
         ref = self._ref(req.policy_version)
         if self.in_pool:
             from unirl_core.pool.phases import submit_rollout
@@ -171,6 +178,8 @@ class LaggedRollouts:
         with self._version_cond:
             self._available = max(self._available, ckpt.step)
             self._version_cond.notify_all()
+        if self.gate is not None:
+            self.gate.notify()  # an agentic rollout may wait for this version at a turn boundary
 
     def _check(self, req: RolloutRequest, result: tuple[SampleBatch, dict]) -> None:
         ref = self._ref(req.policy_version)
@@ -202,5 +211,7 @@ class LaggedRollouts:
         with self._version_cond:
             self._closing = True
             self._version_cond.notify_all()
+        if self.gate is not None:
+            self.gate.shutdown()
         self.manager.close()
         self._executor.shutdown(wait=True, cancel_futures=True)

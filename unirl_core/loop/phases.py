@@ -224,9 +224,10 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
 
 def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
                 weights: Literal["policy", "ema"], started: float,
-                gen_round: int = 0) -> tuple[SampleBatch, dict[str, float]]:
+                gen_round: int = 0, turn_hook=None) -> tuple[SampleBatch, dict[str, float]]:
     """The sampling of ``rollout_phase`` with ``policy`` already holding ``ckpt``'s (or its EMA) weights;
-    ``started`` is the ``perf_counter`` the phase began at (``rollout/seconds``)."""
+    ``started`` is the ``perf_counter`` the phase began at (``rollout/seconds``). ``turn_hook``: agentic rollouts
+    of a lagged run (suspension at turn boundaries, ``unirl_core/loop/agent_lagged.py``)."""
     t0 = started
     key = ("rollout", step, shard) if gen_round == 0 else ("rollout", step, shard, "refill", gen_round)
     seed = stable_seed(cfg.loop.seed, *key) % (2**63)
@@ -255,7 +256,7 @@ def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard
         engine = TrainsideAREngine(policy, engine_cfg, policy_version=version)
         if cfg.lm.agent is not None:  # multi-turn episodes with the run's environment
             agentic = AgenticEngine(engine, cfg.lm.agent)
-            batch = agentic.generate(request)
+            batch = agentic.generate(request, hook=turn_hook)
             metrics.update({f"rollout/{k}": v for k, v in agentic.last_metrics.items()})
         else:
             batch = engine.generate(request)
@@ -291,12 +292,18 @@ def _dedicated_rollout(cfg: RunConfig, policy, ckpt: CheckpointRef, request: Sam
         slot.prune_staging()
     slot.asleep_level = 0
     t0 = time.perf_counter()
-    batch = engine.generate(request)
+    agent_metrics = {}
+    if cfg.lm.agent is not None:  # multi-turn episodes, turns sampled by the server (token ids in and out)
+        agentic = AgenticEngine(engine, cfg.lm.agent)
+        batch = agentic.generate(request)
+        agent_metrics = {f"rollout/{k}": v for k, v in agentic.last_metrics.items()}
+    else:
+        batch = engine.generate(request)
     generate_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     agreement = replay_agreement(policy, batch, micro_batch_size=cfg.train.micro_batch_size)
     metrics = {"rollout/weight_sync_s": sync_s, "rollout/weight_synced": float(synced),
-               "rollout/generate_s": generate_s, "rollout/logp_check_s": time.perf_counter() - t0,
+               "rollout/generate_s": generate_s, "rollout/logp_check_s": time.perf_counter() - t0, **agent_metrics,
                **{f"rollout/{k}": v for k, v in agreement.metrics().items()}}
     if needs_sleep(deployment):
         engine.sleep(deployment.sleep_level)

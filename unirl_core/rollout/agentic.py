@@ -18,7 +18,14 @@ Per-turn structure travels in ``Part.conditions`` (Arrow-safe tensors, read by t
 ``[K]`` (the step reward answering each model turn) and ``agent.finish`` int64 ``[1]`` (an index of
 ``AGENT_FINISH_REASONS``). The trajectory's return goes to ``targets['agent_return']`` for the
 ``agent_return`` scorer: the reward of the step that ended the episode plus ``shaping_weight`` times the sum
-of the other step rewards.
+of the other step rewards. ``agent.turn_versions`` int64 ``[K]`` records the policy version that sampled each
+turn (an environment turn: the version of the model turn it answers).
+
+Turns come from a turn sampler (``agent_turns.py``): the trainside engine (rescored log-probs, exact replay) or
+a vLLM engine (token ids in and out, the server's log-probs). Lagged (asynchronous) runs pass a ``TurnHook``:
+before a turn it may suspend the batch at the boundary (the conversation state stays here, the weights may
+change meanwhile) and resume it under another version; tokens keep the behaviour log-probs of the version that
+sampled them (``stale_turns``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -37,7 +44,7 @@ from unirl_core.env.calculator import CalculatorEnvConfig
 from unirl_core.env.reward import RETURN_TARGET
 from unirl_core.errors import ConfigError, EngineError, field_error
 from unirl_core.models.text import decode_completion
-from unirl_core.rollout.ar import TrainsideAREngine
+from unirl_core.rollout.agent_turns import turn_sampler
 from unirl_core.sde.noise import stable_seed
 from unirl_core.types import (
     ARSamplingParams,
@@ -56,6 +63,7 @@ SEGMENT_FINISH = {"done": "stop", "max_turns": "length", "max_tokens": "length",
 ``mask_truncated_completions``)."""
 TURNS_KEY, TEXT_SPANS_KEY, TURN_REWARDS_KEY, FINISH_KEY = ("agent.turns", "agent.text_spans", "agent.turn_rewards",
                                                             "agent.finish")
+TURN_VERSIONS_KEY = "agent.turn_versions"
 MODEL, ENV = 0, 1
 CHATML_OBSERVATION = "\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -77,6 +85,18 @@ class AgentConfig:
     turn's line, wraps the observation as a ChatML user message and opens the next assistant turn."""
     shaping_weight: float = 0.0
     """Weight of the non-final step rewards (per-turn shaping) in the trajectory return."""
+    resume_version: Literal["pinned", "latest"] = "pinned"
+    """Lagged runs (``async_training.max_policy_lag >= 1``): the version a trajectory suspended at a turn boundary
+    (``quiesce``) resumes with. ``pinned``: the turn's pinned version (``switch_at_turn``), reproducible;
+    ``latest``: the newest published one the step may train on (fresher, timing-dependent; the loop then
+    suspends trajectories before every publication)."""
+    switch_at_turn: int | None = None
+    """Lagged runs, ``pinned``: turns from this index (0-based) on sample with version ``v + 1`` (the trajectory
+    waits at that boundary for its publication); None: every turn samples with the rollout's version ``v``."""
+    stale_turns: Literal["correct", "mask"] = "correct"
+    """Lagged runs: model tokens of turns sampled by an older version than the trajectory's last one.
+    ``correct``: they stay in the loss with their own behaviour log-probs (TIS / MIS weights, ``tis_cap``);
+    ``mask``: they leave it (``response_mask`` False), like environment tokens."""
 
     def __post_init__(self) -> None:
         for name, lo in (("max_turns", 1), ("max_response_tokens", 2)):
@@ -86,28 +106,60 @@ class AgentConfig:
         if "{observation}" not in self.observation_template:
             raise field_error(ConfigError, "lm.agent.observation_template", self.observation_template,
                               "a template containing {observation}", f"use {CHATML_OBSERVATION!r}")
+        if self.resume_version not in ("pinned", "latest"):
+            raise field_error(ConfigError, "lm.agent.resume_version", self.resume_version, "'pinned' or 'latest'",
+                              "use 'pinned' for reproducible runs")
+        if self.stale_turns not in ("correct", "mask"):
+            raise field_error(ConfigError, "lm.agent.stale_turns", self.stale_turns, "'correct' or 'mask'", "pick one")
+        if self.switch_at_turn is not None and not (isinstance(self.switch_at_turn, int) and
+                                                    not isinstance(self.switch_at_turn, bool) and
+                                                    1 <= self.switch_at_turn < self.max_turns):
+            raise field_error(ConfigError, "lm.agent.switch_at_turn", self.switch_at_turn,
+                              f"None or an integer in [1, max_turns={self.max_turns})", "e.g. 1, or None")
+        if self.switch_at_turn is not None and self.resume_version != "pinned":
+            raise field_error(ConfigError, "lm.agent.switch_at_turn", self.switch_at_turn,
+                              "None with resume_version='latest'", "a pinned switch needs resume_version 'pinned'")
         if not math.isfinite(self.shaping_weight):
             raise field_error(ConfigError, "lm.agent.shaping_weight", self.shaping_weight, "a finite number",
                               "use 0.0 (terminal reward only)")
+
+
+class TurnHook(Protocol):
+    """Lagged runs: may suspend a batch of trajectories at a turn boundary (``unirl_core/loop/agent_lagged.py``)."""
+
+    def pause_before(self, turn: int) -> bool:
+        """True to suspend before model turn ``turn`` (>= 1) of the trajectories still running."""
+
+    def pause(self, turn: int) -> int:
+        """Block while suspended; then the engine's weights are the version to resume with: returns it."""
 
 
 @dataclass
 class _Trajectory:
     env: Environment
     prompt_ids: Tensor
+    sample_id: str = ""
     ids: list[Tensor] = field(default_factory=list)
     mask: list[Tensor] = field(default_factory=list)
+    logps: list[Tensor] = field(default_factory=list)
     turns: list[tuple[int, int, int, str, float]] = field(default_factory=list)
     """(role, start, end, text, step reward) per turn."""
+    versions: list[int] = field(default_factory=list)
+    """Policy version of each turn (an environment turn: that of the model turn it answers)."""
+    behaviour: dict[int, Tensor] = field(default_factory=dict)
+    """Version -> log-probs of the tokens so far rescored under it when a suspension began (trainside)."""
     length: int = 0
     final_reward: float = 0.0
     shaping: float = 0.0
     finish: str | None = None
 
-    def append(self, role: int, ids: Tensor, text: str, reward: float = 0.0) -> None:
+    def append(self, role: int, ids: Tensor, text: str, reward: float = 0.0, *, version: int,
+               logps: Tensor | None = None) -> None:
         self.ids.append(ids)
         self.mask.append(torch.full((ids.numel(),), role == MODEL, dtype=torch.bool))
+        self.logps.append(torch.zeros(ids.numel()) if logps is None else logps.float())
         self.turns.append((role, self.length, self.length + ids.numel(), text, reward))
+        self.versions.append(version)
         self.length += ids.numel()
 
     def context(self) -> Tensor:
@@ -115,20 +167,24 @@ class _Trajectory:
 
 
 class AgenticEngine:
-    """``RolloutEngine`` of multi-turn trajectories over a ``TrainsideAREngine`` (see the module docstring)."""
+    """``RolloutEngine`` of multi-turn trajectories over a ``TrainsideAREngine`` or a ``VLLMEngine`` (see the
+    module docstring)."""
 
-    def __init__(self, engine: TrainsideAREngine, config: AgentConfig) -> None:
+    def __init__(self, engine, config: AgentConfig) -> None:
         self.engine = engine
+        self.turns = turn_sampler(engine)
         self.config = config
         self.last_metrics: dict[str, float] = {}
         self._calls = 0  # mixed into the turn seeds: a reused engine does not repeat its draws
 
     @property
     def policy_version(self) -> int:
-        return self.engine.policy_version
+        return self.turns.policy_version
 
-    def generate(self, batch: SampleBatch, *, noise: NoiseRecipe | None = None) -> SampleBatch:
-        """Play every Part's episode; ``noise`` is unused (randomness comes from the engine's seeds)."""
+    def generate(self, batch: SampleBatch, *, noise: NoiseRecipe | None = None,
+                 hook: TurnHook | None = None) -> SampleBatch:
+        """Play every Part's episode; ``noise`` is unused (randomness comes from the turn seeds, so a suspended and
+        resumed batch draws what an uninterrupted one would under the same weights). ``hook``: lagged runs."""
         parts = batch.generated
         trajs = []
         for i, p in enumerate(parts):
@@ -141,17 +197,24 @@ class AgenticEngine:
             except Exception as e:  # a task the environment cannot play is a data error: fail the batch
                 raise field_error(EngineError, f"batch[{i}] ({p.sample_id}) env.reset", type(e).__name__,
                                   "a task the environment can start", str(e)) from e
-            trajs.append(_Trajectory(env=env, prompt_ids=self.engine.encode_prompt(first)))
+            trajs.append(_Trajectory(env=env, prompt_ids=self.turns.encode_prompt(first), sample_id=p.sample_id))
         sps = [p.sampling or ARSamplingParams() for p in parts]
         self._calls += 1
+        suspensions = 0
         for turn in range(self.config.max_turns):
             active = [i for i, t in enumerate(trajs) if t.finish is None]
             if not active:
                 break
+            if hook is not None and turn > 0 and hook.pause_before(turn):
+                self._record_behaviour(trajs, sps)  # under the weights that sampled them, before they change
+                self.turns.policy_version = hook.pause(turn)
+                suspensions += 1
             self._model_turn(trajs, active, sps, turn)
         segments = [self._segment(t) for t in trajs]
-        self.engine.rescore(segments, sps)
-        self.last_metrics = _metrics(trajs)
+        self.turns.finish(segments, sps)
+        stale = self._keep_behaviour(trajs, segments)
+        self.last_metrics = {**_metrics(trajs), "agent/suspensions": float(suspensions),
+                             "agent/stale_model_token_frac": stale}
         return self._fill(batch, trajs, segments)
 
     def _model_turn(self, trajs: list[_Trajectory], active: list[int], sps: list[ARSamplingParams], turn: int) -> None:
@@ -160,21 +223,21 @@ class AgenticEngine:
         for i in active:
             budget = min(sps[i].max_new_tokens, cfg.max_response_tokens - trajs[i].length)
             by_sp.setdefault(dataclasses.replace(sps[i], max_new_tokens=budget), []).append(i)
-        tok = self.engine.bundle.tokenizer
+        tok = self.turns.tokenizer
         for sp, rows in by_sp.items():
-            gen = self._generator(sp, turn)
-            outs = self.engine.decode_ids([trajs[i].context() for i in rows], sp, gen)
-            for i, (ids, _, _) in zip(rows, outs):
+            outs = self.turns.sample([trajs[i].context() for i in rows], sp, self._turn_seed(sp, turn),
+                                     [trajs[i].sample_id for i in rows])
+            for i, out in zip(rows, outs):
                 t = trajs[i]
-                text = decode_completion(tok, ids.tolist(), skip_ids=self.engine.bundle.eos_token_ids)
+                text = decode_completion(tok, out.ids.tolist(), skip_ids=self.turns.eos_ids)
                 try:
                     res = t.env.step(text)
                 except Exception as e:  # noqa: BLE001 - an environment bug ends this trajectory, not the batch
                     log.warning("environment step failed (%s: %s); trajectory ends with env_error", type(e).__name__, e)
-                    t.append(MODEL, ids, text)
+                    t.append(MODEL, out.ids, text, version=out.policy_version, logps=out.log_probs)
                     t.finish = "env_error"
                     continue
-                t.append(MODEL, ids, text, float(res.reward))
+                t.append(MODEL, out.ids, text, float(res.reward), version=out.policy_version, logps=out.log_probs)
                 self._after_step(t, res, turn)
 
     def _after_step(self, t: _Trajectory, res, turn: int) -> None:
@@ -190,27 +253,56 @@ class AgenticEngine:
         if t.length + obs.numel() >= cfg.max_response_tokens:
             t.finish = "max_tokens"
             return
-        t.append(ENV, obs, res.observation)
+        t.append(ENV, obs, res.observation, version=t.versions[-1])
 
     def _encode_observation(self, observation: str) -> Tensor:
         text = self.config.observation_template.format(observation=observation)
-        ids = self.engine.bundle.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.turns.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise field_error(ConfigError, "lm.agent.observation_template", self.config.observation_template,
                               "a template that encodes to >= 1 token", "add the role markers of the chat format")
         return torch.tensor(ids, dtype=torch.int64)
 
-    def _generator(self, sp: ARSamplingParams, turn: int) -> torch.Generator:
-        dev = next(self.engine.bundle.module.parameters()).device
-        seed = self.engine.config.seed if sp.seed is None else sp.seed
-        # rows are decoded in groups of equal turn budget: each group draws from its own stream
-        return torch.Generator(device=dev).manual_seed(
-            stable_seed(seed, "agent-turn", self._calls, turn, sp.max_new_tokens))
+    def _turn_seed(self, sp: ARSamplingParams, turn: int) -> int | None:
+        seed = self.turns.default_seed() if sp.seed is None else sp.seed
+        if seed is None:
+            return None
+        # rows are sampled in groups of equal turn budget: each group draws from its own stream
+        return stable_seed(seed, "agent-turn", self._calls, turn, sp.max_new_tokens)
 
     def _segment(self, t: _Trajectory) -> TokenSegment:
         ids = torch.cat(t.ids)
-        return TokenSegment(prompt_ids=t.prompt_ids, response_ids=ids, log_probs=torch.zeros(ids.numel()),
+        return TokenSegment(prompt_ids=t.prompt_ids, response_ids=ids, log_probs=torch.cat(t.logps),
                             response_mask=torch.cat(t.mask), finish_reason=SEGMENT_FINISH[t.finish or "max_turns"])
+
+    def _record_behaviour(self, trajs: list[_Trajectory], sps: list[ARSamplingParams]) -> None:
+        """Before a suspension: rescore the tokens so far under the current weights (trainside; vLLM turns carry
+        the server's log-probs already) and keep them as their behaviour log-probs should the version change."""
+        if not self.turns.exact_rescore:
+            return
+        rows = [i for i, t in enumerate(trajs) if t.ids]
+        segs = [self._segment(trajs[i]) for i in rows]
+        self.turns.finish(segs, [sps[i] for i in rows])
+        for i, seg in zip(rows, segs):
+            trajs[i].behaviour[self.turns.policy_version] = seg.log_probs
+
+    def _keep_behaviour(self, trajs: list[_Trajectory], segments: list[TokenSegment]) -> float:
+        """Tokens of turns an older version sampled get that version's log-probs (``stale_turns: correct``) or
+        leave the loss (``mask``); returns the share of model tokens sampled by an older version."""
+        stale = total = 0
+        for t, seg in zip(trajs, segments):
+            newest = max(t.versions)
+            for (role, a, b, _, _), v in zip(t.turns, t.versions):
+                total += (b - a) * (role == MODEL)
+                if v == newest:
+                    continue
+                if v in t.behaviour:
+                    seg.log_probs[a:b] = t.behaviour[v][a:b]
+                if role == MODEL:
+                    stale += b - a
+                    if self.config.stale_turns == "mask":
+                        seg.response_mask[a:b] = False
+        return stale / max(total, 1)
 
     def _fill(self, batch: SampleBatch, trajs: list[_Trajectory], segments: list[TokenSegment]) -> SampleBatch:
         samples = []
@@ -222,9 +314,10 @@ class AgenticEngine:
                           TURNS_KEY: torch.tensor([[r, a, b] for r, a, b, _, _ in t.turns], dtype=torch.int64),
                           TEXT_SPANS_KEY: torch.tensor(spans, dtype=torch.int64),
                           TURN_REWARDS_KEY: torch.tensor([w for *_, w in t.turns], dtype=torch.float32),
+                          TURN_VERSIONS_KEY: torch.tensor(t.versions, dtype=torch.int64),
                           FINISH_KEY: torch.tensor([AGENT_FINISH_REASONS.index(finish)], dtype=torch.int64)}
-            part = s.generated.copy(segment=seg, text=text, conditions=conditions,
-                                    policy_version=self.engine.policy_version)
+            # the oldest version in the trajectory: staleness is counted conservatively (as partial rollouts do)
+            part = s.generated.copy(segment=seg, text=text, conditions=conditions, policy_version=min(t.versions))
             part.targets[RETURN_TARGET] = repr(float(ret))
             parts = [part if p is s.generated else p.copy() for p in s.parts]
             samples.append(Sample(sample_id=s.sample_id, group_id=s.group_id, parts=parts))
@@ -264,18 +357,27 @@ def check_agent_config(cfg) -> None:
     agent = cfg.lm.agent if cfg.lm is not None else None
     if agent is None:
         return
-    if cfg.lm.deployment.engine != "trainside":
-        raise field_error(ConfigError, "lm.deployment.engine", cfg.lm.deployment.engine, "'trainside' with lm.agent",
-                          "multi-turn rollouts run over the trainside engine only (a vLLM turn loop is not built); "
-                          "remove lm.agent or the dedicated engine")
+    engine = cfg.lm.deployment.engine
+    if engine not in ("trainside", "vllm"):
+        raise field_error(ConfigError, "lm.deployment.engine", engine, "'trainside' or 'vllm' with lm.agent",
+                          "multi-turn rollouts run over the trainside or the vLLM engine (an SGLang turn loop is "
+                          "not built); remove lm.agent or use one of those")
     if cfg.pool.execution == "pool":
         raise field_error(ConfigError, "pool.execution", "pool", "'pods' with lm.agent", "agentic rollouts have not "
                           "run on the pool's engine actors (its Arrow projection also drops the turn structure the "
                           "deck shows); use execution 'pods'")
-    if cfg.async_training.max_policy_lag > 0:
-        raise field_error(ConfigError, "async_training.max_policy_lag", cfg.async_training.max_policy_lag,
-                          "0 with lm.agent", "the lagged sampler is single-turn (suspending trajectories at turn "
-                          "boundaries is not built); use lag 0")
+    lag = cfg.async_training.max_policy_lag
+    if lag > 0 and engine != "trainside":
+        raise field_error(ConfigError, "async_training.max_policy_lag", lag, f"0 with lm.agent and "
+                          f"lm.deployment.engine={engine!r}", "turn-boundary suspension is built for the trainside "
+                          "engine only; use lag 0 or the trainside engine")
+    if lag > 0 and cfg.async_training.partial_rollout is not None:
+        raise field_error(ConfigError, "async_training.partial_rollout", "set", "unset with lm.agent",
+                          "agentic trajectories change version at turn boundaries (lm.agent.switch_at_turn), not "
+                          "mid-turn; remove the section")
+    if lag > 0 and agent.switch_at_turn is not None and not cfg.async_training.overlap:
+        raise field_error(ConfigError, "async_training.overlap", False, "True with lm.agent.switch_at_turn",
+                          "the switch waits for the next publication on the sampler thread")
 
 
 def conversation_segment(prompt_ids: Tensor, turns, *, tokenizer, eos_id: int | None, observation_template: str,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from unirl_core.errors import ConfigError, InvariantError, field_error
+from unirl_core.rollout.turn_gate import TurnGate
 
 VersionPolicy = Literal["pinned", "latest"]
 
@@ -133,8 +134,9 @@ class RolloutManager:
     """
 
     def __init__(self, config: ManagerConfig, launch: Launch, *, check: Route | None = None,
-                 first_step: int = 1, published: int = 0) -> None:
+                 first_step: int = 1, published: int = 0, gate: TurnGate | None = None) -> None:
         self.config = config
+        self._gate = gate  # agentic work: quiesce parks it at turn boundaries instead of draining it
         self._launch = launch
         self._check = check
         self._published = published
@@ -203,21 +205,26 @@ class RolloutManager:
         return out
 
     def quiesce(self, *, timeout: float | None = None) -> int:
-        """Pause dispatch and drain every in-flight request into the buffer; returns the buffered count."""
+        """Pause dispatch and drain every in-flight request into the buffer; returns the buffered count.
+        With a ``TurnGate``, in-flight agentic work parks at its next turn boundary instead (``turn_gate.py``)."""
         self._live()
         self._paused = True
+        if self._gate is not None:
+            self._gate.close()
         t0 = time.perf_counter()
         while True:
             self._route_done()
             self._live()
-            if not self._inflight:
+            if not self._inflight or (self._gate is not None and self._gate.all_parked()):
                 return len(self._buffer)
-            self._wait(t0, timeout)
+            self._wait(t0, timeout, poll=None if self._gate is None else 0.05)  # parking completes no future
 
     def resume(self) -> None:
         """Dispatch again after ``quiesce``."""
         self._live()
         self._paused = False
+        if self._gate is not None:
+            self._gate.open()
         self.pump()
 
     @property
@@ -304,11 +311,13 @@ class RolloutManager:
             self._buffer[(req.step, req.shard)] = Completed(request=req, result=result,
                                                             seconds=time.perf_counter() - started)
 
-    def _wait(self, t0: float, timeout: float | None) -> None:
+    def _wait(self, t0: float, timeout: float | None, poll: float | None = None) -> None:
         left = None if timeout is None else timeout - (time.perf_counter() - t0)
         if left is not None and left <= 0:
             raise TimeoutError(f"rollout manager: nothing completed within {timeout} s "
                                f"({len(self._inflight)} in flight)")
+        if poll is not None:
+            left = poll if left is None else min(left, poll)
         with self._cond:
             if not self._done:
                 self._cond.wait(timeout=left)

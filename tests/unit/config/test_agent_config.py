@@ -23,11 +23,27 @@ def test_tiny_agent_calc_recipe():
     ("tiny-agent-calc", ["lm.agent.env.name=chess"], r"recipe.lm.agent.env.name='chess': expected one of"),
     ("tiny-agent-calc", ["lm.agent.env.depth=2"], r"recipe.lm.agent.env.depth=2: expected a field of environment"),
     ("tiny-agent-calc", ["lm.agent.env.limits.max_int_bits=0"], r"limits.max_int_bits=0"),
-    ("tiny-agent-calc", ["async_training.max_policy_lag=1", "checkpoint.keep_last=3"],
-     r"async_training.max_policy_lag=1: expected 0 with lm.agent"),
+    ("tiny-agent-calc-vllm", ["async_training.max_policy_lag=1", "checkpoint.keep_last=3"],
+     r"async_training.max_policy_lag=1: expected 0 with lm.agent and lm.deployment.engine='vllm'"),
+    ("tiny-agent-calc", ["async_training.max_policy_lag=1", "lm.agent.switch_at_turn=1",
+                         "async_training.overlap=false"],
+     r"async_training.overlap=False: expected True with lm.agent.switch_at_turn"),
+    ("tiny-agent-calc", ["lm.agent.switch_at_turn=3"],
+     r"lm.agent.switch_at_turn=3: expected None or an integer in \[1, max_turns=3\)"),
+    ("tiny-agent-calc", ["lm.agent.switch_at_turn=1", "lm.agent.resume_version=latest"],
+     r"lm.agent.switch_at_turn=1: expected None with resume_version='latest'"),
+    ("tiny-agent-calc", ["lm.agent.stale_turns=drop"],
+     r"lm.agent.stale_turns='drop': expected one of \('correct', 'mask'\)"),
     ("tiny-agent-calc", ["pool.execution=pool"], r"pool.execution='pool': expected 'pods' with lm.agent"),
-    ("tiny-grpo-vllm", ["lm.agent.max_turns=2"], r"lm.deployment.engine='vllm': expected 'trainside' with lm.agent"),
 ])
 def test_refused_agent_settings_name_the_field(recipe, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_recipe(recipe, overrides)
+
+
+def test_agent_runs_over_vllm_and_lagged_on_the_trainside_engine():
+    cfg = load_recipe("tiny-agent-calc-vllm")
+    assert cfg.lm.deployment.engine == "vllm" and cfg.lm.agent.env.name == "calculator"
+    assert load_recipe("tiny-grpo-vllm", ["lm.agent.max_turns=2"]).lm.agent.max_turns == 2
+    cfg = load_recipe("tiny-agent-calc", ["async_training.max_policy_lag=1", "lm.agent.switch_at_turn=1"])
+    assert cfg.async_training.max_policy_lag == 1 and cfg.lm.agent.switch_at_turn == 1

@@ -32,6 +32,7 @@ from unirl_core.config import RunConfig, to_dict
 from unirl_core.config.preflight import preflight
 from unirl_core.pool.kuberay import setup_pool
 from unirl_core.report.phase_html import metrics_table
+from unirl_core.rollout.agentic import check_agent_workflow
 
 if train_image.is_container():
     from unirl_core.loop import phases
@@ -51,6 +52,7 @@ def setup_task(recipe: str, overrides: list[str]) -> Setup:
     ``pool.kuberay`` the pool's RayCluster spec is validated and written as ``<root>/<run>/pool/raycluster.yaml``."""
     cfg, cluster = load_run_config(recipe, overrides)
     cfg.async_training.check_workflow()
+    check_agent_workflow(cfg)
     for note in preflight(cfg):
         progress_logger().warning("preflight: %s", note)
     for note in setup_pool(cfg):  # pool.kuberay: the RayCluster spec, validated and written next to the run

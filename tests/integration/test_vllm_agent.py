@@ -74,7 +74,8 @@ def test_two_step_agentic_run_over_vllm(agent_run):
 def test_environment_tokens_between_turns_over_vllm(agent_run):
     cfg, _, _ = agent_run
     game = load_recipe("tiny-agent-calc-vllm", [f"checkpoint.root={cfg.checkpoint.root}", "loop.total_steps=2",
-                                                "lm.agent.env={name: guess_number, high: 1000}"])
+                                                ("lm.agent={env: {name: guess_number, high: 1000}, max_turns: 3, "
+                                                "max_response_tokens: 160}")])  # room for ~45-token observations
     ref = CheckpointStore(cfg.checkpoint.root, cfg.name).latest()
     batch, m = rollout_phase(game, ref, step=3)  # same server (same model source), fail-closed agreement inside
     model, env = _check_layout(batch, version=ref.policy_version)

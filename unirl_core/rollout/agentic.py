@@ -380,6 +380,20 @@ def check_agent_config(cfg) -> None:
                           "the switch waits for the next publication on the sampler thread")
 
 
+def check_agent_workflow(cfg) -> None:
+    """Refuse what the Flyte DAG does not run: its rollout pods sample every turn with the pinned version (no
+    sampler thread to suspend, no publication to wait for mid-rollout)."""
+    agent = cfg.lm.agent if cfg.lm is not None else None
+    if agent is None or cfg.async_training.max_policy_lag == 0:
+        return
+    if agent.switch_at_turn is not None:
+        raise field_error(ConfigError, "lm.agent.switch_at_turn", agent.switch_at_turn, "None in the Flyte workflow",
+                          "a version switch mid-rollout runs in run_local only; remove it (the lag itself is wired)")
+    if agent.resume_version != "pinned":
+        raise field_error(ConfigError, "lm.agent.resume_version", agent.resume_version, "'pinned' in the Flyte "
+                          "workflow", "turn-boundary suspension runs in run_local only")
+
+
 def conversation_segment(prompt_ids: Tensor, turns, *, tokenizer, eos_id: int | None, observation_template: str,
                          max_tokens: int) -> TokenSegment:
     """A supervised trajectory in the agentic engine's token layout (SFT warm starts): ``turns`` are

@@ -5,6 +5,7 @@ import pytest
 from unirl_core.config import load_recipe
 from unirl_core.env.calculator import CalculatorEnvConfig
 from unirl_core.errors import ConfigError
+from unirl_core.rollout.agentic import check_agent_workflow
 
 
 def test_tiny_agent_calc_recipe():
@@ -47,3 +48,14 @@ def test_agent_runs_over_vllm_and_lagged_on_the_trainside_engine():
     assert load_recipe("tiny-grpo-vllm", ["lm.agent.max_turns=2"]).lm.agent.max_turns == 2
     cfg = load_recipe("tiny-agent-calc", ["async_training.max_policy_lag=1", "lm.agent.switch_at_turn=1"])
     assert cfg.async_training.max_policy_lag == 1 and cfg.lm.agent.switch_at_turn == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["lm.agent.switch_at_turn=1"], r"lm.agent.switch_at_turn=1: expected None in the Flyte workflow"),
+    (["lm.agent.resume_version=latest"], r"lm.agent.resume_version='latest': expected 'pinned' in the Flyte workflow"),
+])
+def test_the_workflow_refuses_turn_suspension_settings(overrides, message):
+    cfg = load_recipe("tiny-agent-calc", ["async_training.max_policy_lag=1", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        check_agent_workflow(cfg)
+    check_agent_workflow(load_recipe("tiny-agent-calc", ["async_training.max_policy_lag=1"]))  # pinned turns: wired

@@ -62,8 +62,8 @@ def progress(records: list[StepRecord], rec: StepRecord, total: int, session: st
 def report_task(cfg: RunConfig, session: str, step: int, batch: SampleBatch, rollout: dict[str, float],
                 reward: dict[str, float], advantage: dict[str, float], train: dict[str, float],
                 published: str, evaluation: dict[str, float] | None = None) -> int:
-    """Write step ``step`` into the run report, re-render ``index.html``, add its TensorBoard scalars and log the
-    progress line.
+    """Write step ``step`` into the run report, re-render ``index.html`` (``report.index_every_n_steps``), add its
+    TensorBoard scalars and log the progress line.
 
     ``evaluation``: the ``eval/*`` metrics of this step's version when it was evaluated (charted in the index).
     Returns ``step`` so the workflow can order the reports of consecutive steps (one writer of index.html)."""
@@ -74,7 +74,8 @@ def report_task(cfg: RunConfig, session: str, step: int, batch: SampleBatch, rol
              "advantage": advantage_html(batch, advantage), "train": train_html(train), "publish": publish_html(info)}
     report = run_report(cfg)
     rec = report.record_step(step, metrics=metrics, batch=batch, pages=pages, session=session)
-    report.render(title=f"run {cfg.name}")
+    if cfg.report.renders_index(step, cfg.loop.total_steps):
+        report.render(title=f"run {cfg.name}")
     write_scalars(cfg, step, rec.metrics)
     url = write_wandb(cfg, step, rec.metrics)
     if url:

@@ -312,6 +312,20 @@ class ReportConfig:
     ``run_local(..., progress=...)`` overrides it. The Flyte tasks always log the progress line."""
     wandb: WandbConfig | None = None
     """Also log every step's metrics to Weights & Biases (``unirl_core/report/wandb_log.py``); None: not."""
+    index_every_n_steps: int = 10
+    """The Flyte report task re-renders the run report's ``index.html`` (its charts: ~1 s of matplotlib on a
+    tiny run) at step 1, every this many steps and at the last step; each step's records, pages and scalars are
+    written every step regardless. 1: every step."""
+
+    def __post_init__(self) -> None:
+        n = self.index_every_n_steps
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise field_error(ConfigError, "report.index_every_n_steps", n, "an integer >= 1",
+                              "use 10 (1 re-renders the charts every step)")
+
+    def renders_index(self, step: int, total_steps: int) -> bool:
+        """Whether step ``step``'s report re-renders ``index.html``."""
+        return step == 1 or step % self.index_every_n_steps == 0 or step >= total_steps
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from unirl_core.errors import EngineError, field_error
 from unirl_core.rollout.ar import TrainsideAREngine
-from unirl_core.rollout.dedicated import encode_prompt, request_seed, run_requests
+from unirl_core.rollout.dedicated import encode_prompt, request_seed
 from unirl_core.types import ARSamplingParams, TokenSegment
 
 
@@ -121,11 +121,11 @@ class VLLMTurns:
                 raise field_error(EngineError, f"agent turn of {sid}: context + turn tokens",
                                   ctx.numel() + sp.max_new_tokens, f"<= vllm.max_model_len={limit}",
                                   "raise lm.vllm.max_model_len or lower lm.agent.max_response_tokens")
-            bodies.append({"token_ids": ctx.tolist(), "model": eng._lora_name or eng.config.served_model_name,
+            bodies.append({"token_ids": ctx.tolist(), "model": eng.request_model,
                            "output_mode": "tokens", "request_id": f"{sid}@v{eng.policy_version}-{tag}-{i}",
                            "sampling_params": sampling_body(seeded, request_seed(seeded, sid),
                                                             ignore_eos=eng.config.ignore_eos)})
-        done = run_requests(eng._lock, eng.server, lambda: eng._post_all(bodies))
+        done = eng.post_generate(bodies)
         stale = [(i, c.policy_version) for i, c in enumerate(done) if c.policy_version != eng.policy_version]
         if stale:
             raise field_error(EngineError, "served policy_version", stale[:5], f"{eng.policy_version} everywhere",

@@ -176,6 +176,16 @@ class VLLMEngine:
         return collect(batch, prompts, done, policy_version=self.policy_version, tokenizer=self.tokenizer,
                        eos_ids=self.eos_ids)
 
+    @property
+    def request_model(self) -> str:
+        """The ``model`` field of a generate request: the served adapter (LoRA sync) or the served model."""
+        return self._lora_name or self.config.served_model_name
+
+    def post_generate(self, bodies: Sequence[dict]) -> list[Completion]:
+        """Send prepared ``/inference/v1/generate`` bodies (token ids in) under the engine lock, so a publish never
+        overlaps them; completions in request order (the agentic engine's turns, ``rollout/agent_turns.py``)."""
+        return run_requests(self._lock, self.server, lambda: self._post_all(bodies))
+
     def _post_all(self, bodies: Sequence[dict]) -> list[Completion]:
         def one(i: int, body: dict) -> Completion:
             return parse_completion(self.client.post("/inference/v1/generate", body), f"vllm.generate[{i}]")

@@ -46,6 +46,7 @@ from unirl_core.train.weight_sync import (
     WeightSender,
     WeightSyncConfig,
     WeightSyncError,
+    follow_send,
     sync_names,
     sync_sources,
 )
@@ -57,7 +58,7 @@ QUERY_GROUP = "query"
 """Ray concurrency group (one thread) of the methods in ``QUERIES``: they answer while the actor's default group
 runs a rollout, a train step or a publish (lagged rollouts: the trainer fetches step n's batch from an engine that
 is sampling step n + 1). They only read or drop bookkeeping, never the module."""
-QUERIES = frozenset({"pid", "placement", "current_sync", "served_version", "batch_ref", "release"})
+QUERIES = frozenset({"pid", "placement", "current_sync", "current_group", "served_version", "batch_ref", "release"})
 
 Version = tuple[str, int]
 """(checkpoint URI, policy version): the identity of a set of weights inside the pool."""
@@ -222,9 +223,42 @@ class TrainerActor(_Actor):
 
     def __init__(self, cfg: RunConfig, name: str, threads: int) -> None:
         super().__init__(cfg, name, threads)
-        self.backend = build.trainer(cfg)
+        self.rank, self.group_token = 0, None
+        # a rank of a group builds its backend once the group is open (join_group): FSDP2 shards over it
+        self.backend = build.trainer(cfg) if cfg.pool.trainer_ranks == 1 else None
         self.state: Version | None = None  # the version the resident state equals, None before a restore
         self.extra: dict[str, object] = {}
+
+    def current_group(self) -> str | None:
+        """The token of the trainer group this rank joined (None before ``join_group``)."""
+        return self.group_token
+
+    def group_endpoint(self) -> tuple[str, int]:
+        """(address, free port) where rank 0 will host the trainer group's rendezvous store."""
+        return _free_endpoint()
+
+    def join_group(self, token: str, addr: str, port: int, rank: int, world: int) -> None:
+        """Join the trainer group as ``rank`` of ``world`` (the default torch.distributed group of this process:
+        NCCL when the model is on a GPU, gloo on CPU; rendezvous on rank 0's store under ``token``), then build
+        the TrainBackend, which shards the policy with FSDP2 over it. Blocks until every rank has joined."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise field_error(ConfigError, "pool.trainer_ranks", world, "a fresh actor per rank",
+                              f"{self.name} already joined a trainer group; the driver re-creates the group")
+        policy = build.fresh_bundle(self.cfg)
+        device = _device(policy.module)
+        timeout = timedelta(seconds=self.cfg.pool.sync_timeout_s)
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                store=dist.PrefixStore(f"unirl-trainer-{token}", store), timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+        from unirl_core.train.backend import TrainBackend
+
+        self.backend = TrainBackend(policy, build.algorithm(self.cfg), self.cfg.train)
+        self.rank, self.group_token = rank, token
 
     def train(self, ckpt: CheckpointRef, step: int, scored: SampleBatch,
               *shards: SampleBatch) -> tuple[CheckpointRef, dict[str, float]]:
@@ -303,19 +337,18 @@ class TrainerActor(_Actor):
 
     def sync_endpoint(self) -> tuple[str, int]:
         """(address, free port) where this trainer will host the publish group's rendezvous store."""
-        import ray
-
-        addr = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((addr, 0))
-            return addr, s.getsockname()[1]
+        return _free_endpoint()
 
     def open_sync(self, token: str, addr: str, port: int, num_engines: int, dtypes: dict[str, str]) -> None:
         """Host the publish group as rank 0; blocks until every engine has joined. ``dtypes``: the engines'
-        tensor dtypes (``EngineActor.sync_dtypes``), the casts of every later broadcast."""
+        tensor dtypes (``EngineActor.sync_dtypes``), the casts of every later broadcast. The other trainer ranks
+        are not in the publish group: they keep the casts and bucket plan to follow rank 0's gathers."""
         self.close_sync()
         module = self.backend.policy.module
-        self._peer = WeightSender(self._sync_config(addr, port, num_engines), device=_device(module))
+        sync = self._sync_config(addr, port, num_engines)
+        if self.rank == 0:
+            self._peer = WeightSender(sync, device=_device(module))
+        self._plan = {"bucket_bytes": sync.bucket_bytes, "direct_bytes": sync.direct_bytes}
         self._cast = {n: getattr(torch, d) for n, d in dtypes.items()}
         self.sync_token = token
 
@@ -327,9 +360,14 @@ class TrainerActor(_Actor):
                               f"{self.state}", "publish the version the trainer holds; engines load others "
                               "from the store")
         module = self.backend.policy.module
+        sources = sync_sources(module, _scope(self.cfg))
+        if self.rank > 0:  # takes part in rank 0's gathers of each sharded tensor, in its order
+            verdict = torch.zeros(1, dtype=torch.int32, device=self.backend.dist.device)
+            follow_send(sources, cast=self._cast, verdict=verdict, **self._plan)
+            return {"seconds": 0.0, "bytes": 0.0, "buckets": 0.0}
         try:
-            stats = self._peer.send(sync_sources(module, _scope(self.cfg)), ckpt.policy_version,
-                                    scope=_scope(self.cfg), cast=self._cast)
+            stats = self._peer.send(sources, ckpt.policy_version, scope=_scope(self.cfg), cast=self._cast,
+                                    train_group=self.backend.world_size > 1)
         except Exception:
             self.close_sync()
             raise
@@ -342,7 +380,18 @@ class TrainerActor(_Actor):
 
         if self.state != _version(ckpt):
             return []
-        return [ray.put(self.backend.model_state_dict())]
+        state = self.backend.model_state_dict()  # collective under FSDP2: the tensors reach rank 0 only
+        return [ray.put(state)] if self.rank == 0 else []
+
+
+def _free_endpoint() -> tuple[str, int]:
+    """(this node's address, a port free on it) for a rendezvous store this actor hosts."""
+    import ray
+
+    addr = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return addr, s.getsockname()[1]
 
 
 class RewardActor(_Actor):

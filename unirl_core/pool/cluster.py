@@ -23,11 +23,12 @@ from unirl_core.config.run import RunConfig
 from unirl_core.errors import ConfigError, PoolActorDied, TransientError, field_error
 from unirl_core.pool import actors, transport
 from unirl_core.pool.config import ActorResources, PoolConfig
+from unirl_core.pool.group import trainer_names
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "unirl"
-TRAINER, REWARD = "trainer", "reward-0"
+REWARD = "reward-0"
 
 
 def engine_name(index: int) -> str:
@@ -45,8 +46,8 @@ class _Role:
 
 def _roles(pcfg: PoolConfig) -> list[_Role]:
     engines = [_Role(engine_name(i), actors.EngineActor, pcfg.engine, "pool.engine") for i in range(pcfg.num_engines)]
-    return [*engines, _Role(TRAINER, actors.TrainerActor, pcfg.trainer, "pool.trainer"),
-            _Role(REWARD, actors.RewardActor, pcfg.reward, "pool.reward")]
+    trainers = [_Role(n, actors.TrainerActor, pcfg.trainer, "pool.trainer") for n in trainer_names(pcfg.trainer_ranks)]
+    return [*engines, *trainers, _Role(REWARD, actors.RewardActor, pcfg.reward, "pool.reward")]
 
 
 def _needs(r: ActorResources) -> dict[str, float]:
@@ -160,7 +161,12 @@ class Pool:
             blame = max(self.roles.values(), key=lambda r: getattr(r.resources, f"num_{res.lower()}s"))
             attr = f"num_{res.lower()}s"
             asks = {r.name: getattr(r.resources, attr) for r in self.roles.values()}
-            raise field_error(ConfigError, f"{blame.field}.{attr}", getattr(blame.resources, attr),
+            field, value = f"{blame.field}.{attr}", getattr(blame.resources, attr)
+            extra_ranks = (self.pcfg.trainer_ranks - 1) * getattr(self.pcfg.trainer, attr)
+            one_rank = one - extra_ranks if self.pcfg.placement == "colocate" else one  # the bundle with 1 rank
+            if extra_ranks > 0 and ask - extra_ranks <= have + 1e-9 and one_rank <= node_max + 1e-9:
+                field, value = "pool.trainer_ranks", self.pcfg.trainer_ranks  # one rank would fit: the ranks don't
+            raise field_error(ConfigError, field, value,
                               f"a placement ({self.pcfg.placement}) the cluster can hold: the pool asks {ask:g} {res} "
                               f"({asks}), largest bundle {one:g}; the cluster has {have:g} {res}, at most "
                               f"{node_max:g} on one node", f"lower pool.*.{attr}, use pool.placement='separate' to "

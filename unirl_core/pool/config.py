@@ -103,6 +103,10 @@ class PoolConfig:
     """Resources of each engine actor (rollout bundle + trainside engine)."""
     trainer: ActorResources = field(default_factory=ActorResources)
     """Resources of the trainer actor (TrainBackend with resident optimizer state)."""
+    trainer_ranks: int = 1
+    """Trainer actors, one per rank (each with ``trainer``'s resources: one GPU each on GPUs, gloo on CPU), sharding
+    the policy with FSDP2 over a torch.distributed group of their own; rank 0 returns the metrics, writes the
+    version and sends the publish, the others follow every call. 1: one unsharded trainer actor (``trainer``)."""
     reward: ActorResources = field(default_factory=lambda: ActorResources(num_cpus=0.0))
     """Resources of the reward actor (RewardService). CPU-only scorers need none of their own."""
     emit: Emit = "projection"
@@ -136,6 +140,10 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.num_engines, int) and self.num_engines >= 1):
             raise field_error(ConfigError, "pool.num_engines", self.num_engines, "an integer >= 1", "use 1")
+        if not (isinstance(self.trainer_ranks, int) and not isinstance(self.trainer_ranks, bool)
+                and self.trainer_ranks >= 1):
+            raise field_error(ConfigError, "pool.trainer_ranks", self.trainer_ranks, "an integer >= 1",
+                              "use 1 (one trainer actor), or the number of GPUs to shard the policy over")
         for role in ("engine", "trainer", "reward"):
             getattr(self, role).check(f"pool.{role}")
         if self.publish not in ("collective", "object_store"):

@@ -87,7 +87,7 @@ def raycluster_spec(cfg: RunConfig) -> dict[str, Any]:
 
 def pool_bundles(pcfg: PoolConfig) -> list[dict[str, float]]:
     """The placement-group bundles the pool will ask Ray for (``cluster.Pool._bundles``, without Ray)."""
-    roles = [pcfg.engine] * pcfg.num_engines + [pcfg.trainer, pcfg.reward]
+    roles = [pcfg.engine] * pcfg.num_engines + [pcfg.trainer] * pcfg.trainer_ranks + [pcfg.reward]
     needs = [{"CPU": r.num_cpus, "GPU": r.num_gpus} for r in roles]
     if pcfg.placement == "colocate":
         return [{"CPU": sum(n["CPU"] for n in needs), "GPU": sum(n["GPU"] for n in needs)}]

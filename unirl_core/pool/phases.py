@@ -15,7 +15,8 @@ from typing import Literal
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import ConfigError, PoolActorDied, field_error
-from unirl_core.pool.cluster import REWARD, TRAINER, Pool, engine_name
+from unirl_core.pool import group
+from unirl_core.pool.cluster import REWARD, Pool, engine_name
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
             got = pool.call(name, "batch_ref", step, shard, what=what)
             resampled += 1
         refs.extend(got)
-    ref, metrics = pool.call(TRAINER, "train", ckpt, step, batch, *refs, what=f"train step {step}")
+    ref, metrics = group.call(pool, "train", ckpt, step, batch, *refs, what=f"train step {step}")
     for name in sorted({_engine_of(cfg, s) for s in range(shards)}):
         pool.remote(name, "release", step)  # not waited for: a lost release only keeps a batch until the next
     metrics["pool/resampled_shards"] = float(resampled)
@@ -100,7 +101,7 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
     try:
         served = {name: tuple(pool.call(name, "served_version", what="publish") or ()) for name in engines}
         stale = [name for name in engines if served[name] != want]
-        if stale and pool.call(TRAINER, "holds", ckpt, what=f"publish v{ckpt.policy_version}"):
+        if stale and group.holds(pool, ckpt):
             if cfg.pool.publish == "collective" and _collective_fits(pool, engines):
                 out.update(_broadcast(pool, engines, ckpt))
                 served = dict.fromkeys(engines, want)  # each receive checked the version it got
@@ -120,13 +121,13 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
 def _collective_fits(pool: Pool, engines: list[str]) -> bool:
     """False when an engine shares a GPU with the trainer (a colocated fractional GPU): NCCL refuses two ranks
     on one device, so those versions go through the object store."""
-    node, gpus = _placement(pool, TRAINER)
-    for name in engines:
-        other_node, other_gpus = _placement(pool, name)
-        if other_node == node and set(gpus) & set(other_gpus):
-            log.info("pool: %s shares GPU %s with the trainer; publishing through the object store", name,
-                     sorted(set(gpus) & set(other_gpus)))
-            return False
+    for node, gpus in group.placements(pool):
+        for name in engines:
+            other_node, other_gpus = _placement(pool, name)
+            if other_node == node and set(gpus) & set(other_gpus):
+                log.info("pool: %s shares GPU %s with a trainer rank; publishing through the object store", name,
+                         sorted(set(gpus) & set(other_gpus)))
+                return False
     return True
 
 
@@ -149,13 +150,9 @@ def _sync_token(pool: Pool, name: str) -> str | None:
 def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
     """Wait for every call of one collective; when any failed, close the publish group on every actor that is
     still alive and raise the first failure (a dead actor's ``PoolActorDied`` first)."""
-    results, errors = [], []
-    for name, ref in calls:
-        try:
-            results.append(pool.wait(name, ref, what=what))
-        except Exception as e:  # noqa: BLE001 - collected, the group closed, then re-raised below
-            errors.append(e)
-    if errors:
+    try:
+        return group.wait_all(pool, calls, what=what)
+    except Exception:
         for name, _ in calls:
             pool.memo(name).pop("sync", None)
             if name in pool.live:
@@ -163,20 +160,21 @@ def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
                     pool.call(name, "close_sync", what="closing the publish group")
                 except PoolActorDied:
                     pass
-        raise next((e for e in errors if isinstance(e, PoolActorDied)), errors[0])
-    return results
+        raise
 
 
 def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str, float]:
-    members = [TRAINER, *engines]
+    trainers = group.names(pool)
+    members = [*trainers, *engines]
     tokens = {_sync_token(pool, name) for name in members}
     opened = 0.0
     if len(tokens) != 1 or None in tokens:  # first publish, or an actor was re-created since
         token = uuid.uuid4().hex
-        addr, port = pool.call(TRAINER, "sync_endpoint", what="publish")
+        addr, port = pool.call(trainers[0], "sync_endpoint", what="publish")
         dtypes = pool.call(engines[0], "sync_dtypes", what="publish")
         n = len(engines)
-        calls = [(TRAINER, pool.actor(TRAINER).open_sync.remote(token, addr, port, n, dtypes))]
+        # the other trainer ranks follow rank 0's sends (their shards' gathers) with the same casts
+        calls = [(name, pool.remote(name, "open_sync", token, addr, port, n, dtypes)) for name in trainers]
         calls += [(name, pool.actor(name).join_sync.remote(token, addr, port, i + 1, n))
                   for i, name in enumerate(engines)]
         _gather(pool, calls, "opening the publish group")
@@ -184,16 +182,17 @@ def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str,
             pool.memo(name)["sync"] = token
         opened = 1.0
     what = f"publish v{ckpt.policy_version} (collective)"
-    calls = [(TRAINER, pool.actor(TRAINER).broadcast_weights.remote(ckpt))]
+    calls = [(name, pool.remote(name, "broadcast_weights", ckpt)) for name in trainers]
     calls += [(name, pool.actor(name).receive_weights.remote(ckpt)) for name in engines]
     sent, *received = _gather(pool, calls, what)
+    received = received[len(trainers) - 1:]
     return {"pool/engines_pushed": float(len(received)), "pool/publish_collective": 1.0,
             "pool/publish_group_opened": opened, "pool/publish_bytes": sent["bytes"],
             "pool/publish_send_s": sent["seconds"]}
 
 
 def _through_object_store(pool: Pool, stale: list[str], ckpt: CheckpointRef) -> dict[str, float]:
-    weights = pool.call(TRAINER, "weights", ckpt, what=f"publish v{ckpt.policy_version}")
+    weights = group.call(pool, "weights", ckpt, what=f"publish v{ckpt.policy_version}")
     if not weights:
         return {}
     pending = [(name, pool.actor(name).load_weights.remote(weights[0], ckpt)) for name in stale]

@@ -34,6 +34,8 @@ def test_pods_is_the_default():
     ("checkpoint.full_state=sharded", "checkpoint.full_state"),
     ("checkpoint.full_state=dcp", "checkpoint.full_state"),
     ("pool.worker_setup_hook=my_module.setup", "pool.worker_setup_hook"),
+    ("pool.trainer_ranks=0", "pool.trainer_ranks=0: expected an integer >= 1"),
+    ("pool.trainer_ranks=1.5", "pool.trainer_ranks"),
 ])
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
@@ -80,3 +82,11 @@ def test_worker_setup_hook_runs_in_the_actor_process_and_names_the_field_when_mi
         run_setup_hook("no_such_module_here:setup")
     with pytest.raises(ConfigError, match="pool.worker_setup_hook"):
         run_setup_hook(f"{__name__}:no_such_function")
+
+
+def test_trainer_ranks_name_their_actors():
+    from unirl_core.pool.group import trainer_names
+
+    assert PoolConfig().trainer_ranks == 1 and trainer_names(1) == ["trainer"]
+    assert trainer_names(3) == ["trainer-0", "trainer-1", "trainer-2"]
+    assert load_recipe("tiny-grpo", ["pool.trainer_ranks=2"]).pool.trainer_ranks == 2

@@ -52,6 +52,9 @@ def test_bundles_follow_the_placement():
     assert pool_bundles(colocate) == [{"CPU": 2.0, "GPU": 2.0}]
     separate = _cfg("pool.placement=separate").pool
     assert pool_bundles(separate) == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]  # reward needs none
+    ranks = _cfg("pool.placement=separate", "pool.trainer_ranks=2").pool  # a bundle per trainer rank
+    assert pool_bundles(ranks) == [{"CPU": 1.0, "GPU": 1.0}] * 3
+    assert pool_bundles(_cfg("pool.trainer_ranks=2").pool) == [{"CPU": 3.0, "GPU": 3.0}]
 
 
 @pytest.mark.parametrize("extra, field", [

@@ -117,7 +117,8 @@ def main() -> None:
         lines.append(f"seed {s}: {r['summary']}{held}; {r['seconds']:.0f} s ({r['step_seconds_median']:.1f} s/step)"
                      f"; {'CLIMBS' if not r['failures'] else 'FAILS: ' + '; '.join(r['failures'])}")
     print("\n".join(lines))
-    res["root"] = "(--root)"  # no machine paths in results
+    res["root"] = "<root>"  # no machine paths in results
+    res["overrides"] = [o.replace(root, "<root>") for o in res["overrides"]]
     Path(args.results).mkdir(parents=True, exist_ok=True)
     stem = f"first_run_climb_{args.recipe}"
     (Path(args.results) / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))

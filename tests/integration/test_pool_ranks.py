@@ -132,24 +132,42 @@ def test_two_ranks_train_what_one_rank_trains(tmp_path, recipe):
     print(f"{recipe}: max |w2 - w1| per step on equal data: {worst:.3g}")
 
 
-def test_killed_rank_fails_typed_and_the_retry_is_bitexact(tmp_path):
+SHARDED = ["checkpoint.full_state=sharded", "checkpoint.every_n_steps=2", "checkpoint.keep_last=10"]
+
+
+@pytest.mark.parametrize("state", ["file", "sharded"])
+def test_killed_rank_fails_typed_and_the_retry_is_bitexact(tmp_path, state):
+    """``file``: every version carries ``train_state.pt`` (gathered, rank 0 writes it); ``sharded``: the full state
+    is a DCP folder both ranks write every 2nd step (asynchronously), which the re-created group restores."""
     recipe, steps = "tiny-grpo", 4
-    cfg = _cfg(recipe, tmp_path / "killed", steps, *RANKS2)
+    extra = [*RANKS2, *(SHARDED if state == "sharded" else [])]
+    cfg = _cfg(recipe, tmp_path / "killed", steps, *extra)
     store = CheckpointStore(str(tmp_path / "killed"), cfg.name)
 
     def kill_rank1_after_2(metrics, batch):
         if metrics["step"] == 2.0:
+            group.call(cluster.current_pool(), "wait_state", what="test")  # the state write has landed
             os.kill(_pid("trainer-1"), signal.SIGKILL)
 
     with pytest.raises(PoolActorDied, match=r"'trainer-1'.*train step 3.*trainer group of 2 ranks"):
         run_local(cfg, on_step=kill_rank1_after_2)
     assert store.latest().step == 2
     assert "trainer-0" not in cluster.current_pool().live  # the survivor was killed with it
+    if state == "sharded":
+        from unirl_core.checkpoint.sharded import state_versions
+
+        assert [s.step for s in state_versions(str(tmp_path / "killed"), recipe)] == [2]
+        assert sorted(p.name for p in (tmp_path / "killed" / recipe / "state-00000002").glob("rank-*.pt")) == [
+            "rank-00000.pt", "rank-00001.pt"]
     rest = run_local(cfg)  # the retry: both ranks re-created, the group re-opened, step 2 restored
     assert [h["step"] for h in rest] == [3.0, 4.0]
     assert [h["pool/trainer_restored"] for h in rest] == [1.0, 0.0]
     assert [h["pool/engines_serving"] for h in rest] == [1.0, 1.0]
-    ref = run_local(_cfg(recipe, tmp_path / "ref", steps, *RANKS2))  # uninterrupted, 2 ranks
+    # uninterrupted, 2 ranks; its publish goes through the object store (model_state_dict gathered on every
+    # rank, rank 0's copy sent), which rounds into the engine as the collective publish does
+    ref = run_local(_cfg(recipe, tmp_path / "ref", steps, *extra, "pool.publish=object_store"))
+    assert [h["pool/publish_collective"] for h in ref] == [0.0] * steps
+    assert [h["pool/engines_serving"] for h in ref] == [1.0] * steps
     assert [h["reward/mean"] for h in rest] == [h["reward/mean"] for h in ref[2:]]
     assert [h["train/loss"] for h in rest] == [h["train/loss"] for h in ref[2:]]
     for k in (3, 4):

@@ -132,6 +132,7 @@ def wait_all(pool, calls: list[tuple[str, object]], *, what: str) -> list:
             died = pool._died(name, e, what)
             if group & ({name} | set(pending.values())):
                 kill(pool)
+            if name in group:
                 died = PoolActorDied(f"{died} (the trainer group of {len(group)} ranks is re-created with it)")
             raise died from e
         except Exception as e:

@@ -191,6 +191,30 @@ def test_lagged_rollouts_beside_a_trainer_group(tmp_path):
     assert [h["pool/trainer_restored"] for h in two] == [1.0] + [0.0] * (steps - 1)
 
 
+def test_flyte_workflow_with_a_trainer_group_in_separate_bundles(tmp_path):
+    """The typed Flyte tasks (local ``pyflyte``-style call of the workflow) in pool mode with 2 trainer ranks in a
+    bundle each: same rewards as the in-process loop with one trainer, weights within the tolerance."""
+    import json
+
+    from tests.flyte.conftest import tiny_overrides
+    from workflows.grpo import grpo
+
+    recipe, name, steps = "tiny-grpo", "t-pool-ranks-wf", 2
+    base = [*tiny_overrides(recipe, str(tmp_path / "pool"), name, steps=steps), *FOUR[recipe]]
+    out = grpo(recipe=recipe, overrides=[*base, *POOL, *RANKS2, "pool.placement=separate"])
+    assert out.step == steps
+    pool = cluster.current_pool()
+    assert pool.bundle_of == {"engine-0": 0, "trainer-0": 1, "trainer-1": 2, "reward-0": -1}
+    ref = run_local(load_recipe(recipe, [*tiny_overrides(recipe, str(tmp_path / "pods"), name, steps=steps),
+                                         *FOUR[recipe]]), progress=False)
+    for k in range(1, steps + 1):
+        report = tmp_path / "pool" / name / "report" / f"step-{k:08d}" / "metrics.json"
+        assert json.loads(report.read_text())["metrics"]["reward/mean"] == ref[k - 1]["reward/mean"]
+        got, want = _weights(tmp_path / "pool", name, k), _weights(tmp_path / "pods", name, k)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_more_ranks_than_cpus_fails_at_setup(tmp_path):
     cfg = load_recipe("tiny-grpo", [*SMALL["tiny-grpo"], f"checkpoint.root={tmp_path}", "pool.execution=pool",
                                     "pool.trainer_ranks=3"])  # 1 engine CPU + 3 x 1 trainer CPU > 2

@@ -2,7 +2,8 @@
 executions of the same steps: ``warm`` (one process, in-process phases, one GPU), ``pool-separate`` (a local Ray
 pool: trainer actor on one GPU, engine actor on another, every version published over NCCL from the trainer's
 tensors) and ``pool-colocate`` (trainer and engine actors sharing one GPU; publication through the object
-store: NCCL refuses two ranks on one device).
+store: NCCL refuses two ranks on one device) and ``pool-shared`` (``pool.placement: shared``, one GPU: one actor
+process is trainer and engine, sampling with the trainer's module; one copy of the weights, no publish transfer).
 
 Per mode: the first step (model build, actor start, NCCL group set-up) and the median of the steady steps after
 it, per phase; the pool's publication metrics (``pool/publish_send_s``, ``pool/publish_bytes``,
@@ -37,16 +38,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-MODES = ("warm", "pool-separate", "pool-colocate", "pool-separate-lag1")
+MODES = ("warm", "pool-separate", "pool-colocate", "pool-separate-lag1", "pool-shared")
 KEEP = ("time/", "pool/", "async/", "train/ratio", "train/logp", "train/absdiff", "rollout/logp", "reward/mean")
 
 
 def _pool_overrides(mode: str, gpus: bool, cpus: float) -> list[str]:
-    sep = mode.startswith("pool-separate")
+    sep, shared = mode.startswith("pool-separate"), mode == "pool-shared"
     g = ("1" if sep else "0.5") if gpus else "0"
+    eg, tg = ("0", "1" if gpus else "0") if shared else (g, g)  # shared: the trainer's GPU is the engine's
     lag = ["async_training.max_policy_lag=1"] if mode.endswith("-lag1") else []
-    return [*lag, "pool.execution=pool", f"pool.placement={'separate' if sep else 'colocate'}",
-            f"pool.engine.num_gpus={g}", f"pool.trainer.num_gpus={g}", "pool.reward.num_gpus=0",
+    placement = "shared" if shared else "separate" if sep else "colocate"
+    return [*lag, "pool.execution=pool", f"pool.placement={placement}",
+            f"pool.engine.num_gpus={eg}", f"pool.trainer.num_gpus={tg}", "pool.reward.num_gpus=0",
             f"pool.engine.num_cpus={cpus}", f"pool.trainer.num_cpus={cpus}", f"pool.reward.num_cpus={cpus}",
             "pool.worker_setup_hook=step_cost_shapes:worker_hook"]
 
@@ -197,8 +200,8 @@ def run_preset(preset: str, args) -> dict:
                                                                      os.environ.get("PYTHONPATH")])))
     results = []
     for mode in args.modes:
-        m_env = dict(env, CUDA_VISIBLE_DEVICES="0") if mode in ("warm", "pool-colocate") and device == "cuda" \
-            else env
+        one_gpu = mode in ("warm", "pool-colocate", "pool-shared") and device == "cuda"
+        m_env = dict(env, CUDA_VISIBLE_DEVICES="0") if one_gpu else env
         res = _summary(_spawn(mode, state, args.steps, m_env))
         results.append(res)
         print(f"[{preset}] {mode}: " + (res["error"] if "error" in res else
@@ -234,7 +237,9 @@ def _table(out: dict) -> None:
            notes=f"{out['presets'][0]['steps']} steps per mode, each mode a fresh process; steady = median of the "
                  "steps after the first; warm = run_local in one process on GPU 0; pool-separate = trainer and "
                  "engine actors on their own GPUs, NCCL publish; pool-colocate = both on GPU 0, object-store "
-                 "publish; -lag1 = async_training.max_policy_lag 1 (rollout n+1 beside train n). Peak = nvidia-smi memory.used (all processes on that GPU).")
+                 "publish; pool-shared = one actor on GPU 0 is trainer and engine (no publish transfer); -lag1 = "
+                 "async_training.max_policy_lag 1 (rollout n+1 beside train n). Peak = nvidia-smi memory.used (all "
+                 "processes on that GPU).")
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from unirl_core.loop.dynamic_sampling import FilterGroupsConfig
 from unirl_core.loop.evaluate import EvalConfig, check_eval_config
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
-from unirl_core.pool.config import PoolConfig
+from unirl_core.pool.config import PoolConfig, check_shared
 from unirl_core.report.wandb_log import WandbConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.rollout.agentic import AgentConfig, check_agent_config
@@ -383,6 +383,7 @@ class RunConfig:
         self._check_rollout_weights()
         check_eval_config(self)
         self._check_async()
+        check_shared(self)
         if self.pool.execution == "pool" and self.lm is not None and self.lm.deployment.engine != "trainside":
             raise field_error(ConfigError, "pool.execution", "pool", f"'pods' with lm.deployment.engine="
                               f"{self.lm.deployment.engine!r}", "the pool runs the trainside engines only (a vLLM "
@@ -457,16 +458,17 @@ class RunConfig:
 
     def _check_rollout_weights(self) -> None:
         """An algorithm that samples with EMA weights (DiffusionNFT's ``old_policy: ema``) needs them kept and
-        pods mode (the pool's engines hold the policy weights)."""
+        pods mode or ``pool.placement: shared`` (the pool's engine actors hold the policy weights only)."""
         if getattr(self.section.algorithm, "rollout_weights", "policy") != "ema":
             return
         algo = f"{self.family}.algorithm"
         if self.train.ema_decay is None:
             raise field_error(ConfigError, "train.ema_decay", None, f"a decay in (0, 1) with {algo}.old_policy='ema'",
                               f"set train.ema_decay (e.g. 0.9), or {algo}.old_policy: policy")
-        if self.pool.execution == "pool":
+        if self.pool.execution == "pool" and self.pool.placement != "shared":
             raise field_error(ConfigError, "pool.execution", "pool", f"'pods' with {algo}.old_policy='ema'",
-                              f"the pool's engines sample the policy weights; use execution 'pods' or "
+                              f"the pool's engine actors sample the policy weights; use pool.placement 'shared' "
+                              f"(the trainer's EMA), execution 'pods' or "
                               f"{algo}.old_policy: policy")
 
     def _check_token_budget(self, shards: int) -> None:

@@ -45,6 +45,11 @@ class _Role:
 
 
 def _roles(pcfg: PoolConfig) -> list[_Role]:
+    if pcfg.placement == "shared":  # trainer and engine in one process, with the trainer's resources
+        from unirl_core.pool.shared import SHARED, SharedActor
+
+        return [_Role(SHARED, SharedActor, pcfg.trainer, "pool.trainer"),
+                _Role(REWARD, actors.RewardActor, pcfg.reward, "pool.reward")]
     engines = [_Role(engine_name(i), actors.EngineActor, pcfg.engine, "pool.engine") for i in range(pcfg.num_engines)]
     trainers = [_Role(n, actors.TrainerActor, pcfg.trainer, "pool.trainer") for n in trainer_names(pcfg.trainer_ranks)]
     return [*engines, *trainers, _Role(REWARD, actors.RewardActor, pcfg.reward, "pool.reward")]
@@ -127,7 +132,7 @@ class Pool:
     # ----------------------------------------------------------------------------- placement
 
     def _bundles(self) -> list[dict[str, float]]:
-        if self.pcfg.placement == "colocate":
+        if self.pcfg.placement in ("colocate", "shared"):
             total: dict[str, float] = {}
             for r in self.roles.values():
                 for k, v in _needs(r.resources).items():
@@ -184,7 +189,7 @@ class Pool:
                 pass
         bundles = self._bundles()
         self._check_fits(bundles)
-        strategy = "STRICT_PACK" if self.pcfg.placement == "colocate" else "PACK"
+        strategy = "PACK" if self.pcfg.placement == "separate" else "STRICT_PACK"
         pg = placement_group(bundles, strategy=strategy, name=name, lifetime="detached" if self.detached else None)
         ready, _ = ray.wait([pg.ready()], timeout=self.pcfg.placement_timeout_s)
         if not ready:

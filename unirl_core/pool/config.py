@@ -10,7 +10,7 @@ from typing import Literal
 from unirl_core.errors import ConfigError, field_error
 
 Execution = Literal["pods", "pool"]
-Placement = Literal["colocate", "separate"]
+Placement = Literal["colocate", "separate", "shared"]
 Emit = Literal["projection", "full"]
 Publish = Literal["collective", "object_store"]
 
@@ -96,7 +96,10 @@ class PoolConfig:
     to attach to. Token authentication stays on: attach with the cluster's token in the environment."""
     placement: Placement = "colocate"
     """``colocate``: all actors in one placement-group bundle (one node, fractional GPUs shared);
-    ``separate``: one bundle per actor (engines, trainer and rewards on their own devices)."""
+    ``separate``: one bundle per actor (engines, trainer and rewards on their own devices);
+    ``shared``: one actor process (``shared``, with ``trainer``'s resources) hosts the trainer and the trainside
+    engine, which samples with the trainer's own module in its compute context: one copy of the weights, and a
+    publish moves no bytes. Needs ``num_engines`` 1, ``trainer_ranks`` 1, no policy lag, an unsharded trainer."""
     num_engines: int = 1
     """Engine actors; rollout shard ``i`` runs on engine ``i % num_engines``."""
     engine: ActorResources = field(default_factory=ActorResources)
@@ -146,6 +149,12 @@ class PoolConfig:
                               "use 1 (one trainer actor), or the number of GPUs to shard the policy over")
         for role in ("engine", "trainer", "reward"):
             getattr(self, role).check(f"pool.{role}")
+        if self.placement == "shared":
+            for name, why in (("num_engines", "the trainer's process is the one engine"),
+                              ("trainer_ranks", "a sharded (FSDP2) module cannot sample as the trainside engine")):
+                if getattr(self, name) != 1:
+                    raise field_error(ConfigError, f"pool.{name}", getattr(self, name), "1 with pool.placement="
+                                      f"'shared' ({why})", "use placement 'colocate' or 'separate' for more")
         if self.publish not in ("collective", "object_store"):
             raise field_error(ConfigError, "pool.publish", self.publish, "'collective' or 'object_store'",
                               "use 'collective' (NCCL / gloo broadcast trainer -> engines)")
@@ -162,3 +171,19 @@ class PoolConfig:
         if self.address is not None and not self.address.strip():
             raise field_error(ConfigError, "pool.address", self.address, "None or host:port",
                               "leave it unset to start a local head")
+
+
+def check_shared(cfg) -> None:
+    """What ``pool.placement: shared`` needs of the rest of the run (``cfg``: the RunConfig): the one module holds
+    the trainer's current version, so a rollout cannot pin an older one (no policy lag), and it must not be
+    FSDP-wrapped (``train.shard: always``), which the trainside engine cannot sample through."""
+    if cfg.pool.execution != "pool" or cfg.pool.placement != "shared":
+        return
+    lag = cfg.async_training.max_policy_lag
+    if lag != 0:
+        raise field_error(ConfigError, "async_training.max_policy_lag", lag, "0 with pool.placement='shared' (the "
+                          "engine samples with the trainer's current weights, it cannot hold an older version)",
+                          "use placement 'colocate' or 'separate' (engines of their own) for lagged rollouts")
+    if cfg.train.shard == "always":
+        raise field_error(ConfigError, "train.shard", "always", "'auto' with pool.placement='shared' (one "
+                          "unsharded trainer the engine samples through)", "set train.shard: auto")

@@ -29,6 +29,10 @@ def trainer_names(ranks: int) -> list[str]:
 
 
 def names(pool) -> list[str]:
+    if pool.pcfg.placement == "shared":  # the trainer is the shared actor (one rank)
+        from unirl_core.pool.shared import SHARED
+
+        return [SHARED]
     return trainer_names(pool.pcfg.trainer_ranks)
 
 

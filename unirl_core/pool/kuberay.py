@@ -88,8 +88,10 @@ def raycluster_spec(cfg: RunConfig) -> dict[str, Any]:
 def pool_bundles(pcfg: PoolConfig) -> list[dict[str, float]]:
     """The placement-group bundles the pool will ask Ray for (``cluster.Pool._bundles``, without Ray)."""
     roles = [pcfg.engine] * pcfg.num_engines + [pcfg.trainer] * pcfg.trainer_ranks + [pcfg.reward]
+    if pcfg.placement == "shared":  # one process: the trainer's resources host the engine too
+        roles = [pcfg.trainer, pcfg.reward]
     needs = [{"CPU": r.num_cpus, "GPU": r.num_gpus} for r in roles]
-    if pcfg.placement == "colocate":
+    if pcfg.placement in ("colocate", "shared"):
         return [{"CPU": sum(n["CPU"] for n in needs), "GPU": sum(n["GPU"] for n in needs)}]
     return [n for n in needs if n["CPU"] > 0 or n["GPU"] > 0]
 

@@ -15,28 +15,40 @@ from typing import Literal
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import ConfigError, PoolActorDied, field_error
+from unirl_core.loop import build
 from unirl_core.pool import group
 from unirl_core.pool.cluster import REWARD, Pool, engine_name
+from unirl_core.pool.shared import SHARED
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
 
 
 def _engine_of(cfg: RunConfig, shard: int) -> str:
+    if _shared(cfg):
+        return SHARED
     return engine_name(shard % cfg.pool.num_engines)
+
+
+def _shared(cfg: RunConfig) -> bool:
+    """``pool.placement: shared``: the trainer's process is the engine (``unirl_core/pool/shared.py``)."""
+    return cfg.pool.placement == "shared"
 
 
 def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int = 0, num_shards: int = 1,
                   weights: Literal["policy", "ema"] = "policy") -> tuple[SampleBatch, dict[str, float]]:
     """Sample one shard on its engine actor; returns the projection (``pool.emit``) and the metrics. The full
     batch stays in the pool for ``train_phase``."""
-    if weights != "policy":
-        raise field_error(ConfigError, "weights", weights, "'policy' in pool mode",
-                          "sample EMA weights with execution 'pods' (the pool's engines hold the policy)")
     pool = Pool.get(cfg)
     name = _engine_of(cfg, shard)
-    return pool.call(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit,
-                     what=f"rollout step {step} shard {shard}")
+    what = f"rollout step {step} shard {shard}"
+    if _shared(cfg):  # the trainer's module samples: its EMA too
+        return pool.call(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit, weights, what=what)
+    if weights != "policy":
+        raise field_error(ConfigError, "weights", weights, "'policy' with pool.placement="
+                          f"{cfg.pool.placement!r}", "sample EMA weights with pool.placement 'shared' (the trainer's "
+                          "EMA) or execution 'pods' (the pool's engine actors hold the policy)")
+    return pool.call(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit, what=what)
 
 
 def submit_rollout(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int,
@@ -62,6 +74,8 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
     the projection's log-probs before training."""
     pool = Pool.get(cfg)
     shards = cfg.loop.rollout_shards
+    if _shared(cfg):
+        return _train_shared(pool, cfg, batch, ckpt, step=step)
     refs, resampled = [], 0
     for shard in range(shards):
         name = _engine_of(cfg, shard)
@@ -81,6 +95,32 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
     return ref, metrics
 
 
+def _train_shared(pool: Pool, cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
+                  step: int) -> tuple[CheckpointRef, dict[str, float]]:
+    """The shared actor trains on the full batches it sampled itself (nothing travels); a shard it lost (it
+    restarted since the rollout, or the rollout came from a task cache) is sampled again first, as above."""
+    what = f"train step {step}"
+    shards = cfg.loop.rollout_shards
+    missing = pool.call(SHARED, "missing_shards", step, shards, what=f"{what}: fetching shards")
+    weights = build.rollout_weights(cfg)  # what the loop's rollouts sample with
+    for shard in missing:
+        log.warning("pool: %s holds no batch of step %d shard %d; sampling it again from %s", SHARED, step, shard,
+                    ckpt.uri)
+        pool.call(SHARED, "rollout", ckpt, step, shard, shards, "projection", weights,
+                  what=f"re-sampling {what} shard {shard}")
+    ref, metrics = group.call(pool, "train", ckpt, step, batch, what=what)
+    metrics["pool/resampled_shards"] = float(len(missing))
+    return ref, metrics
+
+
+def _publish_shared(pool: Pool, ckpt: CheckpointRef, t0: float) -> dict[str, float]:
+    """Shared placement: the engine samples with the trainer's module, so the version is published once the
+    trainer holds it; nothing moves. A restarted actor holds nothing: its next rollout restores the version."""
+    held = bool(pool.call(SHARED, "holds", ckpt, what=f"publish v{ckpt.policy_version}"))
+    return {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0, "pool/publish_shared": 1.0,
+            "pool/publish_bytes": 0.0, "pool/engines_serving": float(held), "pool/publish_s": time.perf_counter() - t0}
+
+
 def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
     """After ``ckpt`` is the run's published version: the trainer's weights to every engine, in-pool.
 
@@ -94,6 +134,8 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
     tensor, raised."""
     pool = Pool.get(cfg)
     t0 = time.perf_counter()
+    if _shared(cfg):
+        return _publish_shared(pool, ckpt, t0)
     want = (ckpt.uri, ckpt.policy_version)
     engines = [engine_name(i) for i in range(cfg.pool.num_engines)]
     out = {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0}

@@ -12,6 +12,7 @@ from unirl_core.checkpoint.store import (
     LoadedCheckpoint,
     load_checkpoint,
 )
+from unirl_core.checkpoint.writer import VersionWriter
 from unirl_core.errors import CheckpointError, field_error
 from unirl_core.train.backend import TrainBackend
 from unirl_core.train.distributed import current_world
@@ -21,13 +22,17 @@ log = logging.getLogger(__name__)
 
 def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, config: object | None = None,
                           extra: dict[str, object] | None = None, publish: bool = True,
-                          overwrite: bool = False, full_state: bool = True) -> CheckpointRef:
+                          overwrite: bool = False, full_state: bool = True,
+                          writer: VersionWriter | None = None) -> CheckpointRef:
     """Checkpoint the backend after its latest step: weights, EMA, optimizer/scheduler/RNG/counters, the run
     config and ``extra`` JSON state (e.g. the advantage stat tracker).
 
     ``full_state=False`` writes the version without ``train_state.pt`` (weights, EMA, config, extra): the
     resumable state is written elsewhen (``checkpoint.every_n_steps``) or elsewhere (``sharded.py``).
     Collective under FSDP: every rank gathers, rank 0 writes, all ranks return the same ref.
+
+    ``writer`` (world size 1, ``publish=False``): the files are written on the writer's background thread
+    from a snapshot taken now (``VersionWriter``); the ref is returned before the version exists.
     """
     weights = backend.model_state_dict()
     if full_state:
@@ -36,11 +41,21 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
     else:
         state, ema = None, _full_ema(backend)
     rank, world = current_world()
+    meta = {"weights_scope": backend.cfg.weights_scope, "world_size": str(world)}
+    if writer is not None:
+        if world > 1 or publish:
+            raise field_error(CheckpointError, "writer", "set", f"unset with world size {world} / publish={publish}",
+                              "write asynchronously only in a single-rank process, and publish separately")
+        # a CPU trainer's state dicts alias its live tensors, which the next step changes: copy them
+        copy = backend.dist.device.type == "cpu"
+        return writer.save(store, backend.step_count, policy_version=backend.policy_version, copy_tensors=copy,
+                           weights=weights, ema_weights=ema, train_state=state, config=config, extra=extra,
+                           meta=meta, overwrite=overwrite)
     ref = None
     if rank == 0:
         ref = store.save(backend.step_count, weights=weights, ema_weights=ema, train_state=state, config=config,
                          extra=extra, policy_version=backend.policy_version, publish=publish, overwrite=overwrite,
-                         meta={"weights_scope": backend.cfg.weights_scope, "world_size": str(world)})
+                         meta=meta)
     if world > 1:
         box = [ref]
         dist.broadcast_object_list(box, src=0)

@@ -81,6 +81,10 @@ class CheckpointStore:
     def _version(self, step: int) -> Folder:
         return Folder(self._run.fs, self._run.join(step_dirname(step)))
 
+    def ref_for(self, step: int, policy_version: int) -> CheckpointRef:
+        """The ref version ``step`` has once saved (what ``save`` returns), before it is written."""
+        return CheckpointRef(uri=self._version(step).uri(), run=self.run, step=step, policy_version=policy_version)
+
     # ------------------------------------------------------------------------------------------ write
 
     def save(self, step: int, *, weights: dict[str, Tensor], policy_version: int,
@@ -106,7 +110,7 @@ class CheckpointStore:
         manifest = Manifest(run=self.run, step=step, policy_version=policy_version, files=files,
                             meta=dict(meta or {}))
         folder.write(MANIFEST, manifest.to_json(), atomic=True)
-        ref = CheckpointRef(uri=folder.uri(), run=self.run, step=step, policy_version=policy_version)
+        ref = self.ref_for(step, policy_version)
         log.info("saved checkpoint %s (%.1f MB)", ref.uri, sum(f["bytes"] for f in files.values()) / 1e6)
         if publish:
             self.publish(ref)

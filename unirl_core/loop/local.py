@@ -22,6 +22,7 @@ from unirl_core.loop.metrics import merge_shard_metrics
 from unirl_core.loop.phases import (
     advantage_phase,
     dynamic_sampling_phase,
+    finish_writes,
     init_run,
     publish_phase,
     reward_phase,
@@ -152,10 +153,18 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
     lagged = LaggedRollouts(cfg, ckpt) if cfg.async_training.max_policy_lag and ckpt.step < cfg.loop.total_steps \
         else None
     try:
-        return _step_loop(cfg, ckpt, on_step, show, scalars, lagged)
+        history = _step_loop(cfg, ckpt, on_step, show, scalars, lagged)
+    except BaseException:
+        try:  # the version in flight completes (or stays invisible); the step's own error is the one raised
+            finish_writes()
+        except Exception as e:  # noqa: BLE001
+            log.error("the background checkpoint write also failed: %s", e)
+        raise
     finally:
         if lagged is not None:
             lagged.close()
+    finish_writes()  # the run ends with its last version written and published
+    return history
 
 
 def evaluate_into_report(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
@@ -182,7 +191,7 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
             parts, per_shard, extra = lagged.take(step)
         else:
             for shard in range(shards):
-                b, m = rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=shards)
+                b, m = rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=shards, trainer_copy=True)
                 parts.append(b)
                 per_shard.append(m)
         metrics = merge_shard_metrics(per_shard)
@@ -203,7 +212,10 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
         metrics.update(m)
         t["advantage"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        ckpt, m = train_phase(cfg, batch, ckpt, step=step)
+        # without lagged rollouts nothing reads the store until the next train phase: the version is written
+        # on a background thread while the next rollout samples with the trainer's copy of its weights
+        background = lagged is None
+        ckpt, m = train_phase(cfg, batch, ckpt, step=step, asynchronous=background)
         metrics.update(m)
         t["train"] = time.perf_counter() - t1
         t1 = time.perf_counter()
@@ -211,7 +223,7 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
             tq = time.perf_counter()
             lagged.quiesce()  # pool: the engines get the new weights; no rollout may be mid-sample on them
             metrics["async/publish_quiesce_s"] = time.perf_counter() - tq
-        published = publish_phase(cfg, ckpt)
+        published = publish_phase(cfg, ckpt, asynchronous=background)
         if lagged is not None:
             lagged.mark_available(ckpt)  # a partial rollout waiting for this version continues
         metrics.update({k: float(v) for k, v in published.items() if k.startswith("pool/")})
@@ -220,6 +232,7 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
             t1 = time.perf_counter()
             if lagged is not None:  # eval loads its version into the rollout model the sampler thread uses
                 lagged.quiesce()
+            finish_writes()  # eval reads the version (and the report) from the store
             metrics.update(evaluate_into_report(cfg, ckpt))  # held-out, deterministic: eval/* in the step's record
             t["eval"] = time.perf_counter() - t1
         if lagged is not None:

@@ -25,6 +25,7 @@ from unirl_core.checkpoint import (
     restore_train_checkpoint,
     save_train_checkpoint,
 )
+from unirl_core.checkpoint.writer import VersionWriter
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
@@ -193,7 +194,7 @@ def step_prompts(cfg: RunConfig, step: int, shard: int = 0, num_shards: int = 1,
 
 def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int = 0, num_shards: int = 1,
                   weights: Literal["policy", "ema"] | None = None,
-                  gen_round: int = 0) -> tuple[SampleBatch, dict[str, float]]:
+                  gen_round: int = 0, trainer_copy: bool = False) -> tuple[SampleBatch, dict[str, float]]:
     """Sample one shard of step ``step`` with the weights of ``ckpt``: the trainside engine, or the process's
     dedicated engine after syncing ``ckpt`` to it (then checked against the trainer's replay, fail-closed).
 
@@ -204,6 +205,10 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
     ``weights=None``: what the run's algorithm samples with (``build.rollout_weights``: ``ema`` for
     DiffusionNFT's default sampling policy, else ``policy``).
     ``gen_round`` > 0: an extra round of dynamic sampling (new prompts and seeds, see ``step_prompts``).
+    ``trainer_copy``: when this process's trainer holds exactly ``ckpt`` (it wrote it in its last train phase,
+    ``_RESIDENT``), copy the policy weights from it instead of reading the store: the same fp32 values the
+    version's file holds, available while the version is still being written (``train_phase(asynchronous=
+    True)``). Only for a caller that runs no train phase concurrently (``run_local``'s synchronous loop).
 
     With ``pool.execution: pool`` the step runs on the pool's engine actor (``unirl_core.pool.phases``).
     """
@@ -217,7 +222,9 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
         return pool_phases.rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights)
     t0 = time.perf_counter()
     policy = build.bundle(cfg)
-    build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
+    if not (trainer_copy and _copy_resident_weights(policy, ckpt, cfg, weights)):
+        finish_writes()  # the version must be in the store before it is read
+        build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
     return sample_step(cfg, policy, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights,
                        started=t0, gen_round=gen_round)
 
@@ -359,6 +366,7 @@ def advantage_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) -> 
     the batch metadata for the train phase to checkpoint."""
     tracker = None
     if cfg.tracker is not None:
+        finish_writes()
         extra = load_version_json(ckpt, "extra.json", storage_options=cfg.checkpoint.storage_options) or {}
         state = extra.get("tracker")
         tracker = (PerPromptStatTracker.from_state_dict(state, cfg.tracker) if state
@@ -369,10 +377,16 @@ def advantage_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) -> 
     return out, stats.as_metrics()
 
 
-def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
-                step: int) -> tuple[CheckpointRef, dict[str, float]]:
+def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step: int,
+                asynchronous: bool = False) -> tuple[CheckpointRef, dict[str, float]]:
     """One rollout batch of updates from ``ckpt``; writes (unpublished) version ``step``.
-    In pool mode the pool's trainer actor trains (its optimizer state stays resident between steps)."""
+    In pool mode the pool's trainer actor trains (its optimizer state stays resident between steps).
+
+    ``asynchronous`` (a single-rank process that keeps running, e.g. ``run_local``; never a task pod, whose
+    output must be a complete version): the version's files are written on the process's ``VersionWriter``
+    thread from a snapshot and the ref returns before the version exists; ``publish_phase(asynchronous=True)``
+    moves ``LATEST`` once it does. Every phase that reads the version from the store waits for the write first,
+    and the next train phase waits for it (a failed write raises there, naming the version)."""
     if step != ckpt.step + 1:
         raise field_error(CheckpointError, "step", step, f"ckpt.step + 1 = {ckpt.step + 1}",
                           "train each step from the version of the step before it")
@@ -380,6 +394,9 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
         from unirl_core.pool import phases as pool_phases
 
         return pool_phases.train_phase(cfg, batch, ckpt, step=step)
+    t0 = time.perf_counter()
+    finish_writes()  # the previous version is complete (or its failure raises) before the trainer changes
+    waited = time.perf_counter() - t0
     check_policy_lag(cfg, batch, ckpt)
     backend = build.trainer(cfg)
     extra = _resident_extra(backend, ckpt, cfg)
@@ -389,18 +406,40 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
     if TRACKER_KEY in batch.metadata:
         extra["tracker"] = json.loads(batch.metadata[TRACKER_KEY])
     # A version `step` can only be a leftover of an interrupted attempt at this same step: replace it.
+    writer = _WRITER if asynchronous and current_world()[1] == 1 else None
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
-                                overwrite=True)
-    files = load_manifest(ref, storage_options=cfg.checkpoint.storage_options).files
+                                overwrite=True, writer=writer)
+    files = None if writer else load_manifest(ref, storage_options=cfg.checkpoint.storage_options).files
     _RESIDENT.update(backend=backend, version=(ref.uri, ref.step, ref.policy_version), files=files, extra=dict(extra))
-    return ref, {f"train/{k}": float(v) for k, v in metrics.items()}
+    out = {f"train/{k}": float(v) for k, v in metrics.items()}
+    if writer is not None:  # the previous version's write on the writer thread, and how long this phase waited
+        out.update({"checkpoint/previous_write_s": _WRITER.last_seconds, "checkpoint/wait_s": waited})
+    return ref, out
 
 
 _RESIDENT: dict[str, object] = {}
 """The version the process's trainer state equals (the one its last train phase wrote: ref and the checksums of
-its manifest), and that version's extra JSON: a train phase from exactly that version in the same process skips
-the restore (a read of weights and optimizer state it already holds), as the pool's trainer actor does. Owned by
-``train_phase`` alone."""
+its manifest; None while the writer writes it), and that version's extra JSON: a train phase from exactly that
+version in the same process skips the restore (a read of weights and optimizer state it already holds), as the
+pool's trainer actor does. Owned by ``train_phase`` alone."""
+
+_WRITER = VersionWriter()
+"""The process's background version writer (``train_phase(asynchronous=True)``); at most one version in flight."""
+
+
+def finish_writes() -> None:
+    """Wait for the version being written in the background (and its publish); raises its failure. The resident
+    record then gets the checksums the version was written with."""
+    try:
+        _WRITER.wait()
+    except CheckpointError:
+        _RESIDENT.clear()  # the trainer's state is no version of the store
+        raise
+    done = _WRITER.last_written()
+    if done is not None and _RESIDENT.get("files", {}) is None:
+        ref, files = done
+        if _RESIDENT.get("version") == (ref.uri, ref.step, ref.policy_version):
+            _RESIDENT["files"] = files
 
 
 def _resident_extra(backend: TrainBackend, ckpt: CheckpointRef, cfg: RunConfig) -> dict | None:
@@ -409,11 +448,34 @@ def _resident_extra(backend: TrainBackend, ckpt: CheckpointRef, cfg: RunConfig) 
     Cleared first: until this step's version is saved the resident state is no version (a failed step restores)."""
     held = dict(_RESIDENT)
     _RESIDENT.clear()
-    same = (held.get("backend") is backend and held.get("version") == (ckpt.uri, ckpt.step, ckpt.policy_version)
-            and backend.step_count == ckpt.step)
-    if same and load_manifest(ckpt, storage_options=cfg.checkpoint.storage_options).files == held["files"]:
+    if _holds(held, backend, ckpt, cfg):
         return dict(held["extra"])
     return None
+
+
+def _holds(held: dict, backend: TrainBackend | None, ckpt: CheckpointRef, cfg: RunConfig) -> bool:
+    """``held`` (a ``_RESIDENT`` record) says ``backend`` holds exactly ``ckpt``: same ref, same step, and the
+    store's manifest has the checksums it was written with (or this process's writer is still writing it)."""
+    same = (backend is not None and held.get("backend") is backend and backend.step_count == ckpt.step
+            and held.get("version") == (ckpt.uri, ckpt.step, ckpt.policy_version))
+    if not same:
+        return False
+    if _WRITER.pending(ckpt):
+        return True
+    files = held["files"]
+    return files is not None and load_manifest(ckpt, storage_options=cfg.checkpoint.storage_options).files == files
+
+
+def _copy_resident_weights(policy, ckpt: CheckpointRef, cfg: RunConfig, weights: str) -> bool:
+    """Load ``ckpt``'s policy weights into the rollout bundle from the process's trainer when it holds exactly
+    that version (single rank, trainside sampling); False when the store must be read instead."""
+    if weights != "policy" or current_world()[1] > 1 or (cfg.family == "lm" and cfg.lm.dedicated is not None):
+        return False
+    backend = _RESIDENT.get("backend")
+    if not _holds(_RESIDENT, backend, ckpt, cfg):
+        return False
+    build.apply_policy_weights(policy, backend.model_state_dict(), where=f"{ckpt.uri} (the trainer's copy)")
+    return True
 
 
 def check_policy_lag(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) -> None:
@@ -439,11 +501,17 @@ def check_policy_lag(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) ->
                           "asynchronous rollouts); a stale batch optimises a ratio against the wrong policy")
 
 
-def publish_phase(cfg: RunConfig, ckpt: CheckpointRef) -> dict:
+def publish_phase(cfg: RunConfig, ckpt: CheckpointRef, *, asynchronous: bool = False) -> dict:
     """Make ``ckpt`` the run's published version (atomic pointer + retention); returns what was published.
 
     Inside a multi-rank job (every rank running the loop) rank 0 publishes and the others wait for it.
-    In pool mode the trainer's weights then go to the pool's engines in-pool (``pool/*`` entries)."""
+    In pool mode the trainer's weights then go to the pool's engines in-pool (``pool/*`` entries).
+    ``asynchronous``: when ``ckpt`` is still being written by this process's writer (``train_phase(
+    asynchronous=True)``), its thread publishes it once the manifest is written and this returns at once with
+    ``uri`` / ``step`` / ``policy_version`` and ``pending_write: 1`` (no ``files`` / ``bytes`` yet)."""
+    if asynchronous and cfg.pool.execution != "pool" and _WRITER.publish(ckpt):
+        return {"uri": ckpt.uri, "step": ckpt.step, "policy_version": ckpt.policy_version, "pending_write": 1}
+    finish_writes()
     store = build.store(cfg)
     rank, world = current_world()
     if rank == 0:

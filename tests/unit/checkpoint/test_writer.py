@@ -1,0 +1,123 @@
+"""VersionWriter: versions written on a background thread; LATEST moves only after the manifest, failures surface."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from unirl_core.checkpoint import CheckpointStore
+from unirl_core.checkpoint.writer import VersionWriter
+from unirl_core.errors import CheckpointError
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _state(value: float) -> dict:
+    return {"optimizer": {"state": {"w": {"exp_avg": torch.full((4,), value)}}, "param_groups": [{"lr": 0.1}]},
+            "counters": {"step": int(value)}}
+
+
+def test_background_write_snapshots_then_publishes(tmp_path):
+    torch.set_num_threads(1)
+    store, writer = CheckpointStore(str(tmp_path), "r"), VersionWriter()
+    w = torch.full((1 << 16,), 1.0)
+    state = _state(1.0)
+    ref = writer.save(store, 1, policy_version=1, copy_tensors=True, weights={"w": w}, train_state=state,
+                      config={"lr": 0.1}, extra={"tracker": {"a": 1}})
+    assert ref == store.ref_for(1, 1) and writer.pending(ref)
+    w.add_(1.0)  # the trainer's next step changes its tensors while the version is written
+    state["optimizer"]["state"]["w"]["exp_avg"].add_(1.0)
+    state["counters"]["step"] = 99
+    assert writer.publish(ref)
+    writer.wait()
+    assert not writer.pending(ref) and writer.last_seconds > 0
+    assert store.latest() == ref
+    got = store.load(ref)
+    assert torch.equal(got.weights["w"], torch.full((1 << 16,), 1.0))  # the snapshot, not the changed tensor
+    assert torch.equal(got.train_state["optimizer"]["state"]["w"]["exp_avg"], torch.full((4,), 1.0))
+    assert got.train_state["counters"]["step"] == 1 and got.extra == {"tracker": {"a": 1}}
+    assert writer.last_written() == (ref, store.load(ref).manifest.files)
+
+
+def test_publish_of_a_finished_write_happens_at_once(tmp_path):
+    store, writer = CheckpointStore(str(tmp_path), "r"), VersionWriter()
+    ref = writer.save(store, 1, policy_version=1, copy_tensors=False, weights={"w": torch.ones(3)})
+    writer._write.thread.join()  # the write is done before publish is asked for
+    assert writer.publish(ref) and store.latest() == ref
+    assert not writer.publish(store.ref_for(7, 7))  # not this writer's write: the caller publishes
+
+
+def test_a_failed_write_surfaces_naming_the_version_and_latest_stays(tmp_path):
+    store, writer = CheckpointStore(str(tmp_path), "r"), VersionWriter()
+    store.save(1, weights={"w": torch.ones(3)}, policy_version=1)
+    ref = writer.save(store, 2, policy_version=2, copy_tensors=True, weights={"w": torch.zeros(3)},
+                      extra={"loss": float("nan")})  # not JSON: fails on the writer thread
+    assert writer.publish(ref)  # asked while in flight: never happens, the save failed
+    with pytest.raises(CheckpointError, match=r"step-00000002.*writing failed in the background.*extra"):
+        writer.save(store, 3, policy_version=3, copy_tensors=True, weights={"w": torch.zeros(3)})
+    assert store.latest().step == 1 and [r.step for r in store.versions()] == [1]
+    writer.wait()  # the error was raised once; the writer is usable again
+    ref = writer.save(store, 2, policy_version=2, copy_tensors=True, weights={"w": torch.zeros(3)})
+    writer.publish(ref)
+    writer.wait()
+    assert store.latest().step == 2
+
+
+def test_a_storage_error_on_the_writer_thread_names_the_version(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")  # the store root lies under a regular file: every write fails with an OSError
+    store, writer = CheckpointStore(str(blocker / "root"), "r"), VersionWriter()
+    ref = writer.save(store, 4, policy_version=4, copy_tensors=True, weights={"w": torch.ones(3)})
+    writer.publish(ref)
+    with pytest.raises(CheckpointError, match=r"step-00000004.*writing failed.*(NotADirectory|FileExists)"):
+        writer.wait()
+
+
+CHILD = textwrap.dedent("""
+    import sys, time, torch
+    from unirl_core.checkpoint import fsio, store as S
+    from unirl_core.checkpoint.writer import VersionWriter
+    st = S.CheckpointStore(sys.argv[1], "r")
+    st.save(1, weights={"w": torch.full((1 << 18,), 1.0)}, policy_version=1, train_state={"x": torch.ones(2)})
+    write_local = fsio.write_local
+
+    def parked(path, pieces):
+        if path.endswith("train_state.pt"):  # weights written, state and manifest not yet
+            print("WRITER-PARKED", flush=True)
+            time.sleep(120)
+        return write_local(path, pieces)
+
+    fsio.write_local = parked
+    writer = VersionWriter()
+    ref = writer.save(st, 2, policy_version=2, copy_tensors=True, weights={"w": torch.full((1 << 18,), 2.0)},
+                      train_state={"x": torch.ones(2)})
+    writer.publish(ref)
+    x = torch.ones(64, 64)
+    for _ in range(50):  # training goes on while the version is written
+        x = x @ x / 64
+    print("TRAINING-CONTINUED", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_kill_during_a_background_write_leaves_latest_on_the_previous_version(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        lines = {proc.stdout.readline().strip(), proc.stdout.readline().strip()}
+        assert lines == {"WRITER-PARKED", "TRAINING-CONTINUED"}, (lines, proc.poll())
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    partial = tmp_path / "r" / "step-00000002"
+    assert (partial / "model.safetensors").is_file() and not (partial / "manifest.json").exists()
+    store = CheckpointStore(str(tmp_path), "r")
+    assert store.latest().step == 1 and [r.step for r in store.versions()] == [1]
+    assert torch.equal(store.load().weights["w"], torch.full((1 << 18,), 1.0))

@@ -1,0 +1,143 @@
+"""VersionWriter: one process's checkpoint versions written on a background thread while training goes on.
+
+``save`` snapshots what the version holds (tensors of a CPU trainer are copied: its next step would change
+them under the writer), starts a thread that runs ``CheckpointStore.save`` (payload files, then the manifest,
+as always) and returns the version's ref at once. ``publish`` asks that thread to move ``LATEST`` once the
+manifest is written; retention runs there too. At most one version is in flight: the next ``save`` waits for
+the previous one first. A write that failed raises ``CheckpointError`` naming the version at the next
+``save`` / ``publish`` / ``wait`` of the same writer; a version after a failed one is never published.
+
+What it does not change: a version exists only once its manifest parses, and ``LATEST`` names only such a
+version (a process killed mid-write leaves the previous version published, the partial folder invisible).
+What it does change: when ``publish`` returns, ``LATEST`` may still name the previous version for the
+length of the write; readers of the store (another process, a resume) see the new version once it is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from torch import Tensor
+
+from unirl_core.checkpoint.ref import CheckpointRef
+from unirl_core.checkpoint.store import CheckpointStore, load_manifest
+from unirl_core.errors import CheckpointError, field_error
+
+log = logging.getLogger(__name__)
+
+
+def snapshot(obj: object, *, copy_tensors: bool) -> object:
+    """``obj`` with fresh containers (dicts, lists, tuples); tensors cloned when ``copy_tensors`` (state that
+    aliases live CPU parameters / optimizer buffers), else kept (host copies already made from a device)."""
+    if isinstance(obj, Tensor):
+        return obj.detach().clone() if copy_tensors else obj.detach()
+    if isinstance(obj, dict):
+        return {k: snapshot(v, copy_tensors=copy_tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [snapshot(v, copy_tensors=copy_tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(snapshot(v, copy_tensors=copy_tensors) for v in obj)
+    return obj
+
+
+class _Write:
+    """One version's write (and, once asked, its publish) on a thread of its own."""
+
+    def __init__(self, store: CheckpointStore, ref: CheckpointRef, kwargs: dict[str, object]) -> None:
+        self.store, self.ref, self.kwargs = store, ref, kwargs
+        self.lock = threading.Lock()
+        self.publish_requested = self.saved = False
+        self.published = False
+        self.files: dict[str, dict[str, object]] | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, name=f"unirl-checkpoint-{ref.step}", daemon=False)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.store.save(self.ref.step, policy_version=self.ref.policy_version, publish=False, **self.kwargs)
+            self.kwargs = {}  # the snapshot's memory goes now, not when the next version replaces this one
+            self.files = load_manifest(self.ref, storage_options=self.store.storage_options).files
+            with self.lock:
+                self.saved = True
+                publish = self.publish_requested
+            if publish:
+                self.store.publish(self.ref)
+                self.published = True
+        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by VersionWriter.wait
+            self.error = e
+        finally:
+            self.kwargs = {}
+            self.seconds = time.perf_counter() - t0
+
+    def request_publish(self) -> bool:
+        """True when the thread will publish after its save; False when the save already finished."""
+        with self.lock:
+            if self.saved:
+                return False
+            self.publish_requested = True
+            return True
+
+
+class VersionWriter:
+    """Background writer of a process's versions, in order, at most one in flight. Not thread-safe: one
+    training thread calls it (the loop's train and publish phases)."""
+
+    def __init__(self) -> None:
+        self._write: _Write | None = None
+        self._last: _Write | None = None
+        self.last_seconds = 0.0
+        """Seconds the last finished write took on its thread (save, manifest read-back, publish)."""
+
+    def save(self, store: CheckpointStore, step: int, *, policy_version: int, copy_tensors: bool,
+             **kwargs: object) -> CheckpointRef:
+        """Start writing version ``step`` (``CheckpointStore.save`` keywords except ``publish``) and return its
+        ref. Waits for the previous write first and raises its failure."""
+        self.wait()
+        ref = store.ref_for(step, policy_version)
+        data = {k: snapshot(v, copy_tensors=copy_tensors) for k, v in kwargs.items()}
+        self._write = _Write(store, ref, data)
+        self._write.thread.start()
+        return ref
+
+    def pending(self, ref: CheckpointRef) -> bool:
+        """True while this writer is writing ``ref`` (or has written it and not been waited for)."""
+        return self._write is not None and self._write.ref == ref
+
+    def publish(self, ref: CheckpointRef) -> bool:
+        """Have ``ref``'s write publish it once its manifest is written. False when ``ref`` is not this writer's
+        write in flight (the caller publishes it); a finished write is waited for (its failure raised) and
+        published here."""
+        write = self._write
+        if write is None or write.ref != ref:
+            return False
+        if write.request_publish():
+            return True
+        self.wait()
+        write.store.publish(ref)
+        return True
+
+    def last_written(self) -> tuple[CheckpointRef, dict[str, dict[str, object]]] | None:
+        """(ref, manifest files) of the last write that ``wait`` saw succeed, else None."""
+        write = self._last
+        return (write.ref, write.files) if write is not None and write.files is not None else None
+
+    def wait(self) -> None:
+        """Block until the write in flight (and its publish) is done; raise CheckpointError naming the version
+        when it failed (``LATEST`` then still names the version before it)."""
+        write, self._write = self._write, None
+        if write is None:
+            return
+        write.thread.join()
+        self._last, self.last_seconds = write, write.seconds
+        if write.error is not None:
+            self._last = None
+            what = "publishing" if write.saved else "writing"
+            raise field_error(CheckpointError, write.ref.uri, f"{what} failed in the background: "
+                              f"{type(write.error).__name__}: {write.error}", "a complete version",
+                              f"the run's LATEST still names the version before step {write.ref.step} "
+                              "(unless this was the publish); fix the storage and resume from LATEST") \
+                from write.error

@@ -16,7 +16,9 @@ def capture_rng() -> dict[str, object]:
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     return {
         "torch": torch.get_rng_state(),
-        "cuda": [s for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        # the current device's generator only: a process trains on one device, and the process that resumes may
+        # see another number of devices (a pool actor sees its own GPU where the run's setup process saw all)
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() else [],
         "python": [py_version, list(py_state), py_gauss],
         "numpy": [np_kind, torch.from_numpy(np_keys.astype(np.int64)), int(np_pos), int(np_has_gauss),
                   float(np_gauss)],
@@ -29,7 +31,12 @@ def restore_rng(state: dict[str, object]) -> None:
         torch.set_rng_state(state["torch"])
         cuda = state["cuda"]
         if cuda and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(cuda)
+            # one entry: this process's device; a longer list (the layout before: every visible device) is
+            # indexed by the current device
+            idx = 0 if len(cuda) == 1 else torch.cuda.current_device()
+            if idx >= len(cuda):
+                raise ValueError(f"{len(cuda)} CUDA generator states for current device {idx}")
+            torch.cuda.set_rng_state(cuda[idx])
         py_version, py_state, py_gauss = state["python"]
         random.setstate((py_version, tuple(py_state), py_gauss))
         kind, keys, pos, has_gauss, gauss = state["numpy"]

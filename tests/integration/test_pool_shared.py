@@ -13,7 +13,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.flyte.conftest import SMALL
+from tests.flyte.conftest import SMALL, tiny_overrides
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import PoolActorDied
@@ -78,13 +78,18 @@ def test_shared_placement_equals_the_in_process_loop_bitwise(tmp_path, recipe):
     steps = 3
     t0 = time.perf_counter()
     local = run_local(_cfg(recipe, tmp_path / "local", steps), progress=False)
+    runs = {"local": local}
+    if recipe != "tiny-nft":  # and the placement with an engine actor of its own (weights published to it)
+        runs["colocate"] = run_local(_cfg(recipe, tmp_path / "colocate", steps, "pool.execution=pool"),
+                                     progress=False)
     t1 = time.perf_counter()
     shared = run_local(_cfg(recipe, tmp_path / "shared", steps, *SHARED), progress=False)
-    print(f"{recipe}: in-process {t1 - t0:.1f} s, shared {time.perf_counter() - t1:.1f} s (incl. actor start)")
-    assert [h["reward/mean"] for h in shared] == [h["reward/mean"] for h in local]
-    assert [h["train/loss"] for h in shared] == [h["train/loss"] for h in local]
-    for k in range(1, steps + 1):
-        assert _same_weights(_weights(tmp_path / "shared", recipe, k), _weights(tmp_path / "local", recipe, k))
+    print(f"{recipe}: in-process (+ colocate) {t1 - t0:.1f} s, shared {time.perf_counter() - t1:.1f} s (incl. actor start)")
+    for other, hist in runs.items():
+        assert [h["reward/mean"] for h in shared] == [h["reward/mean"] for h in hist], other
+        assert [h["train/loss"] for h in shared] == [h["train/loss"] for h in hist], other
+        for k in range(1, steps + 1):
+            assert _same_weights(_weights(tmp_path / "shared", recipe, k), _weights(tmp_path / other, recipe, k))
     if recipe != "tiny-nft":  # on-policy: the engine's bits are the replay's
         assert all(h["train/ratio_mean"] == 1.0 and h["train/logp_absdiff_max"] == 0.0 for h in shared)
     pool = cluster.current_pool()
@@ -136,3 +141,21 @@ def test_batch_lost_between_rollout_and_train_is_resampled_and_checked(tmp_path)
     assert metrics["pool/trainer_restored"] == 1.0
     run_local(_cfg(recipe, tmp_path / "local", 1), progress=False)
     assert _same_weights(_weights(tmp_path / "shared", recipe, 1), _weights(tmp_path / "local", recipe, 1))
+
+
+def test_flyte_workflow_with_the_shared_placement(tmp_path):
+    """The typed phase tasks as thin clients of the shared actor (local pyflyte semantics): same versions and
+    report as the in-process loop."""
+    import json
+
+    from workflows.grpo import grpo
+
+    recipe, name = "tiny-grpo", "t-pool-shared-wf"
+    out = grpo(recipe=recipe, overrides=[*tiny_overrides(recipe, str(tmp_path / "pool"), name), *SHARED])
+    assert out.step == 2
+    assert cluster.current_pool().live == ["reward-0", "shared"]
+    ref = run_local(load_recipe(recipe, tiny_overrides(recipe, str(tmp_path / "local"), name)), progress=False)
+    assert _same_weights(_weights(tmp_path / "pool", name, 2), _weights(tmp_path / "local", name, 2))
+    metrics = json.loads((tmp_path / "pool" / name / "report" / "step-00000002" / "metrics.json").read_text())
+    assert metrics["metrics"]["reward/mean"] == ref[1]["reward/mean"]
+    assert metrics["metrics"]["pool/weights_from_store"] == 0.0 and metrics["metrics"]["pool/shared"] == 1.0

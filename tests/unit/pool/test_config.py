@@ -50,6 +50,27 @@ def test_full_state_every_n_steps_in_pool_mode():
         load_recipe("tiny-grpo", ["pool.execution=pool", "checkpoint.every_n_steps=0"])
 
 
+SHARED = ["pool.execution=pool", "pool.placement=shared"]
+
+
+@pytest.mark.parametrize("recipe, extra, field", [
+    ("tiny-grpo", ["pool.num_engines=2"], "pool.num_engines=2: expected 1 with pool.placement='shared'"),
+    ("tiny-grpo", ["pool.trainer_ranks=2"], "pool.trainer_ranks=2: expected 1 with pool.placement='shared'"),
+    ("tiny-grpo", ["async_training.max_policy_lag=1"], "async_training.max_policy_lag=1: expected 0 with pool"),
+    ("tiny-flow-grpo", ["train.shard=always"], "train.shard='always': expected 'auto' with pool.placement"),
+])
+def test_shared_placement_refuses_what_one_module_cannot_do(recipe, extra, field):
+    with pytest.raises(ConfigError, match=field):
+        load_recipe(recipe, [*SHARED, *extra])
+
+
+def test_ema_rollouts_run_in_the_pool_only_when_shared():
+    assert load_recipe("tiny-nft", SHARED).pool.placement == "shared"  # the trainer's EMA samples
+    with pytest.raises(ConfigError, match="pool.execution='pool'.*old_policy='ema'.*pool.placement 'shared'"):
+        load_recipe("tiny-nft", ["pool.execution=pool"])
+    assert load_recipe("tiny-grpo", ["pool.placement=shared"]).pool.execution == "pods"  # unused in pods mode
+
+
 def test_pool_refuses_a_dedicated_engine():
     with pytest.raises(ConfigError, match="pool.execution=.*lm.deployment.engine='vllm'"):
         load_recipe("tiny-grpo-vllm", ["pool.execution=pool"])

@@ -55,6 +55,8 @@ def test_bundles_follow_the_placement():
     ranks = _cfg("pool.placement=separate", "pool.trainer_ranks=2").pool  # a bundle per trainer rank
     assert pool_bundles(ranks) == [{"CPU": 1.0, "GPU": 1.0}] * 3
     assert pool_bundles(_cfg("pool.trainer_ranks=2").pool) == [{"CPU": 3.0, "GPU": 3.0}]
+    shared = _cfg("pool.placement=shared").pool  # one process on the trainer's GPU: the engine's ask is not used
+    assert pool_bundles(shared) == [{"CPU": 1.0, "GPU": 1.0}]
 
 
 @pytest.mark.parametrize("extra, field", [

@@ -21,10 +21,12 @@ from unirl_core.config.loader import from_dict
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
 from unirl_core.config.run import CheckpointConfig, DataConfig, DiffusionSection, LMSection, LoopConfig, ReportConfig, RunConfig
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.pool.config import PoolConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.train.config import TrainConfig
 
 ImageGroups = Literal["enhancement", "prompt"]
+ImageNoise = Literal["independent", "paired"]
 STACKS: tuple[str, ...] = ("enhancer", "image")
 COMPOSE_RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
 
@@ -43,7 +45,15 @@ class GroupingConfig:
     """Where image advantages normalise: ``enhancement`` (the G_i images of one enhanced prompt: the image stack
     learns to render the text it got; needs G_i >= 2) or ``prompt`` (all G_e x G_i images of a prompt)."""
 
+    image_noise: ImageNoise = "independent"
+    """``independent``: every image of a prompt draws its own noise (x_T and SDE stream). ``paired``: image j of
+    every enhancement of a prompt renders from the same noise (common random numbers), so the enhancer's group
+    compares its rewrites on identical noise and the noise's share of the reward cancels out of its advantages."""
+
     def __post_init__(self) -> None:
+        if self.image_noise not in ("independent", "paired"):
+            raise field_error(ConfigError, "grouping.image_noise", self.image_noise, "'independent' or 'paired'",
+                              "pick how the images of a prompt's enhancements draw their noise")
         for name in ("enhancements_per_prompt", "images_per_enhancement"):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
@@ -131,6 +141,11 @@ class ComposeRunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    pool: PoolConfig = field(default_factory=lambda: PoolConfig(publish="object_store"))
+    """``execution: pool``: the composed rollout on one engine actor holding both rollout bundles, the image's
+    reward on the reward actor, each trained stack on a trainer actor of its own (``compose/pool.py``). Built:
+    placement ``colocate`` / ``separate``, one engine, one rank per stack, ``publish: object_store`` (the default
+    here), a local head or the Ray this process is connected to; the rest is refused naming its field."""
     eval: ComposeEvalConfig | None = None
     """Greedy enhancement vs the prompt itself, fixed-noise images of every prompt (``compose/evaluate.py``) at step 0,
     every ``eval.every_n_steps`` and the last step (``run_compose_local``); None: none."""
@@ -157,6 +172,7 @@ class ComposeRunConfig:
             raise field_error(ConfigError, "enhancer.lm.algorithm.beta", self.enhancer.lm.algorithm.beta,
                               "0 with enhancer.warm_start.steps > 0",
                               "the KL reference would be the model before the warm start; set beta: 0")
+        check_compose_pool(self)
         stack_configs(self)  # every single-family check, per stack
 
     @property
@@ -168,6 +184,32 @@ class ComposeRunConfig:
     def run_root(self) -> str:
         """``<checkpoint.root>/<name>``: the stores of both stacks and the report live under it."""
         return f"{self.checkpoint.root.rstrip('/')}/{self.name}"
+
+
+def check_compose_pool(cfg: ComposeRunConfig) -> None:
+    """Refuse, naming the field, the pool settings compose runs do not have (yet)."""
+    p = cfg.pool
+    if p.execution != "pool":
+        return
+    unbuilt = (("pool.placement", p.placement, p.placement != "shared", "'colocate' or 'separate'",
+                "a shared trainer+engine process holds one stack; compose has two"),
+               ("pool.num_engines", p.num_engines, p.num_engines == 1, "1", "one engine actor samples both Parts"),
+               ("pool.trainer_ranks", p.trainer_ranks, p.trainer_ranks == 1, "1",
+                "a sharded trainer group per stack is not built"),
+               ("pool.publish", p.publish, p.publish == "object_store", "'object_store'",
+                "the collective publish group holds one trainer; compose publishes each stack through Ray's "
+                "object store"),
+               ("pool.address", p.address, p.address is None, "unset",
+                "attaching to a cluster (detached actors across task pods) is not built for compose runs"),
+               ("pool.kuberay", "set" if p.kuberay else None, p.kuberay is None, "unset",
+                "the KubeRay setup task is not wired for compose runs"),
+               ("image.diffusion.algorithm.rollout_weights", "ema",
+                getattr(cfg.image.diffusion.algorithm, "rollout_weights", "policy") == "policy", "'policy'",
+                "EMA rollouts are not built in the pool"))
+    for name, value, ok, expected, why in unbuilt:
+        if not ok:
+            raise field_error(ConfigError, name, value, f"{expected} with pool.execution='pool' in a compose run",
+                              f"{why}; or run it with pool.execution='pods'")
 
 
 def _stack(cfg: ComposeRunConfig, stack: str, **section) -> RunConfig:

@@ -77,6 +77,15 @@ def image_requests(enhanced: SampleBatch, grouping: GroupingConfig, sampling: Di
     return SampleBatch(samples=samples, metadata=dict(enhanced.metadata))
 
 
+def image_noise_index(images: SampleBatch, grouping: GroupingConfig) -> list[int] | None:
+    """The noise draw of each image request (``grouping.image_noise``): ``paired`` gives Sample ``p/i/j`` draw j
+    of its prompt's noise, so image j of every enhancement starts from the same x_T and SDE noise; ``independent``
+    leaves the engine's default (draw ``i * G_i + j``)."""
+    if grouping.image_noise == "independent":
+        return None
+    return [int(s.sample_id.rsplit("/", 1)[1]) for s in images.samples]
+
+
 def compose_rollout(enhancer: TrainsideAREngine, image: TrainsideDiffusionEngine, prompts: Sequence[PromptRecord],
                     grouping: GroupingConfig, *, ar_sampling: ARSamplingParams, image_sampling: DiffusionSamplingParams,
                     noise: NoiseRecipe, image_version: int, metadata: dict[str, str]) -> tuple[SampleBatch, SampleBatch]:
@@ -88,7 +97,7 @@ def compose_rollout(enhancer: TrainsideAREngine, image: TrainsideDiffusionEngine
     requests = enhancement_requests(prompts, grouping, ar_sampling, policy_version=enhancer.policy_version,
                                     metadata=metadata)
     enhanced = enhancer.generate(requests)
-    composed = image.generate(image_requests(enhanced, grouping, image_sampling, policy_version=image_version),
-                              noise=noise)
+    images = image_requests(enhanced, grouping, image_sampling, policy_version=image_version)
+    composed = image.generate(images, noise=noise, noise_index=image_noise_index(images, grouping))
     check_composed(composed)
     return enhanced, composed

@@ -99,15 +99,28 @@ def step_of(cfg: ComposeRunConfig, refs: Refs) -> int:
 
 def rollout_phase(cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, dict[str, float]]:
     """Sample step ``step``: enhancements with the enhancer's version, their images with the image stack's (its
-    EMA weights when its algorithm samples with them, e.g. DiffusionNFT). One SampleBatch, both Parts filled."""
-    t0 = time.perf_counter()
+    EMA weights when its algorithm samples with them, e.g. DiffusionNFT). One SampleBatch, both Parts filled.
+    With ``pool.execution: pool`` the pool's engine actor samples and this returns its projection."""
+    if cfg.pool.execution == "pool":
+        from unirl_core.compose import pool
+
+        return pool.rollout_phase(cfg, refs, step=step)
     subs = stack_configs(cfg)
     lm_sub, img_sub = subs["enhancer"], subs["image"]
     lm_policy, img_policy = build.bundle(lm_sub), build.bundle(img_sub)
     build.load_policy_weights(lm_policy, refs["enhancer"], lm_sub)
-    ema = build.rollout_weights(img_sub) == "ema"
-    build.load_policy_weights(img_policy, refs["image"], img_sub, ema=ema)
-    img_version = EMA_POLICY_VERSION if ema else refs["image"].policy_version
+    build.load_policy_weights(img_policy, refs["image"], img_sub, ema=build.rollout_weights(img_sub) == "ema")
+    return sample_step(cfg, lm_policy, img_policy, refs, step=step)
+
+
+def sample_step(cfg: ComposeRunConfig, lm_policy, img_policy, refs: Refs, *,
+                step: int) -> tuple[SampleBatch, dict[str, float]]:
+    """The composed rollout of step ``step`` with bundles that already hold ``refs``' weights (the in-process
+    phase loads them from the store; the pool's engine actor keeps them resident)."""
+    t0 = time.perf_counter()
+    subs = stack_configs(cfg)
+    lm_sub, img_sub = subs["enhancer"], subs["image"]
+    img_version = EMA_POLICY_VERSION if build.rollout_weights(img_sub) == "ema" else refs["image"].policy_version
     seed = stable_seed(cfg.loop.seed, "compose-rollout", step) % (2**63)
     enhancer = TrainsideAREngine(lm_policy, dataclasses.replace(lm_sub.lm.engine, seed=seed,
                                                                 micro_batch_tokens=lm_sub.train.micro_batch_tokens),
@@ -132,8 +145,13 @@ def rollout_phase(cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[Samp
 
 def score_phase(cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
     """Score every image against its original prompt, propagate to the enhancements, advantages per stack."""
-    scored, stats = build.reward_service(stack_configs(cfg)["image"]).score_with_stats(batch)
-    metrics = stats.as_metrics()
+    if cfg.pool.execution == "pool":
+        from unirl_core.compose import pool
+
+        scored, metrics = pool.reward_phase(cfg, batch)
+    else:
+        scored, stats = build.reward_service(stack_configs(cfg)["image"]).score_with_stats(batch)
+        metrics = stats.as_metrics()
     metrics.update(propagate_rewards(scored))
     metrics.update(assign_compose_advantages(scored, cfg.grouping, cfg.advantage))
     return scored, metrics
@@ -156,14 +174,19 @@ def train_phase(cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *,
                 step: int) -> tuple[Refs, dict[str, float]]:
     """One update of every trained stack on its projection of ``batch``; writes (unpublished) version ``step`` of
     each. A frozen stack keeps its ref. Each stack restores its own full state (weights, optimizer, RNG) first."""
+    for name in cfg.trained:
+        if step != refs[name].step + 1:
+            raise field_error(CheckpointError, f"{name} step", step, f"{name} ckpt.step + 1 = {refs[name].step + 1}",
+                              "train each step from the versions of the step before it")
+    if cfg.pool.execution == "pool":  # each stack on its own trainer actor, optimizer state resident
+        from unirl_core.compose import pool
+
+        return pool.train_phase(cfg, batch, refs, step=step)
     subs = stack_configs(cfg)
     rows = {"enhancer": enhancer_batch(batch), "image": image_batch(batch, cfg.grouping)}
     out, metrics = dict(refs), {}
     for name in cfg.trained:
         ref, sub = refs[name], subs[name]
-        if step != ref.step + 1:
-            raise field_error(CheckpointError, f"{name} step", step, f"{name} ckpt.step + 1 = {ref.step + 1}",
-                              "train each step from the versions of the step before it")
         t0 = time.perf_counter()
         backend = _trainer(name, sub)
         restore_train_checkpoint(backend, ref, storage_options=sub.checkpoint.storage_options)
@@ -180,4 +203,8 @@ def publish_stacks(cfg: ComposeRunConfig, refs: Refs) -> Refs:
     subs = stack_configs(cfg)
     for name in cfg.trained:
         publish_phase(subs[name], refs[name])
+    if cfg.pool.execution == "pool":  # then each trainer's weights to the engine actor, in-pool
+        from unirl_core.compose import pool
+
+        pool.publish_weights(cfg, refs)
     return refs

@@ -123,11 +123,19 @@ class Pool:
         self.detached = self.pcfg.address is not None
         self.started_ray = _connect(self.pcfg)
         transport.register()  # SampleBatch arguments as Arrow IPC, not pickled tensor by tensor
-        self.roles = {r.name: r for r in _roles(self.pcfg)}
+        self.roles = {r.name: r for r in self.make_roles()}
         self.bundle_of: dict[str, int] = {}
         self.pg = self._placement_group()
         self._handles: dict[str, object] = {}
         self._memo: dict[str, dict[str, object]] = {}
+
+    def make_roles(self) -> list[_Role]:
+        """The actors of this pool (a compose run's pool has other roles: ``unirl_core/compose/pool.py``)."""
+        return _roles(self.pcfg)
+
+    def actor_config(self, name: str):
+        """The config actor ``name`` is built with (the run's; a compose pool gives each its stack's)."""
+        return self.cfg
 
     # ----------------------------------------------------------------------------- placement
 
@@ -221,7 +229,7 @@ class Pool:
         # queries (batch_ref, release, served_version, ...) run in their own thread while a rollout or train call
         # holds the default group, so a lagged rollout on an engine does not block the trainer fetching its batch
         remote = ray.remote(concurrency_groups={actors.QUERY_GROUP: 1})(role.cls)
-        handle = remote.options(**opts).remote(self.cfg, name, max(1, int(res.num_cpus)))
+        handle = remote.options(**opts).remote(self.actor_config(name), name, max(1, int(res.num_cpus)))
         self._handles[name] = handle
         self._memo.pop(name, None)
         return handle

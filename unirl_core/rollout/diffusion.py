@@ -105,8 +105,13 @@ class TrainsideDiffusionEngine:
         tdt = self.config.trajectory_dtype
         self.trajectory_dtype = bundle.dtype if tdt == "model" else DTYPES[tdt]
 
-    def generate(self, batch: SampleBatch, *, noise: NoiseRecipe | None = None) -> SampleBatch:
-        """Fill every generated diffusion Part; returns a new batch in the same order."""
+    def generate(self, batch: SampleBatch, *, noise: NoiseRecipe | None = None,
+                 noise_index: list[int] | None = None) -> SampleBatch:
+        """Fill every generated diffusion Part; returns a new batch in the same order.
+
+        ``noise_index``: which draw of its group's noise (x_T and SDE stream) each sample takes; default its
+        position among its group's samples in batch order. Prompt enhancement passes the image index, so image j
+        of every enhancement of a prompt renders from the same noise (``grouping.image_noise: paired``)."""
         if not len(batch):
             return SampleBatch(samples=[], metadata=dict(batch.metadata))
         sampling = self._common_sampling(batch)
@@ -116,7 +121,10 @@ class TrainsideDiffusionEngine:
         start = time.perf_counter()
         shape = self.bundle.latent_shape(sampling.height, sampling.width)
         group_ids = [s.group_id for s in batch.samples]
-        sib = sibling_indices(group_ids)
+        sib = sibling_indices(group_ids) if noise_index is None else list(noise_index)
+        if len(sib) != len(group_ids):
+            raise field_error(EngineError, "noise_index", len(sib), f"one index per sample ({len(group_ids)})",
+                              "pass the draw index of every request")
         x_T = initial_noise(noise, group_ids, shape, sib)
         masks = sde_masks(batch, sampling, noise)
         conds = self._conditions(batch, sampling)

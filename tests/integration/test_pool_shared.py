@@ -71,20 +71,26 @@ def _pid(name: str) -> int:
     return cluster.current_pool().call(name, "pid", what="test")
 
 
-@pytest.mark.parametrize("recipe", ["tiny-grpo", "tiny-flow-grpo", "tiny-nft"])
-def test_shared_placement_equals_the_in_process_loop_bitwise(tmp_path, recipe):
+BF16 = {"tiny-grpo": ["lm.model.dtype=bfloat16"], "tiny-flow-grpo": ["diffusion.model.dtype=bfloat16"]}
+
+
+@pytest.mark.parametrize("recipe, precision", [("tiny-grpo", "fp32"), ("tiny-flow-grpo", "fp32"), ("tiny-nft", "fp32"),
+                                               ("tiny-grpo", "bf16"), ("tiny-flow-grpo", "bf16")])
+def test_shared_placement_equals_the_in_process_loop_bitwise(tmp_path, recipe, precision):
     """tiny-nft samples with the trainer's EMA (DiffusionNFT's old_policy: ema), which the engine actors of the
-    other placements cannot."""
+    other placements cannot. bf16: the shared engine reads the trainer's fp32 masters cast to bf16, the in-process
+    rollout bundle loads each fp32 version into bf16 weights; the same rounding, so the same bits."""
     steps = 3
+    extra = BF16[recipe] if precision == "bf16" else []
     t0 = time.perf_counter()
-    local = run_local(_cfg(recipe, tmp_path / "local", steps), progress=False)
+    local = run_local(_cfg(recipe, tmp_path / "local", steps, *extra), progress=False)
     runs = {"local": local}
-    if recipe != "tiny-nft":  # and the placement with an engine actor of its own (weights published to it)
+    if recipe != "tiny-nft" and precision == "fp32":  # and a placement with an engine actor (weights published)
         runs["colocate"] = run_local(_cfg(recipe, tmp_path / "colocate", steps, "pool.execution=pool"),
                                      progress=False)
     t1 = time.perf_counter()
-    shared = run_local(_cfg(recipe, tmp_path / "shared", steps, *SHARED), progress=False)
-    print(f"{recipe}: in-process (+ colocate) {t1 - t0:.1f} s, shared {time.perf_counter() - t1:.1f} s (incl. actor start)")
+    shared = run_local(_cfg(recipe, tmp_path / "shared", steps, *SHARED, *extra), progress=False)
+    print(f"{recipe} {precision}: in-process (+ colocate) {t1 - t0:.1f} s, shared {time.perf_counter() - t1:.1f} s (incl. actor start)")
     for other, hist in runs.items():
         assert [h["reward/mean"] for h in shared] == [h["reward/mean"] for h in hist], other
         assert [h["train/loss"] for h in shared] == [h["train/loss"] for h in hist], other

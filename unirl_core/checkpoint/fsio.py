@@ -18,9 +18,10 @@ CHUNK = 8 << 20
 Piece = bytes | memoryview
 
 
-def write_local(path: str, pieces: Iterable[Piece]) -> tuple[str, int]:
-    """Write pieces to ``path`` hashing them on the way; fsync so a manifest never reaches the disk before the
-    bytes it describes. A kill mid-way leaves a short file, which size + sha256 catch. Returns (sha256, size)."""
+def write_local(path: str, pieces: Iterable[Piece], *, sync: bool = True) -> tuple[str, int]:
+    """Write pieces to ``path`` hashing them on the way; fsync (unless ``sync=False``: the caller fsyncs it with
+    ``sync_local`` before anything that depends on it) so a manifest never reaches the disk before the bytes it
+    describes. A kill mid-way leaves a short file, which size + sha256 catch. Returns (sha256, size)."""
     h, size = hashlib.sha256(), 0
     with open(path, "wb") as f:
         for piece in pieces:
@@ -28,8 +29,29 @@ def write_local(path: str, pieces: Iterable[Piece]) -> tuple[str, int]:
             h.update(piece)
             size += len(piece)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     return h.hexdigest(), size
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # flushes the file's data whichever descriptor wrote it
+    finally:
+        os.close(fd)
+
+
+def sync_local(paths: list[str]) -> None:
+    """fsync ``paths`` concurrently and return when all are durable. ext4's journal folds the fsyncs in flight
+    into one commit, so n files cost about one commit instead of n in a row (measured: 3 files 2-8 ms vs
+    11-24 ms on the dev box's ext4)."""
+    if len(paths) <= 1:
+        for path in paths:
+            _fsync_path(path)
+        return
+    with ThreadPoolExecutor(len(paths)) as pool:
+        list(pool.map(_fsync_path, paths))
 
 
 class Folder:
@@ -50,10 +72,12 @@ class Folder:
         """Write a small file; returns its sha256."""
         return self.write_pieces(name, [data], atomic=atomic)[0]
 
-    def write_pieces(self, name: str, pieces: Iterable[Piece], *, atomic: bool = False) -> tuple[str, int]:
+    def write_pieces(self, name: str, pieces: Iterable[Piece], *, atomic: bool = False,
+                     sync: bool = True) -> tuple[str, int]:
         """Write ``name`` from a stream of pieces; returns (sha256, size).
 
-        Local: ``atomic`` writes a temp file and ``os.replace``s it. Object stores: an object appears whole or
+        Local: ``atomic`` writes a temp file and ``os.replace``s it; ``sync=False`` (not with ``atomic``) leaves
+        the fsync to a later :meth:`sync` of several files. Object stores: an object appears whole or
         not at all (one PUT, or a multipart upload completed on close), so every write is atomic there; an
         upload killed mid-way leaves an incomplete multipart upload that the bucket's lifecycle rules reap.
         """
@@ -61,7 +85,7 @@ class Folder:
         if self.local:
             target = path + ".tmp" if atomic else path
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            digest = write_local(target, pieces)
+            digest = write_local(target, pieces, sync=sync or atomic)
             if atomic:
                 os.replace(target, path)
             return digest
@@ -76,6 +100,12 @@ class Folder:
                 h.update(piece)
                 size += len(piece)
         return h.hexdigest(), size
+
+    def sync(self, names: list[str]) -> None:
+        """Make files written with ``sync=False`` durable (local: concurrent fsyncs); object stores hold an
+        object once its upload completed, so there is nothing to do."""
+        if self.local:
+            sync_local([self.join(name) for name in names])
 
     def read_verified(self, name: str, manifest: Manifest) -> bytearray:
         """Read ``name`` into one buffer and check size and sha256 against the manifest (errors name the file).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 
 from unirl_core.checkpoint.ref import CheckpointRef
@@ -46,9 +47,7 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
         if world > 1 or publish:
             raise field_error(CheckpointError, "writer", "set", f"unset with world size {world} / publish={publish}",
                               "write asynchronously only in a single-rank process, and publish separately")
-        # a CPU trainer's state dicts alias its live tensors, which the next step changes: copy them
-        copy = backend.dist.device.type == "cpu"
-        return writer.save(store, backend.step_count, policy_version=backend.policy_version, copy_tensors=copy,
+        return writer.save(store, backend.step_count, policy_version=backend.policy_version, live=_live_tensors(backend),
                            weights=weights, ema_weights=ema, train_state=state, config=config, extra=extra,
                            meta=meta, overwrite=overwrite)
     ref = None
@@ -62,6 +61,17 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
         ref = box[0]
     assert ref is not None
     return ref
+
+
+def _live_tensors(backend: TrainBackend) -> list:
+    """What the backend's next step (or EMA update) changes in place: module parameters and buffers, optimizer
+    state (AdamW's ``step`` counters stay on the CPU even on a GPU), EMA shadows."""
+    module = backend.policy.module
+    out = [*module.parameters(), *module.buffers()]
+    out += [v for state in backend.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    if backend.ema is not None:
+        out += [t for t in backend.ema.state_dict().values() if isinstance(t, torch.Tensor)]
+    return out
 
 
 def _full_ema(backend: TrainBackend) -> dict | None:

@@ -105,8 +105,9 @@ class CheckpointStore:
             folder.fs.rm(folder.path, recursive=True)
         files = {}
         for name, pieces in payload.items():
-            digest, size = folder.write_pieces(name, pieces)
+            digest, size = folder.write_pieces(name, pieces, sync=False)
             files[name] = {"sha256": digest, "bytes": size}
+        folder.sync(list(files))  # every payload file is durable before the manifest that names it
         manifest = Manifest(run=self.run, step=step, policy_version=policy_version, files=files,
                             meta=dict(meta or {}))
         folder.write(MANIFEST, manifest.to_json(), atomic=True)

@@ -1,7 +1,7 @@
 """VersionWriter: one process's checkpoint versions written on a background thread while training goes on.
 
-``save`` snapshots what the version holds (tensors of a CPU trainer are copied: its next step would change
-them under the writer), starts a thread that runs ``CheckpointStore.save`` (payload files, then the manifest,
+``save`` snapshots what the version holds (tensors that share memory with the trainer's live tensors are
+copied: its next step changes them while the thread writes), starts a thread that runs ``CheckpointStore.save`` (payload files, then the manifest,
 as always) and returns the version's ref at once. ``publish`` asks that thread to move ``LATEST`` once the
 manifest is written; retention runs there too. At most one version is in flight: the next ``save`` waits for
 the previous one first. A write that failed raises ``CheckpointError`` naming the version at the next
@@ -18,8 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from unirl_core.checkpoint.ref import CheckpointRef
 from unirl_core.checkpoint.store import CheckpointStore, load_manifest
@@ -28,18 +30,35 @@ from unirl_core.errors import CheckpointError, field_error
 log = logging.getLogger(__name__)
 
 
-def snapshot(obj: object, *, copy_tensors: bool) -> object:
-    """``obj`` with fresh containers (dicts, lists, tuples); tensors cloned when ``copy_tensors`` (state that
-    aliases live CPU parameters / optimizer buffers), else kept (host copies already made from a device)."""
+def snapshot(obj: object, live: set[int]) -> object:
+    """``obj`` with fresh containers (dicts, lists, tuples). A CPU tensor is cloned when its storage is one of
+    ``live`` (``storages(...)`` of what training goes on changing: a CPU trainer's parameters, AdamW's state
+    including its CPU ``step`` counters on a GPU trainer); device tensors are copied to the host; other CPU
+    tensors (host copies a state dict already made from the device) are kept as they are."""
     if isinstance(obj, Tensor):
-        return obj.detach().clone() if copy_tensors else obj.detach()
+        t = obj.detach()
+        if t.device.type != "cpu":
+            return t.to("cpu")
+        return t.clone() if t.untyped_storage().data_ptr() in live else t
     if isinstance(obj, dict):
-        return {k: snapshot(v, copy_tensors=copy_tensors) for k, v in obj.items()}
+        return {k: snapshot(v, live) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [snapshot(v, copy_tensors=copy_tensors) for v in obj]
+        return [snapshot(v, live) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(snapshot(v, copy_tensors=copy_tensors) for v in obj)
+        return tuple(snapshot(v, live) for v in obj)
     return obj
+
+
+def storages(tensors: Iterable[Tensor]) -> set[int]:
+    """The storage addresses of the CPU tensors among ``tensors`` (what ``snapshot`` compares against); a
+    DTensor (FSDP2) counts by its local shard, whose memory a world-size-1 state dict may share."""
+    out = set()
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if t.device.type == "cpu":
+            out.add(t.untyped_storage().data_ptr())
+    return out
 
 
 class _Write:
@@ -92,13 +111,15 @@ class VersionWriter:
         self.last_seconds = 0.0
         """Seconds the last finished write took on its thread (save, manifest read-back, publish)."""
 
-    def save(self, store: CheckpointStore, step: int, *, policy_version: int, copy_tensors: bool,
+    def save(self, store: CheckpointStore, step: int, *, policy_version: int, live: Iterable[Tensor],
              **kwargs: object) -> CheckpointRef:
         """Start writing version ``step`` (``CheckpointStore.save`` keywords except ``publish``) and return its
-        ref. Waits for the previous write first and raises its failure."""
+        ref; ``live``: the tensors training goes on changing (snapshot tensors sharing memory with one are
+        copied now). Waits for the previous write first and raises its failure."""
         self.wait()
         ref = store.ref_for(step, policy_version)
-        data = {k: snapshot(v, copy_tensors=copy_tensors) for k, v in kwargs.items()}
+        shared = storages(live)
+        data = {k: snapshot(v, shared) for k, v in kwargs.items()}
         self._write = _Write(store, ref, data)
         self._write.thread.start()
         return ref

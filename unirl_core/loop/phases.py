@@ -385,8 +385,9 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
     ``asynchronous`` (a single-rank process that keeps running, e.g. ``run_local``; never a task pod, whose
     output must be a complete version): the version's files are written on the process's ``VersionWriter``
     thread from a snapshot and the ref returns before the version exists; ``publish_phase(asynchronous=True)``
-    moves ``LATEST`` once it does. Every phase that reads the version from the store waits for the write first,
-    and the next train phase waits for it (a failed write raises there, naming the version)."""
+    moves ``LATEST`` once it does. Every phase that reads the version from the store waits for the write first;
+    the next train phase trains from the trainer's resident copy and waits for the write (and its publish) before
+    it saves its own version: a failed write raises there, naming the version."""
     if step != ckpt.step + 1:
         raise field_error(CheckpointError, "step", step, f"ckpt.step + 1 = {ckpt.step + 1}",
                           "train each step from the version of the step before it")
@@ -394,19 +395,22 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
         from unirl_core.pool import phases as pool_phases
 
         return pool_phases.train_phase(cfg, batch, ckpt, step=step)
-    t0 = time.perf_counter()
-    finish_writes()  # the previous version is complete (or its failure raises) before the trainer changes
-    waited = time.perf_counter() - t0
+    writer = _WRITER if asynchronous and current_world()[1] == 1 else None
+    if not (writer and _WRITER.pending(ckpt)):
+        finish_writes()  # any other version in flight is complete (or its failure raises) first
     check_policy_lag(cfg, batch, ckpt)
     backend = build.trainer(cfg)
     extra = _resident_extra(backend, ckpt, cfg)
     if extra is None:
+        finish_writes()  # ckpt is read from the store
         extra = dict(restore_train_checkpoint(backend, ckpt, storage_options=cfg.checkpoint.storage_options).extra)
     metrics = backend.step(batch).as_dict()
     if TRACKER_KEY in batch.metadata:
         extra["tracker"] = json.loads(batch.metadata[TRACKER_KEY])
+    t0 = time.perf_counter()
+    finish_writes()  # version ckpt (written while this step trained) is complete, or its failure raises here
+    waited = time.perf_counter() - t0
     # A version `step` can only be a leftover of an interrupted attempt at this same step: replace it.
-    writer = _WRITER if asynchronous and current_world()[1] == 1 else None
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
                                 overwrite=True, writer=writer)
     files = None if writer else load_manifest(ref, storage_options=cfg.checkpoint.storage_options).files

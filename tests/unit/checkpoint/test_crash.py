@@ -26,7 +26,7 @@ CHILD = textwrap.dedent("""
         print("KILLME", flush=True)
         time.sleep(120)
 
-    def write_hook(path, pieces):
+    def write_hook(path, pieces, **kw):
         if phase == "mid-file" and path.endswith("model.safetensors"):
             data = b"".join(bytes(p) for p in pieces)
             with open(path, "wb") as f:  # half of the payload reaches the disk, then the process dies
@@ -35,7 +35,7 @@ CHILD = textwrap.dedent("""
             park()
         if phase == "between-files" and path.endswith("train_state.pt"):
             park()
-        return write_local(path, pieces)
+        return write_local(path, pieces, **kw)
 
     def replace_hook(src, dst):
         if phase == "manifest-temp" and dst.endswith("manifest.json"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from unirl_core.checkpoint import CheckpointStore
-from unirl_core.checkpoint.writer import VersionWriter
+from unirl_core.checkpoint.writer import VersionWriter, snapshot, storages
 from unirl_core.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -27,8 +27,9 @@ def test_background_write_snapshots_then_publishes(tmp_path):
     store, writer = CheckpointStore(str(tmp_path), "r"), VersionWriter()
     w = torch.full((1 << 16,), 1.0)
     state = _state(1.0)
-    ref = writer.save(store, 1, policy_version=1, copy_tensors=True, weights={"w": w}, train_state=state,
-                      config={"lr": 0.1}, extra={"tracker": {"a": 1}})
+    moment = state["optimizer"]["state"]["w"]["exp_avg"]
+    ref = writer.save(store, 1, policy_version=1, live=[w, moment[1:]], weights={"w": w}, train_state=state,
+                      config={"lr": 0.1}, extra={"tracker": {"a": 1}})  # a view names its whole storage
     assert ref == store.ref_for(1, 1) and writer.pending(ref)
     w.add_(1.0)  # the trainer's next step changes its tensors while the version is written
     state["optimizer"]["state"]["w"]["exp_avg"].add_(1.0)
@@ -44,9 +45,17 @@ def test_background_write_snapshots_then_publishes(tmp_path):
     assert writer.last_written() == (ref, store.load(ref).manifest.files)
 
 
+def test_snapshot_copies_only_what_training_changes():
+    live, host_copy = torch.ones(4), torch.zeros(4)
+    got = snapshot({"a": [live[2:]], "b": (host_copy,), "n": 3}, storages([live]))
+    assert got["a"][0].untyped_storage().data_ptr() != live.untyped_storage().data_ptr()
+    assert got["b"][0] is not host_copy and got["b"][0].untyped_storage().data_ptr() == host_copy.untyped_storage().data_ptr()
+    assert got["n"] == 3 and torch.equal(got["a"][0], live[2:])
+
+
 def test_publish_of_a_finished_write_happens_at_once(tmp_path):
     store, writer = CheckpointStore(str(tmp_path), "r"), VersionWriter()
-    ref = writer.save(store, 1, policy_version=1, copy_tensors=False, weights={"w": torch.ones(3)})
+    ref = writer.save(store, 1, policy_version=1, live=[], weights={"w": torch.ones(3)})
     writer._write.thread.join()  # the write is done before publish is asked for
     assert writer.publish(ref) and store.latest() == ref
     assert not writer.publish(store.ref_for(7, 7))  # not this writer's write: the caller publishes
@@ -55,14 +64,14 @@ def test_publish_of_a_finished_write_happens_at_once(tmp_path):
 def test_a_failed_write_surfaces_naming_the_version_and_latest_stays(tmp_path):
     store, writer = CheckpointStore(str(tmp_path), "r"), VersionWriter()
     store.save(1, weights={"w": torch.ones(3)}, policy_version=1)
-    ref = writer.save(store, 2, policy_version=2, copy_tensors=True, weights={"w": torch.zeros(3)},
+    ref = writer.save(store, 2, policy_version=2, live=[], weights={"w": torch.zeros(3)},
                       extra={"loss": float("nan")})  # not JSON: fails on the writer thread
     assert writer.publish(ref)  # asked while in flight: never happens, the save failed
     with pytest.raises(CheckpointError, match=r"step-00000002.*writing failed in the background.*extra"):
-        writer.save(store, 3, policy_version=3, copy_tensors=True, weights={"w": torch.zeros(3)})
+        writer.save(store, 3, policy_version=3, live=[], weights={"w": torch.zeros(3)})
     assert store.latest().step == 1 and [r.step for r in store.versions()] == [1]
     writer.wait()  # the error was raised once; the writer is usable again
-    ref = writer.save(store, 2, policy_version=2, copy_tensors=True, weights={"w": torch.zeros(3)})
+    ref = writer.save(store, 2, policy_version=2, live=[], weights={"w": torch.zeros(3)})
     writer.publish(ref)
     writer.wait()
     assert store.latest().step == 2
@@ -72,35 +81,35 @@ def test_a_storage_error_on_the_writer_thread_names_the_version(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")  # the store root lies under a regular file: every write fails with an OSError
     store, writer = CheckpointStore(str(blocker / "root"), "r"), VersionWriter()
-    ref = writer.save(store, 4, policy_version=4, copy_tensors=True, weights={"w": torch.ones(3)})
+    ref = writer.save(store, 4, policy_version=4, live=[], weights={"w": torch.ones(3)})
     writer.publish(ref)
     with pytest.raises(CheckpointError, match=r"step-00000004.*writing failed.*(NotADirectory|FileExists)"):
         writer.wait()
 
 
 CHILD = textwrap.dedent("""
-    import sys, time, torch
+    import os, sys, time, torch
     from unirl_core.checkpoint import fsio, store as S
     from unirl_core.checkpoint.writer import VersionWriter
     st = S.CheckpointStore(sys.argv[1], "r")
     st.save(1, weights={"w": torch.full((1 << 18,), 1.0)}, policy_version=1, train_state={"x": torch.ones(2)})
     write_local = fsio.write_local
 
-    def parked(path, pieces):
+    def parked(path, pieces, **kw):
         if path.endswith("train_state.pt"):  # weights written, state and manifest not yet
-            print("WRITER-PARKED", flush=True)
+            os.write(1, b"WRITER-PARKED\\n")  # one write: the two threads' lines do not interleave
             time.sleep(120)
-        return write_local(path, pieces)
+        return write_local(path, pieces, **kw)
 
     fsio.write_local = parked
     writer = VersionWriter()
-    ref = writer.save(st, 2, policy_version=2, copy_tensors=True, weights={"w": torch.full((1 << 18,), 2.0)},
+    ref = writer.save(st, 2, policy_version=2, live=[], weights={"w": torch.full((1 << 18,), 2.0)},
                       train_state={"x": torch.ones(2)})
     writer.publish(ref)
     x = torch.ones(64, 64)
     for _ in range(50):  # training goes on while the version is written
         x = x @ x / 64
-    print("TRAINING-CONTINUED", flush=True)
+    os.write(1, b"TRAINING-CONTINUED\\n")
     time.sleep(120)
 """)
 

@@ -22,7 +22,7 @@ STEPS = 3
 
 def _cfg(root):
     return load_recipe("tiny-grpo", [f"checkpoint.root={root}", f"loop.total_steps={STEPS}", "report.progress=false",
-                                     "train.lr=5e-2", "checkpoint.keep_last=1"])
+                                     "train.lr=5e-2", "checkpoint.keep_last=5"])
 
 
 def _weights(root, step):
@@ -68,29 +68,34 @@ def test_background_versions_equal_the_pods_order(tmp_path, monkeypatch):
     for a, b in zip(background, pods, strict=True):
         assert [a[k] for k in KEYS] == [b[k] for k in KEYS]
         assert a["train/ratio_max"] == 1.0 == a["train/ratio_min"]  # exact first-update ratio
-    wa, wb = _weights(tmp_path / "bg", STEPS), _weights(tmp_path / "pods", STEPS)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    store = CheckpointStore(str(tmp_path / "bg"), "tiny-grpo")
-    assert store.latest().step == STEPS and [r.step for r in store.versions()] == [STEPS]  # written, published
-    loaded = store.load()  # and resumable: the optimizer state is in the version
-    assert loaded.train_state["counters"]["step"] == STEPS
+    store, pods_store = (CheckpointStore(str(tmp_path / d), "tiny-grpo") for d in ("bg", "pods"))
+    assert store.latest().step == STEPS and [r.step for r in store.versions()] == list(range(STEPS + 1))
+    for a, b in zip(store.versions(), pods_store.versions(), strict=True):
+        # versions 1..STEPS-1 were written while the next step trained: each holds its own step's state
+        va, vb = store.load(a), pods_store.load(b)
+        assert va.weights.keys() == vb.weights.keys() and all(torch.equal(va.weights[k], vb.weights[k])
+                                                              for k in va.weights)
+        oa, ob = va.train_state["optimizer"]["state"], vb.train_state["optimizer"]["state"]
+        assert oa.keys() == ob.keys() and all(torch.equal(oa[n][k], ob[n][k]) for n in oa for k in oa[n])
+        assert va.train_state["counters"] == vb.train_state["counters"] == {"step": a.step, "optimizer_steps": a.step,
+                                                                            "world_size": 1}
 
 
 def test_a_failed_background_write_surfaces_at_the_next_step(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     real = fsio.write_local
 
-    def disk_full_at_step_2(path, pieces):
+    def disk_full_at_step_2(path, pieces, **kw):
         if "step-00000002" in path:
             raise OSError(errno.ENOSPC, "No space left on device", path)
-        return real(path, pieces)
+        return real(path, pieces, **kw)
 
     monkeypatch.setattr(fsio, "write_local", disk_full_at_step_2)
     with pytest.raises(CheckpointError, match=r"step-00000002.*writing failed in the background.*No space left"):
         run_local(_cfg(tmp_path / "a"))
     monkeypatch.undo()
     store = CheckpointStore(str(tmp_path / "a"), "tiny-grpo")
-    assert store.latest().step == 1 and [r.step for r in store.versions()] == [1]
+    assert store.latest().step == 1 and [r.step for r in store.versions()] == [0, 1]
     assert not (tmp_path / "a" / "tiny-grpo" / "step-00000002" / "manifest.json").exists()
     assert not phases._RESIDENT  # the trainer's state is no version of the store any more
     rest = run_local(_cfg(tmp_path / "a"))  # resumes from the published step 1

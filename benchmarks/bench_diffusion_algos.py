@@ -92,13 +92,22 @@ def main() -> None:
     if args.only:
         keep = {"flow_grpo", *args.only.split(",")}
         chosen = {k: v for k, v in chosen.items() if k in keep}
-    backends, firsts, peaks = {}, {}, {}
+    backends, firsts, peaks, failed = {}, {}, {}, {}
     for name, (algo_cfg, train_cfg) in chosen.items():
         bundle = copy.deepcopy(rollout)
         bundle.module.train()
-        backends[name] = TrainBackend(bundle, build_algorithm(algo_cfg), train_cfg)
-        firsts[name] = backends[name].step(batch).metrics  # warmup; first update of the batch
-        peaks[name] = peak_of(lambda be=backends[name]: be.step(batch), args.device)
+        backend = TrainBackend(bundle, build_algorithm(algo_cfg), train_cfg)
+        try:
+            firsts[name] = backend.step(batch).metrics  # warmup; first update of the batch
+            peaks[name] = peak_of(lambda be=backend: be.step(batch), args.device)
+        except Exception as e:  # one algorithm's failure is a row of the table, not the end of the run
+            if name == "flow_grpo":
+                raise
+            failed[name] = f"{type(e).__name__}: {e}"[:200]
+            print(f"{name} failed: {failed[name]}", flush=True)
+            del backend, bundle
+            continue
+        backends[name] = backend
     clock = time.thread_time if args.device == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {n: [] for n in backends}
     names = list(backends)
@@ -118,6 +127,9 @@ def main() -> None:
                      f"{firsts[name].get('trained_steps', float('nan')):.0f}"])
         data.append({"algorithm": name, "step_s": med, "median_pair_ratio_vs_flow_grpo": pair,
                      "peak_gib": peaks[name], "times": times[name], "first_update_metrics": firsts[name]})
+    for name, err in failed.items():
+        rows.append([name, "failed", err, "", ""])
+        data.append({"algorithm": name, "error": err})
     name = f"bench_diffusion_algos_{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
         name += "_smoke"

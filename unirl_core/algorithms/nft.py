@@ -232,12 +232,14 @@ class DiffusionNFT:
                               "train DiffusionNFT with unirl_core.models.diffusion.DiffusionBundle")
         device = policy.device
         size = self.config.replay_batch_size or len(parts)
-        sig = segs[0].sigmas.float()
+        # re-noising runs on CPU in fp32 whatever device the trajectory sits on (a batch built on the GPU
+        # without the Arrow round trip): the same bits in old_log_probs and loss, on every device
+        sig = segs[0].sigmas.float().cpu()
         for lo in range(0, len(parts), size):
             rows = slice(lo, min(lo + size, len(parts)))
             chunk = range(rows.start, rows.stop)
             conds = stack_conditions([parts[i].conditions for i in chunk], device)
-            x0 = torch.stack([segs[i].latents[-1] for i in chunk]).float()
+            x0 = torch.stack([segs[i].latents[-1] for i in chunk]).float().cpu()
             for col, k in enumerate(levels):
                 # eps per (sample, level), drawn on CPU in fp32: the same bits in old_log_probs and loss
                 eps = torch.stack([torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(

@@ -50,8 +50,13 @@ def sync_local(paths: list[str]) -> None:
         for path in paths:
             _fsync_path(path)
         return
-    with ThreadPoolExecutor(len(paths)) as pool:
-        list(pool.map(_fsync_path, paths))
+    global _SYNC_POOL
+    if _SYNC_POOL is None:  # long-lived threads: no thread start per version
+        _SYNC_POOL = ThreadPoolExecutor(8, thread_name_prefix="unirl-fsync")
+    list(_SYNC_POOL.map(_fsync_path, paths))
+
+
+_SYNC_POOL: ThreadPoolExecutor | None = None
 
 
 class Folder:

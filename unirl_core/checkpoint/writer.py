@@ -1,8 +1,8 @@
 """VersionWriter: one process's checkpoint versions written on a background thread while training goes on.
 
 ``save`` snapshots what the version holds (tensors that share memory with the trainer's live tensors are
-copied: its next step changes them while the thread writes), starts a thread that runs ``CheckpointStore.save`` (payload files, then the manifest,
-as always) and returns the version's ref at once. ``publish`` asks that thread to move ``LATEST`` once the
+copied: its next step changes them while the thread writes), hands ``CheckpointStore.save`` (payload files,
+then the manifest, as always) to the writer's thread and returns the version's ref at once. ``publish`` asks that thread to move ``LATEST`` once the
 manifest is written; retention runs there too. At most one version is in flight: the next ``save`` waits for
 the previous one first. A write that failed raises ``CheckpointError`` naming the version at the next
 ``save`` / ``publish`` / ``wait`` of the same writer; a version after a failed one is never published.
@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -62,7 +63,7 @@ def storages(tensors: Iterable[Tensor]) -> set[int]:
 
 
 class _Write:
-    """One version's write (and, once asked, its publish) on a thread of its own."""
+    """One version's write (and, once asked, its publish), run by the writer's thread."""
 
     def __init__(self, store: CheckpointStore, ref: CheckpointRef, kwargs: dict[str, object]) -> None:
         self.store, self.ref, self.kwargs = store, ref, kwargs
@@ -72,9 +73,9 @@ class _Write:
         self.files: dict[str, dict[str, object]] | None = None
         self.error: BaseException | None = None
         self.seconds = 0.0
-        self.thread = threading.Thread(target=self._run, name=f"unirl-checkpoint-{ref.step}", daemon=False)
+        self.done = threading.Event()
 
-    def _run(self) -> None:
+    def run(self) -> None:
         t0 = time.perf_counter()
         try:
             self.store.save(self.ref.step, policy_version=self.ref.policy_version, publish=False, **self.kwargs)
@@ -91,6 +92,7 @@ class _Write:
         finally:
             self.kwargs = {}
             self.seconds = time.perf_counter() - t0
+            self.done.set()
 
     def request_publish(self) -> bool:
         """True when the thread will publish after its save; False when the save already finished."""
@@ -106,6 +108,9 @@ class VersionWriter:
     training thread calls it (the loop's train and publish phases)."""
 
     def __init__(self) -> None:
+        # one long-lived thread: starting a thread per version costs the training thread up to ~10 ms on a busy
+        # host (start() waits until the new thread runs); the executor finishes a queued write at interpreter exit
+        self._pool: ThreadPoolExecutor | None = None
         self._write: _Write | None = None
         self._last: _Write | None = None
         self.last_seconds = 0.0
@@ -121,7 +126,9 @@ class VersionWriter:
         shared = storages(live)
         data = {k: snapshot(v, shared) for k, v in kwargs.items()}
         self._write = _Write(store, ref, data)
-        self._write.thread.start()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-checkpoint")
+        self._pool.submit(self._write.run)
         return ref
 
     def pending(self, ref: CheckpointRef) -> bool:
@@ -152,7 +159,7 @@ class VersionWriter:
         write, self._write = self._write, None
         if write is None:
             return
-        write.thread.join()
+        write.done.wait()
         self._last, self.last_seconds = write, write.seconds
         if write.error is not None:
             self._last = None

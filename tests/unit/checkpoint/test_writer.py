@@ -56,7 +56,7 @@ def test_snapshot_copies_only_what_training_changes():
 def test_publish_of_a_finished_write_happens_at_once(tmp_path):
     store, writer = CheckpointStore(str(tmp_path), "r"), VersionWriter()
     ref = writer.save(store, 1, policy_version=1, live=[], weights={"w": torch.ones(3)})
-    writer._write.thread.join()  # the write is done before publish is asked for
+    writer._write.done.wait()  # the write is done before publish is asked for
     assert writer.publish(ref) and store.latest() == ref
     assert not writer.publish(store.ref_for(7, 7))  # not this writer's write: the caller publishes
 

@@ -6,7 +6,9 @@ import re
 
 import pytest
 
-from unirl_core.report.charts import downsample, ema, histogram_svg, line_chart_svg
+import numpy as np
+
+from unirl_core.report.charts import downsample, ema, histogram_counts, histogram_svg, line_chart_svg, nice_ticks
 from unirl_core.report.run_report import STRIP_STEPS, RunReport, strip_steps
 from unirl_core.report.text import complete_utf8_prefix, decode_completion, display_html
 
@@ -37,6 +39,24 @@ def test_long_runs_keep_charts_small():
 def test_histogram_has_axes():
     svg = histogram_svg([0.0, 0.5, 1.0, 1.0])
     assert 'class="histogram"' in svg and len(_ticks(svg)) >= 4
+    assert svg.count("<rect") == 3 and ">count<" in svg  # a bar per non-empty bin
+    assert len(_ticks(histogram_svg([-0.0071, -0.0068, -0.0065, -0.0064]))) >= 4  # small ranges keep their ticks
+
+
+@pytest.mark.parametrize("seed,bins", [(0, 12), (1, 7), (2, 3)])
+def test_histogram_bins_as_numpy(seed, bins):
+    rng = np.random.default_rng(seed)
+    xs = np.concatenate([rng.normal(size=200), np.linspace(-1, 1, 13), [0.1, 0.1, 0.3]]).tolist()
+    lo, hi, counts = histogram_counts(xs, bins)
+    ref, edges = np.histogram(xs, bins=bins)
+    assert counts == ref.tolist() and (lo, hi) == (edges[0], edges[-1])
+    assert histogram_counts([2.0, 2.0], 4) == (1.5, 2.5, [0, 0, 2, 0])  # one value: its +- 0.5 range
+
+
+def test_nice_ticks_are_round_and_inside():
+    assert nice_ticks(0, 7, 4, integer=True) == [0, 2, 4, 6]
+    assert nice_ticks(0.0, 1.0, 5) == pytest.approx([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    assert nice_ticks(-2.3, 2.1, 5) == [-2, -1, 0, 1, 2]
 
 
 @pytest.mark.parametrize("n,expected", [(3, [1, 2, 3]), (12, list(range(1, 13)))])

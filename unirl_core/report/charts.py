@@ -128,7 +128,7 @@ def nice_ticks(lo: float, hi: float, nbins: int, *, integer: bool = False) -> li
     steps = (1, 2, 5, 10) if integer else (1, 2, 2.5, 5, 10)
     step = next(m * mag for m in steps if m * mag >= raw * (1 - 1e-9))
     first = math.ceil(lo / step - 1e-9)
-    ticks = [(first + k) * step for k in range(int(math.floor(hi / step + 1e-9)) - first + 1)]
+    ticks = [(first + k) * step for k in range(math.floor(hi / step + 1e-9) - first + 1)]
     return [0.0 if abs(t) < step * 1e-9 else t for t in ticks]
 
 
@@ -177,10 +177,15 @@ def histogram_svg(values: Sequence[float], *, title: str = "", bins: int = 12, w
     left, right, bottom = 36.0, 18.0, 20.0
     ptop = 16.0 if title else 6.0
     pw, ph = width - left - right, height - ptop - bottom
-    sx = lambda v: left + (v - lo) / (hi - lo) * pw  # noqa: E731
-    sy = lambda c: ptop + ph - c / top * ph  # noqa: E731
-    out = [f'<svg class="histogram" data-n="{len(xs)}" xmlns="http://www.w3.org/2000/svg" width="{width}" '
-           f'height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="8">']
+
+    def sx(v: float) -> float:
+        return left + (v - lo) / (hi - lo) * pw
+
+    def sy(c: float) -> float:
+        return ptop + ph - c / top * ph
+
+    out = [(f'<svg class="histogram" data-n="{len(xs)}" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+            f'height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="8">')]
     if title:
         out.append(f'<text x="{left + pw / 2:.1f}" y="10" text-anchor="middle" font-size="9">{html.escape(title)}'
                    "</text>")

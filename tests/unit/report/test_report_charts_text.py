@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
-import numpy as np
-
-from unirl_core.report.charts import downsample, ema, histogram_counts, histogram_svg, line_chart_svg, nice_ticks
+from unirl_core.report.charts import (
+    downsample,
+    ema,
+    histogram_counts,
+    histogram_svg,
+    line_chart_svg,
+    nice_ticks,
+)
 from unirl_core.report.run_report import STRIP_STEPS, RunReport, strip_steps
 from unirl_core.report.text import complete_utf8_prefix, decode_completion, display_html
 

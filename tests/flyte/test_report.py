@@ -37,7 +37,7 @@ def test_steps_artifacts_and_index(tmp_path):
     assert report.render(title="run run").endswith("report/index.html")
     index = (tmp_path / "run" / "report" / "index.html").read_text()
     assert index.count("class='step-row'") == 3
-    assert 'data-metric="reward/mean"' in index and ">step<" in index  # a matplotlib chart with its axis label
+    assert 'data-metric="reward/mean"' in index and ">step<" in index  # a chart with its axis label
     assert "&quot;total_steps&quot;: 3" in index  # the config is rendered
     assert "step-00000002/train.html" in index and "ans1" in index  # page links and the text strip
     rows = list(csv.DictReader(io.StringIO((tmp_path / "run/report/step-00000002/rewards.csv").read_text())))

@@ -314,8 +314,8 @@ class ReportConfig:
     wandb: WandbConfig | None = None
     """Also log every step's metrics to Weights & Biases (``unirl_core/report/wandb_log.py``); None: not."""
     index_every_n_steps: int = 10
-    """The Flyte report task re-renders the run report's ``index.html`` (its charts: ~1 s of matplotlib on a
-    tiny run) at step 1, every this many steps and at the last step; each step's records, pages and scalars are
+    """The Flyte report task re-renders the run report's ``index.html`` (~10 SVG charts, sample strips and
+    tables) at step 1, every this many steps and at the last step; each step's records, pages and scalars are
     written every step regardless. 1: every step."""
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ Layout under ``<checkpoint root>/<run>/report/``::
     step-00000003/grid.html        a small sample strip (thumbnails or text) embedded in the index
     step-00000003/<phase>.html     the phase pages (the same HTML the Flyte decks show)
     steps.json                     every step's record (what metrics.json holds), read to render the index
-    index.html                     charts (matplotlib, inline SVG), per-step rows, spread sample strips, config
+    index.html                     charts (inline SVG), per-step rows, spread sample strips, config
 
 Size of index.html: charts are ~10-40 KB each (at most ``charts.MAX_POINTS`` points per curve, whatever the
 run length), sample strips of at most ``STRIP_STEPS`` steps (~15-30 KB each with thumbnails), plus ~0.4 KB per

@@ -8,7 +8,8 @@ on CUDA, RSS high-water mark on CPU) over the whole run of each side.
 Sides:
 - ``loop``: ``run_local`` over the tiny-grpo recipe with the preset's shape: the phase functions the Flyte tasks
   call, a rollout bundle and a trainer bundle, every version checkpointed (weights + optimizer state) and
-  published to ``--checkpoint-root`` (a full fine-tune writes ~12 bytes per parameter per step there);
+  published to ``--checkpoint-root`` (a full fine-tune writes ~12 bytes per parameter per step there) by the
+  process's background writer thread while the next step runs (``checkpoint/*`` metrics);
 - ``backend``: the same engine, reward service, advantages and ``TrainBackend`` without the store: weights go
   trainer -> rollout bundle on the device each step (what the pool does in-pool); shows what the store costs;
   both our sides hold two model copies (the rollout bundle in the model dtype, the trainer's fp32 masters);
@@ -382,6 +383,7 @@ def main() -> None:
     ap.add_argument("--checkpoint-root", default=None, help="where the loop side writes its versions (a tmp dir)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per side and round")
     ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--name", default="", help="suffix of the results file (e.g. the shape when not the preset's)")
     ap.add_argument("--worker", choices=("loop", "backend", "trl"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -455,6 +457,7 @@ def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> 
     out = Path(a.results)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"_master-{a.master_weights}" if a.master_weights else ""
+    tag += f"_{a.name}" if a.name else ""
     path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}{tag}.json"
     # Folders of this machine stay out of the record (results dir, checkpoint root): only whether one was given.
     args = {k: (("<set>" if v else v) if k in ("results", "checkpoint_root") else v)

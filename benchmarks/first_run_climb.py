@@ -56,27 +56,38 @@ def train_sft(name: str, root: str) -> float:
     return time.perf_counter() - t0
 
 
-def measure(recipe: str, seeds: list[int], root: str, *, metric: str = "reward/mean", overrides: list[str] = (),
-            timeout: float = 7200) -> dict:
-    """Run ``recipe`` for every seed in parallel subprocesses; per seed its ``metric`` curve, climb statistics,
-    failures against the default ``ClimbCriteria``, held-out eval records and seconds."""
-    from unirl_core.loop.climb import climb_stats
-
+def _run_seeds(recipe: str, seeds: list[int], root: str, overrides: list[str], jobs: int, timeout: float) -> dict:
+    """``run_seed`` for every seed, each in its own single-threaded subprocess, ``jobs`` of them at a time;
+    returns each seed's output record."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = []
-    for s in seeds:
-        out = f"{root}/seed{s}.json"
-        code = (f"from benchmarks.first_run_climb import run_seed; "
-                f"run_seed({recipe!r}, {s}, {root!r}, {list(overrides)!r}, {out!r})")
-        procs.append((s, out, subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO,
-                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    outs = {}
+    for i in range(0, len(seeds), jobs):
+        procs = []
+        for s in seeds[i:i + jobs]:
+            out = f"{root}/seed{s}.json"
+            code = (f"from benchmarks.first_run_climb import run_seed; "
+                    f"run_seed({recipe!r}, {s}, {root!r}, {list(overrides)!r}, {out!r})")
+            procs.append((s, out, subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO,
+                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        for s, out, p in procs:
+            log, _ = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"seed {s} of {recipe} failed (exit {p.returncode}):\n{log[-4000:]}")
+            outs[s] = json.loads(Path(out).read_text())
+    return outs
+
+
+def measure(recipe: str, seeds: list[int], root: str, *, metric: str = "reward/mean", overrides: list[str] = (),
+            timeout: float = 7200, jobs: int | None = None) -> dict:
+    """Run ``recipe`` for every seed in subprocesses (``jobs`` side by side; None: all seeds at once); per seed its
+    ``metric`` curve, climb statistics, failures against the default ``ClimbCriteria``, held-out eval records and
+    seconds."""
+    from unirl_core.loop.climb import climb_stats
+
+    outs = _run_seeds(recipe, list(seeds), root, list(overrides), max(1, jobs or len(seeds)), timeout)
     result = {"recipe": recipe, "metric": metric, "overrides": list(overrides), "seeds": {}}
-    for s, out, p in procs:
-        log, _ = p.communicate(timeout=timeout)
-        if p.returncode != 0:
-            raise RuntimeError(f"seed {s} of {recipe} failed (exit {p.returncode}):\n{log[-4000:]}")
-        data = json.loads(Path(out).read_text())
+    for s, data in outs.items():
         curve = [h[metric] for h in data["history"]]
         stats = climb_stats(curve)
         result["seeds"][s] = {"curve": curve, "stats": stats.__dict__, "failures": stats.failures(),
@@ -94,6 +105,7 @@ def main() -> None:
     ap.add_argument("--sft", default="", help="an SFT recipe to train first (its export under the same root)")
     ap.add_argument("--root", default="runs/first_run_climb", help="checkpoint root of the runs")
     ap.add_argument("--override", action="append", default=[])
+    ap.add_argument("--jobs", type=int, default=0, help="seeds run side by side (0: all at once)")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args()
     from benchmarks.common import environment
@@ -105,7 +117,7 @@ def main() -> None:
     if args.sft:
         sft_s = train_sft(args.sft, root)
         overrides.append(f"lm.model.model={root}/{args.sft}/export")
-    res = measure(args.recipe, args.seeds, root, metric=args.metric, overrides=overrides)
+    res = measure(args.recipe, args.seeds, root, metric=args.metric, overrides=overrides, jobs=args.jobs or None)
     res["sft_seconds"] = sft_s
     res["env"] = environment()
     eval_key = "eval/reward/mean"

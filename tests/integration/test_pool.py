@@ -16,14 +16,12 @@ import safetensors.torch
 import torch
 
 from tests.flyte.conftest import SMALL, tiny_overrides
+from tests.integration.pool_support import local_ray_fixture, ray, time_limit_fixture
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError, PoolActorDied, TransientError
 from unirl_core.loop import phases
 from unirl_core.loop.local import run_local
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # this module's head too: loopback only
-import ray  # noqa: E402  (the pool extra; scripts/install.sh installs it: a missing ray must fail, not skip)
 from unirl_core.pool import cluster
 
 pytestmark = pytest.mark.integration
@@ -31,32 +29,8 @@ POOL = ["pool.execution=pool"]
 TEST_LIMIT_S = 120
 
 
-@pytest.fixture(autouse=True)
-def time_limit(request):
-    """Each test is bounded: a hung actor call fails the test instead of the CI run. ``@pytest.mark.time_limit(s)``
-    gives a longer test its own bound."""
-    marker = request.node.get_closest_marker("time_limit")
-    limit = marker.args[0] if marker else TEST_LIMIT_S
-
-    def expire(signum, frame):
-        raise TimeoutError(f"test ran past {limit} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(limit)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    """One local Ray head for the module; the pools attach to it (``pool.address`` unset, Ray initialised)."""
-    t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    print(f"ray head started in {time.perf_counter() - t0:.1f} s")
-    yield
-    cluster.close_pool()
-    ray.shutdown()
+time_limit = time_limit_fixture(TEST_LIMIT_S)
+local_ray = local_ray_fixture()
 
 
 def _cfg(recipe: str, root, steps: int, *extra: str):

@@ -14,14 +14,12 @@ import safetensors.torch
 import torch
 
 from tests.flyte.conftest import SMALL
+from tests.integration.pool_support import local_ray_fixture, time_limit_fixture
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import PoolActorDied
 from unirl_core.loop.local import run_local
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # this module's head too: loopback only
-import ray  # noqa: E402  (the pool extra; scripts/install.sh installs it: a missing ray must fail, not skip)
-from unirl_core.pool import cluster  # noqa: E402
+from unirl_core.pool import cluster
 
 pytestmark = pytest.mark.integration
 POOL = ["pool.execution=pool"]
@@ -34,26 +32,8 @@ DECOUPLED = {"tiny-grpo": ["train.old_logp_source=replay", "lm.algorithm.tis_cap
 TEST_LIMIT_S = 240
 
 
-@pytest.fixture(autouse=True)
-def time_limit(request):
-    """Each test is bounded: a hung actor call fails the test instead of the CI run."""
-    def expire(signum, frame):
-        raise TimeoutError(f"test ran past {TEST_LIMIT_S} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_LIMIT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    """One local Ray head for the module; the pools attach to it (``pool.address`` unset, Ray initialised)."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    cluster.close_pool()
-    ray.shutdown()
+time_limit = time_limit_fixture(TEST_LIMIT_S)
+local_ray = local_ray_fixture()
 
 
 def _cfg(recipe: str, root, steps: int, *extra: str):

@@ -17,15 +17,12 @@ import safetensors.torch
 import torch
 
 from tests.flyte.conftest import SMALL
+from tests.integration.pool_support import local_ray_fixture, time_limit_fixture
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError, PoolActorDied
 from unirl_core.loop import phases
 from unirl_core.loop.local import run_local
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # this module's head too: loopback only
-import ray
-
 from unirl_core.pool import cluster, group
 
 pytestmark = pytest.mark.integration
@@ -37,24 +34,8 @@ FOUR = {"tiny-grpo": ["train.micro_batch_size=4", "lm.engine.forward_batch_size=
 TEST_LIMIT_S = 300
 
 
-@pytest.fixture(autouse=True)
-def time_limit():
-    def expire(signum, frame):
-        raise TimeoutError(f"test ran past {TEST_LIMIT_S} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_LIMIT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    cluster.close_pool()
-    ray.shutdown()
+time_limit = time_limit_fixture(TEST_LIMIT_S)
+local_ray = local_ray_fixture()
 
 
 def _cfg(recipe: str, root, steps: int, *extra: str):

@@ -14,15 +14,13 @@ import safetensors.torch
 import torch
 
 from tests.flyte.conftest import SMALL, tiny_overrides
+from tests.integration.pool_support import local_ray_fixture, time_limit_fixture
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import PoolActorDied
 from unirl_core.loop import phases
 from unirl_core.loop.local import run_local
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # this module's head too: loopback only
-import ray  # noqa: E402  (the pool extra; scripts/install.sh installs it: a missing ray must fail, not skip)
-from unirl_core.pool import cluster  # noqa: E402
+from unirl_core.pool import cluster
 
 pytestmark = pytest.mark.integration
 SHARED = ["pool.execution=pool", "pool.placement=shared"]
@@ -31,26 +29,8 @@ NFT = ["data.prompts_per_step=2", "data.samples_per_prompt=4", "train.micro_batc
        "diffusion.engine.forward_batch_size=4", "diffusion.sampling.num_steps=4", "eval=null"]
 
 
-@pytest.fixture(autouse=True)
-def time_limit(request):
-    """Each test is bounded: a hung actor call fails the test instead of the CI run."""
-    def expire(signum, frame):
-        raise TimeoutError(f"test ran past {TEST_LIMIT_S} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_LIMIT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    """One local Ray head for the module; the pools attach to it (``pool.address`` unset, Ray initialised)."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    cluster.close_pool()
-    ray.shutdown()
+time_limit = time_limit_fixture(TEST_LIMIT_S)
+local_ray = local_ray_fixture()
 
 
 def _cfg(recipe: str, root, steps: int, *extra: str):

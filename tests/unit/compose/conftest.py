@@ -1,4 +1,5 @@
-"""A small shapes-enhance with both stacks trained: 2 captions x 2 enhancements x 2 images, 4 denoising steps, micro-batches of 4."""
+"""A small shapes-enhance with both stacks trained: 2 captions x 2 enhancements x 2 images (image groups per enhancement,
+the recipe's paired noise), 4 denoising steps, micro-batches of 4."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from unirl_core.compose.config import load_compose_recipe
 torch.set_num_threads(1)
 
 SMALL = ["image.frozen=false", "data.prompts_per_step=2", "grouping.enhancements_per_prompt=2", "grouping.images_per_enhancement=2",
+         "grouping.image_groups=enhancement",
          "enhancer.lm.engine.forward_batch_size=4", "enhancer.train.micro_batch_size=2",
          "enhancer.lm.sampling.max_new_tokens=6", "enhancer.warm_start.steps=30", "enhancer.warm_start.batch_size=16",
          "image.diffusion.sampling.num_steps=4", "image.diffusion.sampling.sde_window_size=2",

@@ -425,7 +425,8 @@ _RESIDENT: dict[str, object] = {}
 """The version the process's trainer state equals (the one its last train phase wrote: ref and the checksums of
 its manifest; None while the writer writes it), and that version's extra JSON: a train phase from exactly that
 version in the same process skips the restore (a read of weights and optimizer state it already holds), as the
-pool's trainer actor does. Owned by ``train_phase`` alone."""
+pool's trainer actor does. Owned by ``train_phase``; ``finish_writes`` fills in the checksums of a version the
+writer has finished (or clears it when the write failed)."""
 
 _WRITER = VersionWriter()
 """The process's background version writer (``train_phase(asynchronous=True)``); at most one version in flight."""

@@ -2,11 +2,12 @@
 seed (each single-threaded, side by side), and reports the climb statistics of ``unirl_core.loop.climb`` per seed
 plus the held-out eval of the starting and the last version (from the run report's ``eval/`` records).
 
-    python benchmarks/first_run_climb.py --recipe shapes-climb --seeds 0 1          # the default run's numbers
+    python benchmarks/first_run_climb.py --recipe shapes-climb --seeds 0 1          # the climb recipe's numbers
     python benchmarks/first_run_climb.py --recipe toy-sums --metric reward/toy_correct/mean --sft sft-toy-sums
 
-``--sft NAME`` first trains that SFT recipe (its export is what the RL recipe's model points at, under the same
-checkpoint root). Writes ``benchmarks/results/first_run_climb_<recipe>.{json,md}`` (``--results`` elsewhere).
+``--sft NAME`` first trains that SFT recipe (``--sft-override a.b=value`` changes it; its export is what the RL
+recipe's model points at, under the same checkpoint root). ``--jobs 1`` runs the seeds one after another (a shared
+machine). Writes ``benchmarks/results/first_run_climb_<recipe>[_<tag>].{json,md}`` (``--results`` elsewhere).
 The climb tests (``tests/integration/test_first_run_learns.py``) call ``measure`` with the same code path.
 """
 
@@ -43,8 +44,8 @@ def run_seed(recipe: str, seed: int, root: str, overrides: list[str], out: str) 
     Path(out).write_text(json.dumps({"seed": seed, "seconds": seconds, "history": hist, "evals": evals}))
 
 
-def train_sft(name: str, root: str) -> float:
-    """Train (and export) SFT recipe ``name`` under ``root``; returns its seconds."""
+def train_sft(name: str, root: str, overrides: list[str] = ()) -> float:
+    """Train (and export) SFT recipe ``name`` (with ``a.b=value`` overrides) under ``root``; returns its seconds."""
     import torch
 
     torch.set_num_threads(1)
@@ -52,7 +53,7 @@ def train_sft(name: str, root: str) -> float:
     from unirl_core.sft.local import run_sft
 
     t0 = time.perf_counter()
-    run_sft(load_sft_recipe(name, [f"checkpoint.root={root}"]), resume_from="never", progress=False)
+    run_sft(load_sft_recipe(name, [f"checkpoint.root={root}", *overrides]), resume_from="never", progress=False)
     return time.perf_counter() - t0
 
 
@@ -103,10 +104,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--metric", default="reward/mean")
     ap.add_argument("--sft", default="", help="an SFT recipe to train first (its export under the same root)")
+    ap.add_argument("--sft-override", action="append", default=[], help="an a.b=value override of the SFT recipe")
     ap.add_argument("--root", default="runs/first_run_climb", help="checkpoint root of the runs")
     ap.add_argument("--override", action="append", default=[])
     ap.add_argument("--jobs", type=int, default=0, help="seeds run side by side (0: all at once)")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--tag", default="", help="suffix of the results files (first_run_climb_<recipe>_<tag>)")
     args = ap.parse_args()
     from benchmarks.common import environment
 
@@ -115,10 +118,11 @@ def main() -> None:
     overrides = list(args.override)
     sft_s = None
     if args.sft:
-        sft_s = train_sft(args.sft, root)
+        sft_s = train_sft(args.sft, root, args.sft_override)
         overrides.append(f"lm.model.model={root}/{args.sft}/export")
     res = measure(args.recipe, args.seeds, root, metric=args.metric, overrides=overrides, jobs=args.jobs or None)
     res["sft_seconds"] = sft_s
+    res["sft_overrides"] = list(args.sft_override)
     res["env"] = environment()
     eval_key = "eval/reward/mean"
     lines = [f"{args.recipe}, {args.metric} per step ({res['env']['cpu']}, {res['env']['cores']} cores):"]
@@ -132,7 +136,7 @@ def main() -> None:
     res["root"] = "<root>"  # no machine paths in results
     res["overrides"] = [o.replace(root, "<root>") for o in res["overrides"]]
     Path(args.results).mkdir(parents=True, exist_ok=True)
-    stem = f"first_run_climb_{args.recipe}"
+    stem = f"first_run_climb_{args.recipe}" + (f"_{args.tag}" if args.tag else "")
     (Path(args.results) / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
     (Path(args.results) / f"{stem}.md").write_text("\n\n".join(lines) + "\n")
 

@@ -197,8 +197,7 @@ def check_compose_pool(cfg: ComposeRunConfig) -> None:
                ("pool.trainer_ranks", p.trainer_ranks, p.trainer_ranks == 1, "1",
                 "a sharded trainer group per stack is not built"),
                ("pool.publish", p.publish, p.publish == "object_store", "'object_store'",
-                "the collective publish group holds one trainer; compose publishes each stack through Ray's "
-                "object store"),
+                "the collective publish group holds one trainer; compose sends each stack through the object store"),
                ("pool.address", p.address, p.address is None, "unset",
                 "attaching to a cluster (detached actors across task pods) is not built for compose runs"),
                ("pool.kuberay", "set" if p.kuberay else None, p.kuberay is None, "unset",

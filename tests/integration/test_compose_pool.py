@@ -5,46 +5,20 @@ bitwise, same seeds)."""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 import torch
 
+from tests.integration.pool_support import local_ray_fixture, time_limit_fixture
 from tests.unit.compose.conftest import small_config
 from unirl_core.checkpoint import CheckpointStore, load_weights
+from unirl_core.compose import pool as compose_pool
 from unirl_core.compose.local import run_compose_local
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # this module's head too: loopback only
-import ray  # noqa: E402  (the pool extra: a missing ray must fail, not skip)
-from unirl_core.compose import pool as compose_pool  # noqa: E402
 
 pytestmark = pytest.mark.integration
 torch.set_num_threads(1)  # the actors compute with 1 thread (num_cpus 0.5): bitwise needs the same here
 POOL = ["pool.execution=pool", "pool.engine.num_cpus=0.5", "pool.trainer.num_cpus=0.5"]
-TEST_LIMIT_S = 400
-
-
-@pytest.fixture(autouse=True)
-def time_limit():
-    """Each test is bounded: a hung actor call fails the test instead of the CI run."""
-    def expire(signum, frame):
-        raise TimeoutError(f"test ran past {TEST_LIMIT_S} s")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_LIMIT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    """One local Ray head for the module; the compose pool attaches to it."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    compose_pool.close_compose_pool()
-    ray.shutdown()
+time_limit = time_limit_fixture(400)
+local_ray = local_ray_fixture(close=compose_pool.close_compose_pool)
 
 
 def _run(root, *extra):

@@ -5,14 +5,17 @@ bitwise, same seeds)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from tests.integration.pool_support import local_ray_fixture, time_limit_fixture
-from tests.unit.compose.conftest import small_config
+from tests.unit.compose.conftest import small_config, small_overrides
 from unirl_core.checkpoint import CheckpointStore, load_weights
 from unirl_core.compose import pool as compose_pool
 from unirl_core.compose.local import run_compose_local
+from workflows.enhance import enhance
 
 pytestmark = pytest.mark.integration
 torch.set_num_threads(1)  # the actors compute with 1 thread (num_cpus 0.5): bitwise needs the same here
@@ -59,3 +62,15 @@ def test_a_frozen_stack_gets_no_trainer_actor(tmp_path):
     live = compose_pool.get_pool(small_config(tmp_path, "loop.total_steps=2", "image.frozen=true", *POOL)).live
     assert "image-trainer" not in live and "enhancer-trainer" in live
     assert "image/train/loss" not in hist[-1] and hist[-1]["pool/enhancer_trainer_restored"] == 0.0
+
+
+def test_the_flyte_workflow_in_pool_mode_equals_pods(tmp_path):
+    """``workflows/enhance.py`` executed locally by flytekit: its tasks dispatch to the compose pool unchanged."""
+    numbers = {}
+    for mode, extra in (("pods", []), ("pool", POOL)):
+        out = enhance(recipe="shapes-enhance", overrides=small_overrides(
+            tmp_path / mode, "loop.steps_per_chunk=1", "eval=null", *extra, name="flow"))
+        assert (out.enhancer.step, out.image.step) == (2, 2)
+        lines = [json.loads(x) for x in (tmp_path / mode / "flow" / "report" / "metrics.jsonl").read_text().splitlines()]
+        numbers[mode] = [(h["reward/mean"], h["enhancer/train/loss"], h["image/train/loss"]) for h in lines]
+    assert numbers["pool"] == numbers["pods"]

@@ -70,11 +70,11 @@ CHILD = textwrap.dedent("""
     st.save(1, weights={"w": torch.ones(1 << 16)}, policy_version=1)
     write = fsio.Folder.write_pieces
 
-    def hook(self, name, pieces, atomic=False):
+    def hook(self, name, pieces, atomic=False, sync=True):
         if name == "train_state.pt":
             print("KILLME", flush=True)
             time.sleep(120)
-        return write(self, name, pieces, atomic=atomic)
+        return write(self, name, pieces, atomic=atomic, sync=sync)
 
     fsio.Folder.write_pieces = hook
     st.save(2, weights={"w": torch.zeros(1 << 16)}, policy_version=2, train_state={"x": torch.ones(2)})

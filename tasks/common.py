@@ -85,6 +85,9 @@ def is_transient(e: BaseException) -> bool:
 def phase(name: str, metrics_out: dict[str, float]) -> Iterator[None]:
     """Time the library call of a phase into ``metrics_out['time/<name>']`` and turn transient failures into
     ``FlyteRecoverableException`` so Flyte retries the task (remote runs; local runs do not retry)."""
+    if _STOP_REQUESTED:  # a Ctrl-C flytekit's local runner swallowed: no phase starts after it
+        _say_interrupted()
+        raise RuntimeError(f"interrupted (Ctrl-C): the {name} phase was not started")
     t0 = time.perf_counter()
     try:
         yield
@@ -108,6 +111,9 @@ def session_id() -> str:
 # The run a local `pyflyte run` trains (set by init_task): flytekit's SIGINT handler calls the registered
 # handlers and then exits (SystemExit 1), so a Ctrl-C never reaches the tasks as a KeyboardInterrupt.
 _INTERRUPTED_RUN: list = []
+# Set by the first Ctrl-C of a local run. flytekit's local runner has been seen to swallow its SystemExit (the run
+# went on); every phase checks this before it starts, so nothing is published after the message names LATEST.
+_STOP_REQUESTED: list = []
 GENERIC_RESUME = ("pyflyte run workflows/grpo.py grpo --recipe <recipe> --overrides '<the same overrides>' "
                   "--resume latest")
 
@@ -121,9 +127,16 @@ def say_resume_on_interrupt(cfg) -> None:
     if not _INTERRUPTED_RUN:
         FlyteContextManager.add_signal_handler(_on_sigint)
     _INTERRUPTED_RUN[:] = [cfg]
+    _STOP_REQUESTED.clear()  # a new run in this process starts uninterrupted
 
 
 def _on_sigint(signum, frame) -> None:
+    if _INTERRUPTED_RUN:
+        _STOP_REQUESTED[:] = [True]
+    _say_interrupted()
+
+
+def _say_interrupted() -> None:
     from unirl_core.loop import resume
 
     if _INTERRUPTED_RUN:

@@ -88,8 +88,8 @@ def line_chart_svg(points: Points, *, title: str, smooth: float | None = 0.6,
     flat = y1 - y0 <= 1e-9 * max(1.0, abs(y0), abs(y1))  # equal up to rounding: a visible range around it
     pad = max(abs(y0) * 0.05, 0.05) if flat else (y1 - y0) * 0.05
     y0, y1 = y0 - pad, y1 + pad
-    legend = ([(label or title) if series else None] + list(curves)[1:] if series else [])
-    legend = [(n, COLORS[i % len(COLORS)], 1.2) for i, n in enumerate(legend) if n is not None]
+    names = [label or title, *list(curves)[1:]] if series else []
+    legend = [(n, COLORS[i % len(COLORS)], 1.2) for i, n in enumerate(names)]
     if smoothed:
         legend.append((f"EMA {smooth:g}", COLORS[0], 2.0))
     rows = (len(legend) + 2) // 3 if series else 0

@@ -19,7 +19,7 @@ from unirl_core.loop.dynamic_sampling import FilterGroupsConfig
 from unirl_core.loop.evaluate import EvalConfig, check_eval_config
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
-from unirl_core.pool.config import PoolConfig, check_shared
+from unirl_core.pool.config import PoolConfig, check_dedicated, check_shared
 from unirl_core.report.wandb_log import WandbConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.rollout.agentic import AgentConfig, check_agent_config
@@ -384,10 +384,7 @@ class RunConfig:
         check_eval_config(self)
         self._check_async()
         check_shared(self)
-        if self.pool.execution == "pool" and self.lm is not None and self.lm.deployment.engine != "trainside":
-            raise field_error(ConfigError, "pool.execution", "pool", f"'pods' with lm.deployment.engine="
-                              f"{self.lm.deployment.engine!r}", "the pool runs the trainside engines only (a vLLM "
-                              "engine actor is not built yet); use execution 'pods' or the trainside engine")
+        check_dedicated(self)
 
     @property
     def section(self) -> DiffusionSection | LMSection:

@@ -44,13 +44,22 @@ class _Role:
     """Config field of its resources (``pool.engine``)."""
 
 
-def _roles(pcfg: PoolConfig) -> list[_Role]:
+def engine_class(cfg: RunConfig) -> type:
+    """The engine actor of a run: one that owns a vLLM server (``pool/vllm_actor.py``) or the trainside one."""
+    if cfg.family == "lm" and cfg.lm.deployment.engine == "vllm":
+        from unirl_core.pool.vllm_actor import VLLMEngineActor
+
+        return VLLMEngineActor
+    return actors.EngineActor
+
+
+def _roles(pcfg: PoolConfig, engine_cls: type = actors.EngineActor) -> list[_Role]:
     if pcfg.placement == "shared":  # trainer and engine in one process, with the trainer's resources
         from unirl_core.pool.shared import SHARED, SharedActor
 
         return [_Role(SHARED, SharedActor, pcfg.trainer, "pool.trainer"),
                 _Role(REWARD, actors.RewardActor, pcfg.reward, "pool.reward")]
-    engines = [_Role(engine_name(i), actors.EngineActor, pcfg.engine, "pool.engine") for i in range(pcfg.num_engines)]
+    engines = [_Role(engine_name(i), engine_cls, pcfg.engine, "pool.engine") for i in range(pcfg.num_engines)]
     trainers = [_Role(n, actors.TrainerActor, pcfg.trainer, "pool.trainer") for n in trainer_names(pcfg.trainer_ranks)]
     return [*engines, *trainers, _Role(REWARD, actors.RewardActor, pcfg.reward, "pool.reward")]
 
@@ -131,7 +140,7 @@ class Pool:
 
     def make_roles(self) -> list[_Role]:
         """The actors of this pool (a compose run's pool has other roles: ``unirl_core/compose/pool.py``)."""
-        return _roles(self.pcfg)
+        return _roles(self.pcfg, engine_class(self.cfg))
 
     def actor_config(self, name: str):
         """The config actor ``name`` is built with (the run's; a compose pool gives each its stack's)."""
@@ -315,6 +324,7 @@ class Pool:
 
         if not ray.is_initialized():
             return
+        self._shutdown_servers()
         for name in list(self._handles):
             self.kill(name)
         if self.detached:  # actors other processes of the run created
@@ -326,6 +336,19 @@ class Pool:
         remove_placement_group(self.pg)
         if self.started_ray:
             ray.shutdown()
+
+    def _shutdown_servers(self, timeout_s: float = 60.0) -> None:
+        """Let the actors that own a server process (``shutdown``: the vLLM engine actor) stop it before they are
+        killed; a failure only leaves it to the actor's watchdog (``ManagedServer.stop_with_parent``)."""
+        import ray
+
+        refs = [(n, self._handles[n].shutdown.remote()) for n in list(self._handles)
+                if hasattr(self.roles[n].cls, "shutdown")]
+        for name, ref in refs:
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001 - the actor is killed next either way
+                log.warning("pool %s: %s did not stop its server (%s: %s)", self.prefix, name, type(e).__name__, e)
 
     # ----------------------------------------------------------------------------- the singleton
 

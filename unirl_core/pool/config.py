@@ -187,3 +187,36 @@ def check_shared(cfg) -> None:
     if cfg.train.shard == "always":
         raise field_error(ConfigError, "train.shard", "always", "'auto' with pool.placement='shared' (one "
                           "unsharded trainer the engine samples through)", "set train.shard: auto")
+
+
+def check_dedicated(cfg) -> None:
+    """What a pool run with a dedicated LM engine needs (``cfg``: the RunConfig). Built: one engine actor that
+    starts and owns a vLLM server (``unirl_core/pool/vllm.py``), versions sent from the trainer actor through
+    Ray's object store and reloaded by the server from a staged folder. Everything else is refused here."""
+    if cfg.pool.execution != "pool" or cfg.lm is None or cfg.lm.deployment.engine == "trainside":
+        return
+    lm, p = cfg.lm, cfg.pool
+    kind = lm.deployment.engine
+    want = f"with pool.execution='pool' and lm.deployment.engine={kind!r}"
+    if kind != "vllm":
+        raise field_error(ConfigError, "lm.deployment.engine", kind, "'trainside' or 'vllm' with pool.execution="
+                          "'pool'", "the pool owns vLLM servers only (SGLang is attached, not started); use "
+                          "execution 'pods'")
+    checks = [
+        ("pool.placement", p.placement, p.placement != "shared", "'colocate' or 'separate' " + want,
+         "a vLLM server samples, not the trainer's module; use placement 'colocate'"),
+        ("pool.num_engines", p.num_engines, p.num_engines == 1, "1 " + want,
+         "one engine actor owns one server (several servers have not run); set pool.num_engines=1"),
+        ("pool.publish", p.publish, p.publish == "object_store", "'object_store' " + want,
+         "the server's workers do not join the trainer's collective group (not built): versions travel as a "
+         "state dict and the server reloads them from a staged folder; set pool.publish=object_store"),
+        ("async_training.max_policy_lag", cfg.async_training.max_policy_lag, cfg.async_training.max_policy_lag == 0,
+         "0 " + want, "lagged rollouts have not run on a vLLM engine actor; use execution 'pods' for them"),
+        ("lm.deployment.mode", lm.deployment.mode, lm.deployment.mode == "separate", "'separate' " + want,
+         "sleep / wake beside the trainer actor is not built; use mode 'separate'"),
+        ("lm.vllm.base_url", lm.vllm.base_url, lm.vllm.base_url is None, "None " + want,
+         "the engine actor starts and owns its server; leave base_url unset (or use execution 'pods' to attach)"),
+    ]
+    for field_name, value, ok, expected, fix in checks:
+        if not ok:
+            raise field_error(ConfigError, field_name, value, expected, fix)

@@ -31,6 +31,42 @@ logger = logging.getLogger(__name__)
 
 _LOG_TAIL_CHARS = 4000
 
+_WATCHDOG = """
+import os, signal, sys, time
+owner, started, pgid, grace = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+
+def start_time(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return None
+
+def group_alive():
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+while group_alive() and start_time(owner) == started:  # a reused pid has another start time
+    time.sleep(0.5)
+if group_alive():
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while group_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if group_alive():
+        os.killpg(pgid, signal.SIGKILL)
+"""
+"""The ``stop_with_parent`` watchdog (Linux ``/proc``): argv owner pid, its start time, server pgid, grace s."""
+
+
+def _start_time(pid: int) -> str:
+    """Field 22 of ``/proc/<pid>/stat`` (start time in clock ticks): a pid with its start time names one process."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]
+
 
 def reserve_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago on ``host`` (bind to 0, read it, close).
@@ -148,6 +184,21 @@ class ManagedServer:
         except OSError:
             return "<no log>"
         return text[-chars:]
+
+    def stop_with_parent(self, grace_s: float = 15.0) -> subprocess.Popen | None:
+        """Start a watchdog that stops this server's process group once this process is gone.
+
+        ``stop`` runs when the owner closes the engine (or exits normally); a SIGKILLed owner (a Ray actor killed
+        with its node's OOM killer or ``ray.kill``) runs nothing, and the server (its own session) would live on,
+        holding its port and memory. The watchdog is a session of its own, so whatever kills the owner's process
+        group spares it; it exits on its own once the server group is gone."""
+        if self._proc is None:
+            return None
+        import sys
+
+        return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), _start_time(os.getpid()),
+                                 str(self._proc.pid), str(grace_s)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group, then SIGKILL whatever is left after ``grace_s``."""

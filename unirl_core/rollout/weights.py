@@ -87,23 +87,44 @@ def stage_weights(source: object, *, want: WeightKind, staging: Path, policy_ver
                               "publish a ref with the version it was saved under")
         from unirl_core.checkpoint import load_weights
 
-        weights = load_weights(source)
-        kind: WeightKind = "lora" if any(".lora_" in k for k in weights) else "full"
-        _check_kind(kind, want, source.uri)
-        out = staging / f"policy-v{policy_version:08d}"
-        if kind == "lora":
-            if lora_alpha is None:
-                raise field_error(ConfigError, "engine.lora_alpha", None, "the trainer's LoRA alpha",
-                                  "set lora_alpha on the engine config to publish LoRA checkpoint refs")
-            return write_peft_adapter(weights, out, alpha=lora_alpha, base_model=base_model)
-        out.mkdir(parents=True, exist_ok=True)
-        safetensors.torch.save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
-        _copy_configs(base_model, out)
-        logger.info("staged %d tensors of %s in %s", len(weights), source.uri, out)
-        return out
+        return stage_state_dict(load_weights(source), want=want, staging=staging, policy_version=policy_version,
+                                lora_alpha=lora_alpha, base_model=base_model, where=source.uri)
     path = Path(os.fspath(source)).resolve()
     _check_kind(directory_kind(path), want, str(path))
     return path
+
+
+def stage_state_dict(weights: dict[str, Tensor], *, want: WeightKind, staging: Path, policy_version: int,
+                     lora_alpha: float | None = None, base_model: str = "", where: str = "weights") -> Path:
+    """Write a version's state dict (a checkpoint's ``weights`` file, or the trainer's ``model_state_dict`` sent
+    in-pool) as ``staging/policy-v<N>`` in the layout of kind ``want``; ``where`` names its source in errors."""
+    kind: WeightKind = "lora" if any(".lora_" in k for k in weights) else "full"
+    _check_kind(kind, want, where)
+    out = staging / f"policy-v{policy_version:08d}"
+    if kind == "lora":
+        if lora_alpha is None:
+            raise field_error(ConfigError, "engine.lora_alpha", None, "the trainer's LoRA alpha",
+                              "set lora_alpha on the engine config to publish LoRA checkpoint refs")
+        return write_peft_adapter(weights, out, alpha=lora_alpha, base_model=base_model)
+    out.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(_unshared(weights), str(out / "model.safetensors"))
+    _copy_configs(base_model, out)
+    logger.info("staged %d tensors of %s in %s", len(weights), where, out)
+    return out
+
+
+def _unshared(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Contiguous tensors, a tensor sharing memory with an earlier one cloned: safetensors refuses shared
+    storage, and a trainer's state dict names a tied weight (``lm_head`` = embeddings) under both names."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in weights.items():
+        t = t.contiguous()
+        if t.data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.data_ptr())
+        out[name] = t
+    return out
 
 
 def _copy_configs(base_model: str, out: Path) -> None:

@@ -71,9 +71,26 @@ def test_ema_rollouts_run_in_the_pool_only_when_shared():
     assert load_recipe("tiny-grpo", ["pool.placement=shared"]).pool.execution == "pods"  # unused in pods mode
 
 
-def test_pool_refuses_a_dedicated_engine():
-    with pytest.raises(ConfigError, match="pool.execution=.*lm.deployment.engine='vllm'"):
-        load_recipe("tiny-grpo-vllm", ["pool.execution=pool"])
+VLLM_POOL = ["pool.execution=pool", "pool.publish=object_store"]
+
+
+def test_pool_runs_a_vllm_engine_actor_with_object_store_publication():
+    cfg = load_recipe("tiny-grpo-vllm", VLLM_POOL)
+    assert cfg.pool.execution == "pool" and cfg.lm.deployment.engine == "vllm"
+
+
+@pytest.mark.parametrize("extra, match", [
+    ([], r"pool.publish='collective': expected 'object_store' with pool.execution='pool' and "
+         r"lm.deployment.engine='vllm'.*set pool.publish=object_store"),
+    (["pool.publish=object_store", "pool.num_engines=2"], r"pool.num_engines=2: expected 1 .*pool.num_engines=1"),
+    (["pool.publish=object_store", "pool.placement=shared"], r"pool.placement='shared'.*placement 'colocate'"),
+    (["pool.publish=object_store", "async_training.max_policy_lag=1"], r"async_training.max_policy_lag=1"),
+    (["pool.publish=object_store", "lm.deployment.mode=colocate"], r"lm.deployment.mode='colocate'.*'separate'"),
+    (["pool.publish=object_store", "lm.vllm.base_url=http://127.0.0.1:8000"], r"lm.vllm.base_url=.*leave base_url"),
+])
+def test_pool_refuses_what_the_vllm_engine_actor_does_not_build(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        load_recipe("tiny-grpo-vllm", ["pool.execution=pool", *extra])
 
 
 def test_switching_execution_mode_is_a_safe_resume_change():

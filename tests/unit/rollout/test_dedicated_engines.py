@@ -2,7 +2,10 @@
 the tied-head refresh of the vLLM worker extension, and the managed server process."""
 
 import json
+import os
+import subprocess
 import sys
+import time
 
 import pytest
 import safetensors.torch
@@ -170,3 +173,39 @@ def test_managed_server_death_under_load_carries_the_log(tmp_path):
     with pytest.raises(EngineError, match="died while serving"):
         srv.raise_if_dead()
     srv.stop()
+
+
+_OWNER = """
+import sys
+from unirl_core.rollout.server import HTTPJSONClient, ManagedServer, reserve_port
+port = reserve_port()
+srv = ManagedServer([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], env={}, name="web",
+                    log_dir=sys.argv[1])
+srv.start(HTTPJSONClient(f"http://127.0.0.1:{port}", timeout_s=5), health_path="/", timeout_s=60)
+srv.stop_with_parent(grace_s=5)
+print(srv.pid, port, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_a_server_does_not_outlive_its_sigkilled_owner(tmp_path):
+    """The pool's engine actor can die by SIGKILL (ray.kill, the OOM killer): its server, a session of its own,
+    is stopped by the watchdog ``stop_with_parent`` started."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(tmp_path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        pid, port = map(int, owner.stdout.readline().split())
+        client = HTTPJSONClient(f"http://127.0.0.1:{port}", timeout_s=5)
+        assert client.is_healthy("/")
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 20
+        while client.is_healthy("/") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not client.is_healthy("/")
+        with pytest.raises(ProcessLookupError):
+            for _ in range(50):  # reaped by init once it exits
+                os.killpg(pid, 0)
+                time.sleep(0.2)
+    finally:
+        owner.kill()

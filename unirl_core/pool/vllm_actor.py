@@ -1,0 +1,139 @@
+"""The pool's vLLM engine actor: an ``EngineActor`` that starts and owns the run's vLLM server.
+
+Why an actor owns it: in pods / local execution the process that runs the rollout phase starts the server
+(``loop.build.dedicated_engine``) and keeps it for its life; in the pool that process is the engine actor, which
+lives for the run, so the server does too (started on the first rollout or publish, ~40 s on the CPU backend).
+
+- rollout: as the trainside engine actor (``EngineActor.rollout``): the bundle loads the version from the store
+  only when the pool has not published it here, then ``phases.sample_step`` runs the local path
+  (``_dedicated_rollout``: sync the server if it serves another version, generate, replay every sampled token
+  with the bundle and fail closed past ``lm.logp_check``). The full batch stays in the object store for the
+  trainer, the driver gets the projection.
+- publish (``pool.publish: object_store``): the trainer actor's ``model_state_dict`` arrives through Ray's object
+  store; the bundle takes it (the replay check needs the served version) and the server reloads it from a staged
+  folder through the worker extension (full weights, ``stage_state_dict``) or loads it as a peft adapter (LoRA,
+  written from the bundle as the local path does), then is labelled with the version.
+- failures: a server that died (between calls or under a request) raises ``EngineError`` naming the actor and
+  drops the engine, so the retried phase starts a new server; a dead actor is ``PoolActorDied`` (cluster.py), and a
+  watchdog (``ManagedServer.stop_with_parent``) stops the orphaned server group. ``shutdown`` (pool close) stops
+  the server before the actor is killed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from unirl_core.checkpoint import CheckpointRef
+from unirl_core.errors import EngineError
+from unirl_core.loop import build
+from unirl_core.pool.actors import EngineActor, _version
+from unirl_core.pool.config import Emit
+from unirl_core.rollout.weights import stage_state_dict
+from unirl_core.types import SampleBatch
+
+
+class VLLMEngineActor(EngineActor):
+    """The rollout bundle (tokenizer, replay check) plus the vLLM server this actor started; ``served`` is the
+    version the server is labelled with and the bundle holds."""
+
+    def __init__(self, cfg, name: str, threads: int) -> None:
+        super().__init__(cfg, name, threads)
+        self._slot: build.EngineSlot | None = None
+        self._watchdog = None
+        self._start_s = 0.0  # seconds the last server start took, reported once by the call that started it
+
+    # ------------------------------------------------------------------ the server
+    def _engine(self, what: str) -> build.EngineSlot:
+        """The process's engine slot, its server started on first use (or after it died)."""
+        self._check_alive(what)
+        t0 = time.perf_counter()
+        try:
+            slot = build.dedicated_engine(self.cfg, self.policy)
+        except EngineError as e:
+            raise self._error(e, f"{what}: starting the vLLM server") from e
+        if slot is not self._slot:
+            self._slot, self._start_s = slot, time.perf_counter() - t0
+            server = slot.engine.server
+            self._watchdog = server.stop_with_parent() if server is not None else None
+        return slot
+
+    def _check_alive(self, what: str) -> None:
+        """A server that exited since the last call: drop it (the next call starts a new one) and raise."""
+        server = None if self._slot is None else self._slot.engine.server
+        if server is not None and not server.alive():
+            try:
+                server.raise_if_dead()
+            except EngineError as e:
+                self._drop()
+                raise self._error(e, what) from e
+
+    def _drop(self) -> None:
+        """Forget the engine (its server is dead or unusable): the bundle and server serve no version now."""
+        self._slot, self.served = None, None
+        build.close_engines()
+
+    def _error(self, error: EngineError, what: str) -> EngineError:
+        """``error`` of ``what`` naming this actor. A server that exited, or no longer answers its health check
+        (a SIGKILLed server's process can take seconds to exit: its threads still hold the port), is dropped."""
+        slot = self._slot
+        dead = slot is None or slot.engine.server is None or not slot.engine.server.alive() or \
+            not slot.engine.client.is_healthy("/health")
+        if dead and slot is not None:
+            self._drop()  # stops what is left of its process group
+        note = "the next call starts a new server (retry the phase)" if dead else "the server is still up"
+        return EngineError(f"pool actor {self.name!r} of run {self.cfg.name!r}: {what} failed ({note}): {error}")
+
+    def server_info(self) -> dict[str, float]:
+        """The server's pid (its process group) and the version label it reports now (``GET /weight_info``)."""
+        slot = self._engine("server_info")
+        return {"pid": float(slot.engine.server.pid), "served_version": float(slot.engine.served_version())}
+
+    def shutdown(self) -> None:
+        """Stop the server (the pool calls this before it kills the actor)."""
+        self._slot, self.served = None, None
+        build.close_engines()
+
+    # ------------------------------------------------------------------ EngineActor
+    def served_version(self):
+        """The version the bundle holds, when the server's own label (``/weight_info``) agrees; else None."""
+        if self.served is None or self._slot is None or not self._slot.engine.server.alive():
+            return None
+        try:
+            label = self._slot.engine.served_version()
+        except EngineError:
+            return None
+        return self.served if label == self.served[1] else None
+
+    def load_weights(self, weights: dict, ckpt: CheckpointRef) -> float:
+        """In-pool publication of version ``ckpt`` (the trainer's state dict): into the bundle, then staged and
+        reloaded by the server, labelled ``ckpt.policy_version``. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        what = f"publish v{ckpt.policy_version}"
+        self.served = None
+        build.apply_policy_weights(self.policy, weights, where=f"{self.name} <- trainer ({ckpt.uri})")
+        slot = self._engine(what)
+        engine_cfg = slot.engine.config
+        if engine_cfg.weight_sync == "lora":  # the adapter from the bundle (the trainer's dict may carry a tied head)
+            source = slot.publish_source(self.cfg, self.policy, ckpt)
+        else:  # the trainer's fp32 values, exactly what the store's version holds
+            source = stage_state_dict(weights, want="full", staging=slot.staging, policy_version=ckpt.policy_version,
+                                      base_model=str(engine_cfg.model), where=f"{ckpt.uri} (the trainer's copy)")
+        try:
+            slot.engine.update_weights(source, ckpt.policy_version)
+        except EngineError as e:
+            raise self._error(e, what) from e
+        slot.served_uri = ckpt.uri
+        slot.prune_staging()
+        self.served = _version(ckpt)
+        return time.perf_counter() - t0
+
+    def rollout(self, ckpt: CheckpointRef, step: int, shard: int, num_shards: int,
+                emit: Emit) -> tuple[SampleBatch, dict[str, float]]:
+        what = f"rollout step {step} shard {shard}"
+        self._engine(what)  # started (and timed) before the rollout's clock runs
+        try:
+            out, metrics = super().rollout(ckpt, step, shard, num_shards, emit)
+        except EngineError as e:
+            raise self._error(e, what) from e
+        metrics["pool/vllm_server_start_s"], self._start_s = self._start_s, 0.0
+        return out, metrics

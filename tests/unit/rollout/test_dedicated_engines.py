@@ -22,7 +22,7 @@ from unirl_core.rollout.server import HTTPJSONClient, ManagedServer, reserve_por
 from unirl_core.rollout.vllm import VLLMEngineConfig
 from unirl_core.rollout.vllm.engine import parse_completion, sampling_body, server_argv
 from unirl_core.rollout.vllm.worker_ext import _refresh_tied_lm_head
-from unirl_core.rollout.weights import stage_weights
+from unirl_core.rollout.weights import stage_state_dict, stage_weights
 from unirl_core.types import ARSamplingParams
 
 
@@ -102,6 +102,22 @@ def test_stage_weights_from_refs_and_folders(tmp_path, bundle):
         stage_weights(ref, want="lora", staging=tmp_path / "stage", policy_version=1, lora_alpha=8.0)
     with pytest.raises(CheckpointError, match="an existing directory"):
         stage_weights(tmp_path / "nope", want="full", staging=tmp_path / "s", policy_version=0)
+
+
+def test_stage_state_dict_takes_a_trainers_dict_with_a_tied_head(tmp_path, bundle):
+    """The pool's vLLM engine actor stages the trainer's ``model_state_dict`` from memory: a tied LM head names the
+    embedding's tensor twice, which safetensors refuses unless one name gets a copy."""
+    bundle.save_pretrained(tmp_path / "base")
+    emb = torch.randn(5, 3)
+    weights = {"model.embed_tokens.weight": emb, "lm_head.weight": emb, "model.norm.weight": torch.ones(3)}
+    out = stage_state_dict(weights, want="full", staging=tmp_path / "stage", policy_version=3,
+                           base_model=str(tmp_path / "base"), where="trainer")
+    assert out == tmp_path / "stage" / "policy-v00000003" and (out / "config.json").exists()
+    loaded = safetensors.torch.load_file(str(out / "model.safetensors"))
+    assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    assert weights["lm_head.weight"] is emb  # the caller's dict is not changed
+    with pytest.raises(ConfigError, match="weights trainer='full'.*weight_sync='reload'"):
+        stage_state_dict(weights, want="lora", staging=tmp_path / "stage", policy_version=3, where="trainer")
 
 
 def test_stage_lora_ref_writes_a_peft_adapter(tmp_path):

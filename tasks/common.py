@@ -108,6 +108,23 @@ def session_id() -> str:
     return flytekit.current_context().execution_id.name
 
 
+# flytekit's local runner gives every task a sandbox folder named after its parent's plus 8 random characters
+# (``tempfile.mkdtemp(prefix=<parent folder>)``), and each chunk of a chained @dynamic runs inside the previous one:
+# the name grows 8 characters a chunk and past ~28 chunks it is over the 255-character limit of a file name
+# (``OSError: File name too long``). A local execution therefore chains at most this many chunks.
+LOCAL_MAX_CHUNKS = 16
+
+
+def chunk_steps(steps_per_chunk: int, total_steps: int) -> int:
+    """Steps one chained chunk wires: ``steps_per_chunk`` (``loop.steps_per_chunk``) on a cluster; in a local
+    execution at least ``ceil(total_steps / LOCAL_MAX_CHUNKS)``, so a long local run never nests its sandbox
+    folders past the file-name limit. Chunking changes no step's work, only how the DAG is cut."""
+    state = FlyteContextManager.current_context().execution_state
+    if state is None or not state.is_local_execution():
+        return steps_per_chunk
+    return max(steps_per_chunk, -(-total_steps // LOCAL_MAX_CHUNKS))
+
+
 # The run a local `pyflyte run` trains (set by init_task): flytekit's SIGINT handler calls the registered
 # handlers and then exits (SystemExit 1), so a Ctrl-C never reaches the tasks as a KeyboardInterrupt.
 _INTERRUPTED_RUN: list = []

@@ -24,6 +24,7 @@ from tasks.common import (
     GPU_TASK,
     SMALL_TIMEOUT,
     TRAIN_TIMEOUT,
+    chunk_steps,
     deck,
     phase,
 )
@@ -103,12 +104,14 @@ class SFTTrained(NamedTuple):
 @task(container_image=train_image, accelerator=DEFAULT_ACCELERATOR, retries=1, timeout=TRAIN_TIMEOUT, **GPU_TASK,
       **DECK)
 def sft_train_task(cfg: SFTConfig, ckpt: CheckpointRef) -> SFTTrained:
-    """``loop.steps_per_chunk`` steps from ``ckpt``; writes (unpublished) the chunk's last step."""
+    """``loop.steps_per_chunk`` steps from ``ckpt`` (more in a long local run: ``tasks.common.chunk_steps``);
+    writes (unpublished) the chunk's last step."""
     metrics: dict[str, float] = {}
     log = StepLog(cfg, show=False)
     try:
         with phase("train", metrics):
-            new, history = phases.train_chunk(cfg, ckpt, on_step=log)
+            new, history = phases.train_chunk(cfg, ckpt, on_step=log, num_steps=chunk_steps(
+                cfg.loop.steps_per_chunk, cfg.loop.total_steps))
     finally:
         log.close()
     if history:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from flytekit import dynamic, workflow
 
 from images import train_image
-from tasks.common import CPU_TASK
+from tasks.common import CPU_TASK, chunk_steps
 from tasks.compose import (
     compose_eval_task,
     compose_init_task,
@@ -44,7 +44,7 @@ def enhance_chunk(cfg: ComposeRunConfig, enhancer: CheckpointRef, image: Checkpo
     total = cfg.loop.total_steps
     if first > total:
         return Versions(enhancer=enhancer, image=image)
-    for step in range(first, min(first + cfg.loop.steps_per_chunk, total + 1)):
+    for step in range(first, min(first + chunk_steps(cfg.loop.steps_per_chunk, total), total + 1)):
         rolled = compose_rollout_task(cfg=cfg, enhancer=enhancer, image=image, step=step)
         scored = compose_score_task(cfg=cfg, batch=rolled.batch)
         trained = compose_train_task(cfg=cfg, batch=scored.batch, enhancer=enhancer, image=image, step=step)

@@ -16,7 +16,7 @@ from flytekit import dynamic, map_task, workflow
 
 from images import train_image
 from tasks.advantage import advantage_task
-from tasks.common import CPU_TASK
+from tasks.common import CPU_TASK, chunk_steps
 from tasks.dynamic_sampling import dynamic_sampling_task
 from tasks.evaluate import eval_task
 from tasks.lagged import lagged_version_task
@@ -52,7 +52,7 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
     budget = total - ckpt.step if max_steps <= 0 else min(max_steps, total - ckpt.step)
     if budget <= 0:
         return ckpt
-    last = first + min(cfg.loop.steps_per_chunk, budget) - 1
+    last = first + min(chunk_steps(cfg.loop.steps_per_chunk, total), budget) - 1
     shards = cfg.loop.rollout_shards
     # pool mode: the train task is a thin client of the pool's trainer actor, one process whatever the topology
     pool = cfg.pool.execution == "pool"

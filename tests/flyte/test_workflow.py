@@ -168,3 +168,11 @@ def test_max_steps_bounds_one_execution_and_the_next_resumes(tmp_path, run_name)
     assert grpo(recipe="tiny-grpo", overrides=ov, max_steps=2).step == 2
     assert grpo(recipe="tiny-grpo", overrides=ov, max_steps=2).step == 3  # only one step left
     assert grpo(recipe="tiny-grpo", overrides=ov, max_steps=2).step == 3  # the run is complete: nothing to do
+
+
+def test_a_long_local_run_is_not_cut_by_nested_sandbox_folders(tmp_path, run_name):
+    # 40 chunks of one step: flytekit's local runner names each chunk's sandbox after the previous one's plus 8
+    # characters, which passed the 255-character file-name limit at chunk ~29 (OSError: File name too long) before
+    # a local execution merged chunks (tasks.common.chunk_steps: at most LOCAL_MAX_CHUNKS chained chunks)
+    ov = tiny_overrides("tiny-grpo", str(tmp_path), run_name, steps=40, chunk=1)
+    assert grpo(recipe="tiny-grpo", overrides=ov).step == 40

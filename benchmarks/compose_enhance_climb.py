@@ -1,17 +1,25 @@
 """Does the prompt enhancer learn? Runs a compose recipe (``shapes-enhance``) through ``run_compose_local`` for each
 seed, one after another (2 shared cores: one run at a time), and reports per seed: the training reward per third of
-the run, the enhancer's reward per third, and the greedy fixed-noise evaluation (``eval/reward/mean`` vs the copy
-baseline ``eval/copy_reward/mean``) at step 0 and the last step; then mean and spread over the seeds.
+the run and its climb statistics (``unirl_core.loop.climb``: thirds rising, last tenth >= 3 noise std above the
+first, Spearman >= 0.6), the enhancer's reward per third, what the sampled rewrites look like per third (exact
+copies of the caption, empty rewrites, words), the greedy fixed-noise evaluation (``eval/reward/mean`` vs the copy
+baseline ``eval/copy_reward/mean``, both with the image stack's version of that step) at step 0 and the last step,
+and the first update's ratio on both Parts; then mean and spread over the seeds.
 
-    python benchmarks/compose_enhance_climb.py --seeds 0 1                        # the recipe as shipped
+    python benchmarks/compose_enhance_climb.py --seeds 0 1                        # shapes-enhance as shipped
     python benchmarks/compose_enhance_climb.py --seeds 0 1 --name independent --overrides grouping.image_noise=independent
+    python benchmarks/compose_enhance_climb.py --recipe shapes-enhance-joint --name joint                   # both stacks
+    python benchmarks/compose_enhance_climb.py --recipe shapes-enhance-joint --name joint_enhancer_frozen \
+        --overrides enhancer.frozen=true                                                   # the ablation: image only
 
-Writes ``benchmarks/results/compose_enhance_climb_<name>.json`` (``--results`` elsewhere).
+Writes ``benchmarks/results/compose_enhance_climb_<name>.{json,md}`` (``--results`` elsewhere). The climb test
+(``tests/integration/test_compose_enhance_learns.py``) calls ``measure`` with the same code path.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -24,6 +32,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import environment, pin_threads  # noqa: E402
+from unirl_core.compose.engine import enhancement_id  # noqa: E402
+from unirl_core.loop.climb import climb_stats  # noqa: E402
 
 
 def thirds(values: list[float]) -> list[float]:
@@ -58,7 +68,23 @@ def _image_rewards(batch) -> dict[str, list[float]]:
     return out
 
 
-def run_seed(recipe: str, seed: int, root: str, overrides: list[str]) -> dict:
+def _rewrites(batch) -> dict[str, float]:
+    """What the step's sampled rewrites are (one per enhancement, not per image): exact copies of the caption, empty
+    rewrites, mean words, distinct texts per caption."""
+    seen: dict[str, tuple[str, str]] = {}
+    for s in batch:
+        seen.setdefault(enhancement_id(s), (s.parts[0].prompt, (s.parts[0].text or "").strip()))
+    pairs = list(seen.values())
+    per_caption: dict[str, set[str]] = {}
+    for prompt, text in pairs:
+        per_caption.setdefault(prompt, set()).add(text)
+    return {"exact_copy": statistics.fmean(text == prompt for prompt, text in pairs),
+            "empty": statistics.fmean(text == "" for _, text in pairs),
+            "words": statistics.fmean(len(text.split()) for _, text in pairs),
+            "distinct_per_caption": statistics.fmean(len(v) for v in per_caption.values())}
+
+
+def run_seed(recipe: str, seed: int, root: str, overrides: list[str], progress: bool = True) -> dict:
     """One run: per-step rewards, thirds and the evaluations of step 0 and the last step."""
     from unirl_core.compose import load_compose_recipe
     from unirl_core.compose.local import run_compose_local
@@ -67,19 +93,33 @@ def run_seed(recipe: str, seed: int, root: str, overrides: list[str]) -> dict:
                                        "report.tensorboard=false", *overrides])
     t0 = time.perf_counter()
     per_step: list[dict[str, list[float]]] = []
-    hist = run_compose_local(cfg, resume_from="never", progress=True,
-                             on_step=lambda m, batch: per_step.append(_image_rewards(batch)))
+    rewrites: list[dict[str, float]] = []
+    last_texts: dict[str, list[str]] = {}
+
+    def on_step(m, batch):
+        per_step.append(_image_rewards(batch))
+        rewrites.append(_rewrites(batch))
+        last_texts.clear()
+        for s in batch:
+            last_texts.setdefault(s.parts[0].prompt, []).append(s.parts[0].text or "")
+
+    hist = run_compose_local(cfg, resume_from="never", progress=progress, on_step=on_step)
     steps = [h for h in hist if "reward/mean" in h]
     reward = [h["reward/mean"] for h in steps]
     enhancer = [h["enhancer/reward/mean"] for h in steps]
     evals = {int(h["step"]): {k: h[k] for k in ("eval/reward/mean", "eval/copy_reward/mean", "eval/enhancement_gain",
                                                  "eval/exact_copy_fraction")} for h in hist if "eval/reward/mean" in h}
     first, last = min(evals), max(evals)
+    stats = climb_stats(reward)
     return {"seed": seed, "seconds": time.perf_counter() - t0, "reward": reward, "reward_thirds": thirds(reward),
+            "climb": {**dataclasses.asdict(stats), "summary": stats.summary(), "failures": stats.failures()},
             "reward_thirds_prompt_balanced": balanced_thirds(per_step),
             "enhancer_reward_thirds": thirds(enhancer), "evals": evals,
             "eval_gain_over_training": evals[last]["eval/reward/mean"] - evals[first]["eval/reward/mean"],
-            "ratio_first_update": {s: steps[0].get(f"{s}/train/ratio_mean") for s in ("enhancer", "image")}}
+            "rewrites_thirds": {k: thirds([r[k] for r in rewrites]) for k in rewrites[0]},
+            "last_step_rewrites": last_texts,
+            "ratio_first_update": {s: [steps[0].get(f"{s}/train/ratio_{k}") for k in ("min", "mean", "max")]
+                                   for s in ("enhancer", "image")}}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -95,6 +135,38 @@ def summary(runs: list[dict]) -> dict:
             "eval_last_minus_copy": stat([r["evals"][max(r["evals"])]["eval/enhancement_gain"] for r in runs])}
 
 
+def measure(recipe: str, seeds: list[int], root: str, overrides: list[str] = (), progress: bool = True) -> dict:
+    """Every seed one after another under ``root``: the runs and their summary."""
+    runs = []
+    for seed in seeds:
+        runs.append(run_seed(recipe, seed, root, list(overrides), progress))
+        r = runs[-1]
+        print(f"seed {seed}: {r['climb']['summary']}; misses: {r['climb']['failures'] or 'none'}; eval "
+              f"{ {k: round(v['eval/reward/mean'], 3) for k, v in r['evals'].items()} }", flush=True)
+    return {"recipe": recipe, "overrides": list(overrides), "seeds": list(seeds), "runs": runs,
+            "summary": summary(runs)}
+
+
+def markdown(res: dict) -> str:
+    """One row per seed: climb statistics, eval at the first and last step (enhanced / copy), rewrites, ratio."""
+    rows = [("| seed | reward thirds | last vs first tenth (noise std) | Spearman | climbs | eval first -> last "
+             "(copy) | sampled exact copies per third | first-update ratio enhancer / image | s |"),
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        c, ev = r["climb"], r["evals"]
+        a, b = ev[min(ev)], ev[max(ev)]
+        rows.append(
+            f"| {r['seed']} | {' / '.join(f'{t:.3f}' for t in c['thirds'])} | {c['first_tenth']:.3f} -> "
+            f"{c['last_tenth']:.3f} ({c['z']:.1f} of {c['noise_std']:.3f}) | {c['spearman']:.2f} | "
+            f"{'yes' if not c['failures'] else 'no'} | {a['eval/reward/mean']:.3f} ({a['eval/copy_reward/mean']:.3f})"
+            f" -> {b['eval/reward/mean']:.3f} ({b['eval/copy_reward/mean']:.3f}) | "
+            f"{' / '.join(f'{t:.2f}' for t in r['rewrites_thirds']['exact_copy'])} | "
+            f"{r['ratio_first_update']['enhancer'][1]} / {r['ratio_first_update']['image'][1]} | {r['seconds']:.0f} |")
+    over = " ".join(res["overrides"]) or "none"
+    return (f"### compose_enhance_climb: {res['recipe']} (overrides: {over})\n\n" + "\n".join(rows) +
+            f"\n\n_Hardware/versions: {', '.join(f'{k} {v}' for k, v in res['environment'].items())}._\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="shapes-enhance")
@@ -104,18 +176,12 @@ def main() -> None:
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args()
     pin_threads(1)
-    runs = []
     with tempfile.TemporaryDirectory() as root:
-        for seed in args.seeds:
-            runs.append(run_seed(args.recipe, seed, root, list(args.overrides)))
-            r = runs[-1]
-            print(f"seed {seed}: reward thirds {[round(x, 3) for x in r['reward_thirds']]}, prompt-balanced "
-                  f"{[round(x, 3) for x in r['reward_thirds_prompt_balanced']]}, eval "
-                  f"{ {k: round(v['eval/reward/mean'], 3) for k, v in r['evals'].items()} }", flush=True)
-    res = {"recipe": args.recipe, "overrides": args.overrides, "seeds": args.seeds, "runs": runs,
-           "summary": summary(runs), "environment": environment()}
-    out = Path(args.results) / f"compose_enhance_climb_{args.name}.json"
-    out.write_text(json.dumps(res, indent=1, default=str))
+        res = {**measure(args.recipe, args.seeds, root, args.overrides), "environment": environment()}
+    out = Path(args.results) / f"compose_enhance_climb_{args.name}"
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
+    out.with_suffix(".md").write_text(markdown(res))
+    print(markdown(res))
     print(json.dumps(res["summary"], indent=1))
 
 

@@ -10,7 +10,7 @@ import torch
 
 from tests.unit.compose.conftest import small_config
 from unirl_core.checkpoint import CheckpointStore, load_weights
-from unirl_core.compose.config import stack_configs
+from unirl_core.compose.config import load_compose_recipe, stack_configs
 from unirl_core.compose.local import run_compose_local
 from unirl_core.compose.phases import init_stacks, rollout_phase, score_phase, train_phase
 from unirl_core.errors import CheckpointError
@@ -104,3 +104,17 @@ def test_image_stack_under_nft_samples_with_its_ema_weights(tmp_path):
     assert {s.parts[0].policy_version for s in batches[0]} == {0}
     assert hist[0]["enhancer/train/ratio_mean"] == 1.0 and "image/train/loss" in hist[0]
     assert [v.step for v in CheckpointStore(f"{tmp_path}/enh", "image").versions()] == [0, 1]
+
+
+def test_shipped_joint_recipe_first_update_is_exact_on_both_parts(tmp_path):
+    # shapes-enhance-joint's own batch geometry (4 captions x 6 rewrites x 2 images, engine slices = micro-batches),
+    # fewer denoising steps to keep it short
+    cfg = load_compose_recipe("shapes-enhance-joint", [
+        f"checkpoint.root={tmp_path}", "name=joint", "eval=null", "report.tensorboard=false", "loop.total_steps=1",
+        "enhancer.warm_start.steps=5", "image.diffusion.sampling.num_steps=4",
+        "image.diffusion.sampling.sde_window_size=2", "image.diffusion.sampling.sde_window_range=[0, 2]"])
+    assert cfg.trained == ("enhancer", "image")
+    m = run_compose_local(cfg, progress=False)[0]
+    assert (m["enhancer/train/num_samples"], m["image/train/num_samples"]) == (24, 48)
+    for stack in ("enhancer", "image"):
+        assert m[f"{stack}/train/ratio_min"] == m[f"{stack}/train/ratio_mean"] == m[f"{stack}/train/ratio_max"] == 1.0

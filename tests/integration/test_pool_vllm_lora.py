@@ -35,16 +35,13 @@ def test_pool_lora_publication_matches_the_in_process_run(tmp_path):
     assert os.path.exists(default_python()), "no vLLM interpreter; run scripts/install_vllm.sh"
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    # peft draws the step-0 adapter's lora_A from the process's global RNG (the run's seed does not reach it), so
-    # both runs start from the same RNG state, i.e. the same step-0 version
-    torch.manual_seed(0)
+    torch.manual_seed(123)  # a different global RNG state per run: the adapter's init must not depend on it
     try:
         local = run_local(_cfg(tmp_path / "local"))
     finally:
         build.close_engines()
     t1 = time.perf_counter()
     served = []
-    torch.manual_seed(0)
     pooled = run_local(_cfg(tmp_path / "pool", *POOL), on_step=lambda m, b: served.append(
         cluster.current_pool().call(cluster.engine_name(0), "server_info", what="test")))
     print(f"LoRA: local run {t1 - t0:.1f} s, pool run {time.perf_counter() - t1:.1f} s; publish "

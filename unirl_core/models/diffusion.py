@@ -91,7 +91,7 @@ class DiffusionModelConfig:
     reference_copy: bool = True
     """Full fine-tune only: keep a frozen copy of the initial transformer as the KL reference."""
     seed: int = 0
-    """Seed of the random init of the tiny presets."""
+    """Seed of the random init of the tiny presets and of a LoRA adapter's ``lora_A``."""
     max_sequence_length: int | None = None
     """T5 context length; None uses 32 for tiny presets, 256 for SD3 and 512 for Flux."""
     gradient_checkpointing: bool = False
@@ -160,7 +160,7 @@ class DiffusionBundle:
         if config.finetune == "lora":
             spec = config.lora
             apply_lora(transformer, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout,
-                       target_modules=spec.target_modules or LORA_TARGETS[self.family])
+                       target_modules=spec.target_modules or LORA_TARGETS[self.family], seed=config.seed)
         else:
             transformer.requires_grad_(True)
             if config.reference_copy:

@@ -99,7 +99,7 @@ class LMConfig:
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel; engine and trainer use the same module, hence the same kernel."""
     seed: int = 0
-    """Seed of the tiny preset's random init."""
+    """Seed of the tiny preset's random init and of a LoRA adapter's ``lora_A``."""
     tiny: TinyLMSpec = field(default_factory=TinyLMSpec)
     """Shape of the tiny preset (ignored for real models)."""
     logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS
@@ -138,7 +138,7 @@ class LMBundle:
         if config.finetune == "lora":
             if not has_lora(model):
                 apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha,
-                           target_modules=config.lora_target_modules)
+                           target_modules=config.lora_target_modules, seed=config.seed)
         elif config.keep_reference:
             self._reference = copy.deepcopy(model).eval().requires_grad_(False)
         if config.gradient_checkpointing:

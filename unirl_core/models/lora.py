@@ -23,12 +23,14 @@ _ADAPTER_TAG = f".{ADAPTER_NAME}."
 
 
 def apply_lora(module: nn.Module, *, rank: int, alpha: float, target_modules: Sequence[str],
-               dropout: float = 0.0) -> nn.Module:
+               dropout: float = 0.0, seed: int = 0) -> nn.Module:
     """Inject LoRA layers into ``module`` (in place) and freeze all non-LoRA parameters.
 
     ``target_modules`` are peft-style names (suffixes of ``named_modules`` paths, e.g. ``to_q``).
     Returns the same module object, now carrying peft tuner layers; the adapter starts as a no-op
-    (lora_B = 0), so outputs are unchanged until the first update.
+    (lora_B = 0), so outputs are unchanged until the first update. ``lora_A`` is drawn from a generator
+    seeded with ``seed`` (peft draws it from the process's global generator, so two builds in one process
+    started from different adapters); the global generators are left as they were.
     """
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -53,7 +55,10 @@ def apply_lora(module: nn.Module, *, rank: int, alpha: float, target_modules: Se
         logger.warning("LoRA targets %s not found in %s; they are skipped", missing, type(module).__name__)
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                      init_lora_weights=True)
-    inject_adapter_in_model(cfg, module, adapter_name=ADAPTER_NAME)
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(cfg, module, adapter_name=ADAPTER_NAME)
     module.__dict__.pop(_LAYERS, None)  # lora_layers() must find the new layers
     for name, p in module.named_parameters():
         p.requires_grad_("lora_" in name)

@@ -35,6 +35,21 @@ def test_apply_lora_starts_as_noop_and_freezes_base():
     assert trainable == ["to_q.lora_A.default.weight", "to_q.lora_B.default.weight"]
 
 
+def test_adapter_init_follows_the_seed_not_the_global_generator():
+    def adapter(seed):
+        torch.manual_seed(0)
+        m = _Block()
+        torch.rand(int(torch.randint(1, 100, ()).item()) if seed is None else 7)  # consume the global generator
+        before = torch.random.get_rng_state()
+        apply_lora(m, rank=2, alpha=2, target_modules=["to_q"], seed=seed or 0)
+        assert torch.equal(torch.random.get_rng_state(), before)  # the global generator is left as it was
+        return m.to_q.lora_A.default.weight.detach().clone()
+
+    a, b = adapter(0), adapter(None)  # same seed, different global generator states
+    assert torch.equal(a, b)
+    assert not torch.equal(a, adapter(3))
+
+
 def test_lora_disabled_restores_base_and_keeps_requires_grad():
     torch.manual_seed(0)
     m, x = _Block(), torch.randn(3, 4)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU benchmarks the README's GPU tables come from, as parts that each fit in a 10-minute call, results
+# copied to $RESULTS after every benchmark (a call cut by its time limit keeps what finished).
+#
+#   RESULTS=out bash benchmarks/gpu_suite.sh algos      # bench_diffusion_algos on GPU 0 (#17's table, ~3 min)
+#   RESULTS=out bash benchmarks/gpu_suite.sh singles    # GPU 0: diffusion algorithms then the Flow-GRPO step;
+#                                                       # GPU 1: GRPO vs TRL at 0.6B (master weights = model) and math
+#   RESULTS=out bash benchmarks/gpu_suite.sh pool [gpu_pool_loop.py args]   # the pool loop (two GPUs)
+#   RESULTS=out bash benchmarks/gpu_suite.sh step-cost  # bench_step_cost at the GPU shapes
+#
+# Needs torch with CUDA, diffusers, transformers, peft (and trl for the TRL side, ray for the pool) importable.
+# LIMIT (seconds, default 540) bounds each part. Two-GPU hosts: NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+set -uo pipefail
+
+PART="${1:-}"; shift || true
+RESULTS="${RESULTS:-benchmarks/results}"
+LIMIT="${LIMIT:-540}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+mkdir -p "$RESULTS"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+START=$SECONDS
+
+left() { echo $((LIMIT - (SECONDS - START))); }
+
+# bench <log name> <results glob> <command...>: run within the time left, log, copy its results at once
+bench() {
+  local name="$1" glob="$2"; shift 2
+  local t; t="$(left)"
+  if [ "$t" -le 10 ]; then echo "$name: no time left" | tee -a "$RESULTS/$name.txt"; return; fi
+  timeout "$t" "$@" >>"$RESULTS/$name.txt" 2>&1
+  echo "$name rc $?" >>"$RESULTS/$name.txt"
+  if [ "$RESULTS" != "benchmarks/results" ]; then cp benchmarks/results/$glob "$RESULTS/" 2>/dev/null; fi
+}
+
+case "$PART" in
+  algos)
+    CUDA_VISIBLE_DEVICES=0 bench algos "bench_diffusion_algos*" python3 benchmarks/bench_diffusion_algos.py --device cuda ;;
+  singles)
+    ( export CUDA_VISIBLE_DEVICES=0
+      bench algos "bench_diffusion_algos*" python3 benchmarks/bench_diffusion_algos.py --device cuda
+      bench flowstep "bench_flow_grpo_step*" python3 benchmarks/bench_flow_grpo_step.py ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      root="$(mktemp -d)"
+      bench grpo06 "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset 0.6b --device cuda \
+        --master-weights model --checkpoint-root "$root"
+      bench grpomath "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset math --device cuda \
+        --master-weights model --checkpoint-root "$root" --rounds 1 --steps 3 --warmup 1
+      rm -rf "$root" ) &
+    wait ;;
+  pool)
+    root="$(mktemp -d)"
+    bench pool "gpu_pool_loop*" python3 benchmarks/gpu_pool_loop.py --keep --root "$root" "$@"
+    tar czf "$RESULTS/pool_modes.tgz" -C "$root" . 2>/dev/null; rm -rf "$root" ;;
+  step-cost)
+    bench stepcost "bench_step_cost*" python3 benchmarks/bench_step_cost.py --preset sd35m-lora sd35m-full qwen3-0.6b "$@" ;;
+  *)
+    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost [args]" >&2; exit 2 ;;
+esac
+ls -la "$RESULTS"

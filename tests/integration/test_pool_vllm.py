@@ -4,12 +4,14 @@ real local Ray cluster (2 CPUs). No mocks, nothing skipped.
 The same tiny-grpo-vllm run in-process (``run_local``, execution pods: the driver starts the server) and in the
 pool (the engine actor starts it; the trainer actor's versions reach it through the object store and a staged
 reload); then a dead server and a dead actor, each failing typed and naming the actor, each retry starting a new
-server, and the pool's close stopping the last. Budget on a busy 2-core box: four server starts (~35-40 s each)
-plus seconds of training, ~3 min for the module.
+server, and the pool's close stopping the last; then the Flyte workflow in pool mode (the typed tasks as the pool's
+clients). Budget on a busy 2-core box: five server starts (~35-40 s each) plus seconds of training, ~4 min for the
+module.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -163,3 +165,21 @@ def test_dead_server_then_dead_actor_fail_typed_naming_the_actor(runs):
     server = int(pool.call(ENGINE, "server_info", what="test")["pid"])
     cluster.close_pool()
     assert _gone(server, 1.0), "closing the pool left the vLLM server running"
+
+
+def test_flyte_workflow_in_pool_mode_with_the_vllm_actor(runs):
+    # the typed phase tasks as thin clients of the pool (its own pool: another checkpoint root is another config)
+    from workflows.grpo import grpo
+
+    root, local, _, _ = runs
+    out = grpo(recipe="tiny-grpo-vllm", overrides=[f"checkpoint.root={root / 'flyte'}", f"loop.total_steps={STEPS}",
+                                                   *POOL])
+    assert out.step == STEPS
+    pool = cluster.current_pool()
+    assert pool.live == [ENGINE, "reward-0", "trainer"]
+    assert int(pool.call(ENGINE, "server_info", what="test")["served_version"]) == STEPS
+    for k in range(1, STEPS + 1):  # the same versions as the in-process run with its own server
+        assert _same_weights(_weights(root / "local", k), _weights(root / "flyte", k)), k
+    report = root / "flyte" / "tiny-grpo-vllm" / "report" / f"step-{STEPS:08d}" / "metrics.json"
+    assert json.loads(report.read_text())["metrics"]["reward/mean"] == local[-1]["reward/mean"]
+    cluster.close_pool()

@@ -194,10 +194,16 @@ def _prepare_ours(a):
 def ours_loop(a, cfg) -> dict:
     from unirl_core.loop.local import run_local
 
-    hist = run_local(cfg, progress=False)[a.warmup:]
+    # wall time between consecutive steps' ends: the step's phases plus what the loop does after them (TensorBoard
+    # scalars, the progress line), as a user's run pays it (``time/step`` stops before those)
+    ends: list[float] = []
+    hist = run_local(cfg, progress=False, on_step=lambda m, b: ends.append(time.perf_counter()))
+    walls = [b - e for e, b in zip(ends, ends[1:])][a.warmup - 1:] if a.warmup >= 1 else \
+        [hist[0]["time/step"]] + [b - e for e, b in zip(ends, ends[1:])]
+    hist = hist[a.warmup:]
     phases = {k: statistics.median(h[k] for h in hist) for k in hist[0]
               if k.startswith(("time/", "train/time_"))}
-    return {"times": [h["time/step"] for h in hist], "lengths": [h["train/response_len_mean"] for h in hist],
+    return {"times": walls, "lengths": [h["train/response_len_mean"] for h in hist],
             "rewards": [h["reward/mean"] for h in hist], "phases": phases,
             "ratio_max_dev": max(max(abs(h["train/ratio_max"] - 1), abs(h["train/ratio_min"] - 1)) for h in hist)}
 

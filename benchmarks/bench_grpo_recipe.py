@@ -46,6 +46,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
@@ -198,8 +199,8 @@ def ours_loop(a, cfg) -> dict:
     # scalars, the progress line), as a user's run pays it (``time/step`` stops before those)
     ends: list[float] = []
     hist = run_local(cfg, progress=False, on_step=lambda m, b: ends.append(time.perf_counter()))
-    walls = [b - e for e, b in zip(ends, ends[1:])][a.warmup - 1:] if a.warmup >= 1 else \
-        [hist[0]["time/step"]] + [b - e for e, b in zip(ends, ends[1:])]
+    gaps = [b - e for e, b in itertools.pairwise(ends)]  # step k's wall is gaps[k - 2] (k >= 2)
+    walls = gaps[a.warmup - 1:] if a.warmup >= 1 else [hist[0]["time/step"], *gaps]
     hist = hist[a.warmup:]
     phases = {k: statistics.median(h[k] for h in hist) for k in hist[0]
               if k.startswith(("time/", "train/time_"))}

@@ -12,8 +12,8 @@ and the first update's ratio on both Parts; then mean and spread over the seeds.
     python benchmarks/compose_enhance_climb.py --recipe shapes-enhance-joint --name joint_enhancer_frozen \
         --overrides enhancer.frozen=true                                                   # the ablation: image only
 
-Writes ``benchmarks/results/compose_enhance_climb_<name>.{json,md}`` (``--results`` elsewhere). The climb test
-(``tests/integration/test_compose_enhance_learns.py``) calls ``measure`` with the same code path.
+Writes ``benchmarks/results/compose_enhance_climb_<name>.{json,md}`` (``--results`` elsewhere). ``measure`` is
+the entry point a climb test would call; there is none yet (no composed recipe meets the climb bar).
 """
 
 from __future__ import annotations

@@ -90,8 +90,7 @@ class VLLMEngineActor(EngineActor):
 
     def shutdown(self) -> None:
         """Stop the server (the pool calls this before it kills the actor)."""
-        self._slot, self.served = None, None
-        build.close_engines()
+        self._drop()
 
     # ------------------------------------------------------------------ EngineActor
     def served_version(self):

@@ -9,6 +9,8 @@ algorithm, on its own copy of the same weights, one update per batch, all 10 ste
 - ``grpo_guard``: the same forwards, RatioNorm + step reweighting on top.
 - ``flow_dppo``: a no-grad replay of pi_old over the micro-batch first (it keeps the step means), then as
   Flow-GRPO with the KL trust region.
+- ``mixgrpo_window4``: Flow-GRPO on a MixGRPO-windowed rollout (4 SDE steps of 10, ODE elsewhere): 4 trained steps.
+- ``flow_grpo_no_cfg``: Flow-GRPO on a rollout without CFG (guidance 1): B rows per trained step.
 - ``nft``: a no-grad pass computing v_old under the EMA weights (``train.ema_decay``), then per noise level one
   conditional forward of B rows (NFT trains without CFG) on re-noised clean samples.
 
@@ -28,6 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import copy
+from dataclasses import replace
 import statistics
 import sys
 import time
@@ -55,11 +58,19 @@ from unirl_core.types import DiffusionSamplingParams
 LR, G = 3e-4, 4.5
 
 
+WINDOW = [0, 1, 2, 3]  # MixGRPO: a 4-step SDE window at its first position (ODE elsewhere, only the window trained)
+BATCHES = {"mixgrpo_window4": "window", "flow_grpo_no_cfg": "no_cfg"}  # rows that train another rollout batch
+
+
 def algorithms(b: int) -> dict[str, tuple[object, TrainConfig]]:
     """name -> (algorithm config, train config) at micro-batch ``b``."""
     base = {"lr": LR, "weight_decay": 1e-4, "micro_batch_size": b, "max_grad_norm": 1.0}
     return {
         "flow_grpo": (FlowGRPOConfig(replay_batch_size=b, clip_range=1e-4), TrainConfig(**base)),
+        # Flow-GRPO on a MixGRPO-windowed rollout (4 SDE steps of 10) and on a rollout without CFG (guidance 1):
+        # the same loss, fewer trained steps / half the rows per forward.
+        "mixgrpo_window4": (FlowGRPOConfig(replay_batch_size=b, clip_range=1e-4), TrainConfig(**base)),
+        "flow_grpo_no_cfg": (FlowGRPOConfig(replay_batch_size=b, clip_range=1e-4), TrainConfig(**base)),
         "grpo_guard": (GRPOGuardConfig(replay_batch_size=b, clip_range=1e-4), TrainConfig(**base)),
         "flow_dppo": (FlowDPPOConfig(replay_batch_size=b, kl_bound=1e-4),
                       TrainConfig(**base, old_logp_source="replay")),
@@ -88,6 +99,8 @@ def main() -> None:
     sampling = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=10), guidance_scale=G, height=height,
                                        width=height, noise_level=0.7)
     batch = micro_batch(rollout, args.preset, b, sampling)
+    batches = {"window": micro_batch(rollout, args.preset, b, sampling, sde_steps=WINDOW),
+               "no_cfg": micro_batch(rollout, args.preset, b, replace(sampling, guidance_scale=1.0))}
     chosen = algorithms(b)
     if args.only:
         keep = {"flow_grpo", *args.only.split(",")}
@@ -97,9 +110,10 @@ def main() -> None:
         bundle = copy.deepcopy(rollout)
         bundle.module.train()
         backend = TrainBackend(bundle, build_algorithm(algo_cfg), train_cfg)
+        mb = batches[BATCHES[name]] if name in BATCHES else batch
         try:
-            firsts[name] = backend.step(batch).metrics  # warmup; first update of the batch
-            peaks[name] = peak_of(lambda be=backend: be.step(batch), args.device)
+            firsts[name] = backend.step(mb).metrics  # warmup; first update of the batch
+            peaks[name] = peak_of(lambda be=backend, m=mb: be.step(m), args.device)
         except Exception as e:  # one algorithm's failure is a row of the table, not the end of the run
             if name == "flow_grpo":
                 raise
@@ -115,7 +129,7 @@ def main() -> None:
         for name in (names if r % 2 == 0 else names[::-1]):
             sync(args.device)
             t0 = clock()
-            backends[name].step(batch)
+            backends[name].step(batches[BATCHES[name]] if name in BATCHES else batch)
             sync(args.device)
             times[name].append(clock() - t0)
     base = times["flow_grpo"]
@@ -133,7 +147,7 @@ def main() -> None:
     name = f"bench_diffusion_algos_{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
         name += "_smoke"
-    report(name, f"Diffusion algorithms: one train step (micro-batch {b}, 10 trained steps) vs Flow-GRPO "
+    report(name, f"Diffusion algorithms: one train step (micro-batch {b}; trained steps per row) vs Flow-GRPO "
                  f"({args.preset}, {height} px)",
            ["algorithm", "step s (median)", "vs flow_grpo (median of pairs)", "peak GiB", "trained steps"],
            rows, {"micro_batch": b, "height": height, "repeats": args.repeats, "results": data},
@@ -141,6 +155,8 @@ def main() -> None:
                  f"(CFG {G} SDE trajectories), one update, no KL; median of {args.repeats} interleaved rounds after a "
                  "warmup step each. flow_dppo and nft include their no-grad pi_old pass (step means / v_old under "
                  "EMA); nft trains the conditional velocity only (B rows per forward instead of CFG's 2B). "
+                 f"mixgrpo_window4: Flow-GRPO on a rollout whose SDE window is steps {WINDOW} (ODE elsewhere), "
+                 "only the window trained; flow_grpo_no_cfg: Flow-GRPO on a guidance-1 rollout (B rows per forward). "
                  "Peak: CUDA only (nan on CPU).")
 
 

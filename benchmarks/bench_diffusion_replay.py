@@ -51,16 +51,24 @@ PRESETS = {
 }
 
 
-def micro_batch(bundle, preset: str, b: int, sampling: DiffusionSamplingParams) -> SampleBatch:
-    """A filled micro-batch: trajectories from the engine's inner loop, per-sample conditions on the Parts."""
+def micro_batch(bundle, preset: str, b: int, sampling: DiffusionSamplingParams,
+                sde_steps: list[int] | None = None) -> SampleBatch:
+    """A filled micro-batch: trajectories from the engine's inner loop, per-sample conditions on the Parts.
+
+    ``sde_steps``: the denoising steps that are SDE steps (the rest ODE, as in a MixGRPO window); default all.
+    """
     conds = conditions(bundle, preset, b)
     recipe = NoiseRecipe(base_seed=0)
     x_T = initial_noise(recipe, ["g"] * b, bundle.latent_shape(sampling.height, sampling.width))
-    traj = rollout_slice(bundle, conds, x_T, sampling, recipe)
+    step_mask = torch.ones(sampling.num_steps, dtype=torch.bool)
+    if sde_steps is not None:
+        step_mask = torch.zeros(sampling.num_steps, dtype=torch.bool)
+        step_mask[sde_steps] = True
+    traj = rollout_slice(bundle, conds, x_T, sampling, recipe, mask=step_mask)
     samples = []
     for i in range(b):
         seg = DiffusionSegment(latents=traj.latents[i].contiguous(), log_probs=traj.log_probs[i].cpu(),
-                               sigmas=traj.sigmas_used.cpu(), sde_mask=torch.ones(sampling.num_steps, dtype=torch.bool))
+                               sigmas=traj.sigmas_used.cpu(), sde_mask=step_mask.clone())
         part = Part(kind="diffusion", sample_id=f"s{i}", group_id="g", sampling=sampling, segment=seg,
                     conditions={k: v[i] for k, v in conds.items()}, advantage=float(i % 2) * 2 - 1)
         samples.append(Sample(sample_id=f"s{i}", group_id="g", parts=[part]))

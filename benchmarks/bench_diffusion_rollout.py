@@ -115,10 +115,13 @@ def plain_loop(bundle: DiffusionBundle, conds, x_T: torch.Tensor, steps: int, gu
     return latents
 
 
-def ours(bundle: DiffusionBundle, conds, x_T: torch.Tensor, sampling: DiffusionSamplingParams, recipe: NoiseRecipe):
+def ours(bundle: DiffusionBundle, conds, x_T: torch.Tensor, sampling: DiffusionSamplingParams, recipe: NoiseRecipe,
+         mask: torch.Tensor | None = None):
+    """``mask``: ``[num_steps]`` bool, the SDE steps (default all)."""
     b = x_T.shape[0]
     gens = sde_noise_generators(recipe, ["g"] * b, list(range(b)), bundle.device)
-    mask = torch.ones(b, sampling.num_steps, dtype=torch.bool)
+    steps = torch.ones(sampling.num_steps, dtype=torch.bool) if mask is None else mask
+    mask = steps.unsqueeze(0).expand(b, -1).clone()
     return denoise_slice(bundle, sampling, x_T, conds, mask, gens, trajectory_dtype=bundle.dtype)
 
 

@@ -225,8 +225,10 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
     if not (trainer_copy and _copy_resident_weights(policy, ckpt, cfg, weights)):
         finish_writes()  # the version must be in the store before it is read
         build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
-    return sample_step(cfg, policy, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights,
-                       started=t0, gen_round=gen_round)
+    loaded = time.perf_counter() - t0
+    batch, metrics = sample_step(cfg, policy, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights,
+                                 started=t0, gen_round=gen_round)
+    return batch, {**metrics, "rollout/load_weights_seconds": loaded}
 
 
 def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
@@ -411,11 +413,14 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
     finish_writes()  # version ckpt (written while this step trained) is complete, or its failure raises here
     waited = time.perf_counter() - t0
     # A version `step` can only be a leftover of an interrupted attempt at this same step: replace it.
+    t1 = time.perf_counter()
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
                                 overwrite=True, writer=writer)
+    saved = time.perf_counter() - t1  # the whole write, or (writer) the host snapshot the thread writes from
     files = None if writer else load_manifest(ref, storage_options=cfg.checkpoint.storage_options).files
     _RESIDENT.update(backend=backend, version=(ref.uri, ref.step, ref.policy_version), files=files, extra=dict(extra))
     out = {f"train/{k}": float(v) for k, v in metrics.items()}
+    out["checkpoint/save_s"] = saved
     if writer is not None:  # the previous version's write on the writer thread, and how long this phase waited
         out.update({"checkpoint/previous_write_s": _WRITER.last_seconds, "checkpoint/wait_s": waited})
     return ref, out
@@ -479,7 +484,9 @@ def _copy_resident_weights(policy, ckpt: CheckpointRef, cfg: RunConfig, weights:
     backend = _RESIDENT.get("backend")
     if not _holds(_RESIDENT, backend, ckpt, cfg):
         return False
-    build.apply_policy_weights(policy, backend.model_state_dict(), where=f"{ckpt.uri} (the trainer's copy)")
+    # device to device: the values model_state_dict() would copy to the host (and the version's file holds),
+    # rounded into the rollout dtype by the same copy_; no host round trip of the weights every step
+    build.apply_policy_weights(policy, backend.trainable_tensors(), where=f"{ckpt.uri} (the trainer's copy)")
     return True
 
 

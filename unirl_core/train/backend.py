@@ -356,6 +356,17 @@ class TrainBackend:
                 out[name] = full.to("cpu").contiguous()
         return out
 
+    def trainable_tensors(self) -> dict[str, Tensor]:
+        """The trainable parameters as they are, on the trainer's device (no host copy): what
+        :meth:`model_state_dict` returns with weights_scope='trainable', before its copy to the CPU. Single rank
+        only (a sharded parameter is a shard); the caller must not keep them past the next step, which changes
+        them in place."""
+        if self.world_size > 1:
+            raise field_error(ConfigError, "trainable_tensors", f"world size {self.world_size}", "world size 1",
+                              "gather with model_state_dict() on every rank")
+        return {name: D.full_tensor(p.detach()) for name, p in self.policy.module.named_parameters(
+            remove_duplicate=False) if p.requires_grad}
+
     def load_model_state_dict(self, weights: dict[str, Tensor]) -> None:
         """Load weights written by :meth:`model_state_dict` (any world size); every saved name must exist."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -203,7 +203,7 @@ def ours_loop(a, cfg) -> dict:
     walls = gaps[a.warmup - 1:] if a.warmup >= 1 else [hist[0]["time/step"], *gaps]
     hist = hist[a.warmup:]
     phases = {k: statistics.median(h[k] for h in hist) for k in hist[0]
-              if k.startswith(("time/", "train/time_"))}
+              if k.startswith(("time/", "train/time_", "checkpoint/", "rollout/load_weights"))}
     return {"times": walls, "lengths": [h["train/response_len_mean"] for h in hist],
             "rewards": [h["reward/mean"] for h in hist], "phases": phases,
             "ratio_max_dev": max(max(abs(h["train/ratio_max"] - 1), abs(h["train/ratio_min"] - 1)) for h in hist)}

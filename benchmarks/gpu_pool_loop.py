@@ -39,7 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODES = ("warm", "pool-separate", "pool-colocate", "pool-separate-lag1", "pool-shared")
-KEEP = ("time/", "pool/", "async/", "train/ratio", "train/logp", "train/absdiff", "rollout/logp", "reward/mean")
+KEEP = ("time/", "pool/", "async/", "train/ratio", "train/logp", "train/absdiff", "rollout/logp", "reward/mean",
+        "checkpoint/", "rollout/load_weights", "train/time_")
 
 
 def _pool_overrides(mode: str, gpus: bool, cpus: float) -> list[str]:

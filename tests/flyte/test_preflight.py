@@ -39,3 +39,12 @@ def test_setup_writes_the_kuberay_spec_and_stops_without_an_address(tmp_path, ru
     with pytest.raises(Exception, match=r"pool.kuberay.worker_cpus=0.5: expected room"):
         setup_task(recipe="tiny-grpo", overrides=[f"checkpoint.root={tmp_path}", f"name={run_name}", *pool,
                                                   "pool.kuberay.worker_cpus=0.5", "pool.address=ray://h:10001"])
+
+
+def test_pods_workflow_refuses_sparse_full_states_in_setup(tmp_path, run_name):
+    """Every pods train task restores the previous version's full state: checkpoint.every_n_steps > 1 (fine in
+    run_local and the pool) stops the workflow at setup, naming the field and the fix."""
+    with pytest.raises(Exception, match=r"checkpoint.every_n_steps=2: expected 1 in a Flyte workflow with "
+                                        r"pool.execution='pods'.*set pool.execution='pool'"):
+        setup_task(recipe="tiny-grpo", overrides=[f"checkpoint.root={tmp_path}", f"name={run_name}",
+                                                  "checkpoint.every_n_steps=2"])

@@ -210,11 +210,22 @@ class CheckpointConfig:
     """fsspec options (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``); credentials come from the environment."""
     every_n_steps: int = 1
     """Steps between writes of the full resumable state (optimizer, RNG, counters) and at the last step; the
-    weights are a version every step. Above 1 only in pool mode (a pods train phase restores it every step)."""
+    weights are a version every step. Above 1 where the trainer stays resident between steps: pool mode and
+    ``run_local``; a Flyte workflow in pods mode refuses it (each train pod restores the previous version's full
+    state, ``check_workflow``). A run resumes only from a version with the full state."""
     full_state: Literal["file", "sharded"] = "file"
     """``file``: ``train_state.pt`` in the version (gathered to rank 0, written before the step returns);
     ``sharded``: ``state-<step>/`` per rank via torch.distributed.checkpoint, written asynchronously while the
     next steps run (pool mode; ``unirl_core/checkpoint/sharded.py``)."""
+
+    def check_workflow(self, execution: str) -> None:
+        """Refuse what a Flyte workflow in pods mode cannot run: every train pod restores the full state of the
+        version before it, so every version must hold it."""
+        if execution != "pool" and self.every_n_steps != 1:
+            raise field_error(ConfigError, "checkpoint.every_n_steps", self.every_n_steps,
+                              f"1 in a Flyte workflow with pool.execution={execution!r}", "each pods train task "
+                              "restores the previous version's full state; set pool.execution='pool' (its trainer "
+                              "keeps the state resident) or run it with run_local")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -549,9 +560,7 @@ def _check_full_state(ck: CheckpointConfig, pool: PoolConfig) -> None:
         raise field_error(ConfigError, "checkpoint.every_n_steps", ck.every_n_steps, "an integer >= 1", "use 1")
     if ck.full_state not in ("file", "sharded"):
         raise field_error(ConfigError, "checkpoint.full_state", ck.full_state, "'file' or 'sharded'", "use 'file'")
-    if pool.execution != "pool":
-        for name, value, default in (("every_n_steps", ck.every_n_steps, 1), ("full_state", ck.full_state, "file")):
-            if value != default:
-                raise field_error(ConfigError, f"checkpoint.{name}", value, f"{default!r} with pool.execution="
-                                  f"{pool.execution!r}", "each pods train phase restores the full state of the "
-                                  "previous step; set pool.execution='pool' (its trainer keeps it resident)")
+    if pool.execution != "pool" and ck.full_state != "file":
+        raise field_error(ConfigError, "checkpoint.full_state", ck.full_state, f"'file' with pool.execution="
+                          f"{pool.execution!r}", "the sharded state is written by the pool's trainer actors; set "
+                          "pool.execution='pool' or use 'file'")

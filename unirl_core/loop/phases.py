@@ -25,6 +25,7 @@ from unirl_core.checkpoint import (
     restore_train_checkpoint,
     save_train_checkpoint,
 )
+from unirl_core.checkpoint.store import TRAIN_STATE
 from unirl_core.checkpoint.writer import VersionWriter
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
@@ -405,7 +406,7 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
     extra = _resident_extra(backend, ckpt, cfg)
     if extra is None:
         finish_writes()  # ckpt is read from the store
-        extra = dict(restore_train_checkpoint(backend, ckpt, storage_options=cfg.checkpoint.storage_options).extra)
+        extra = _restore(backend, ckpt, cfg)
     metrics = backend.step(batch).as_dict()
     if TRACKER_KEY in batch.metadata:
         extra["tracker"] = json.loads(batch.metadata[TRACKER_KEY])
@@ -414,8 +415,9 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
     waited = time.perf_counter() - t0
     # A version `step` can only be a leftover of an interrupted attempt at this same step: replace it.
     t1 = time.perf_counter()
+    full = step % cfg.checkpoint.every_n_steps == 0 or step >= cfg.loop.total_steps
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
-                                overwrite=True, writer=writer)
+                                overwrite=True, writer=writer, full_state=full)
     saved = time.perf_counter() - t1  # the whole write, or (writer) the host snapshot the thread writes from
     files = None if writer else load_manifest(ref, storage_options=cfg.checkpoint.storage_options).files
     _RESIDENT.update(backend=backend, version=(ref.uri, ref.step, ref.policy_version), files=files, extra=dict(extra))
@@ -424,6 +426,22 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
     if writer is not None:  # the previous version's write on the writer thread, and how long this phase waited
         out.update({"checkpoint/previous_write_s": _WRITER.last_seconds, "checkpoint/wait_s": waited})
     return ref, out
+
+
+def _restore(backend: TrainBackend, ckpt: CheckpointRef, cfg: RunConfig) -> dict:
+    """Load ``ckpt``'s full state into ``backend``; returns its extra JSON. A version written without it
+    (``checkpoint.every_n_steps`` > 1) cannot be trained from: the error names the newest version that can."""
+    opts = cfg.checkpoint.storage_options
+    if TRAIN_STATE not in load_manifest(ckpt, storage_options=opts).files:
+        full = [v for v in build.store(cfg).versions() if v.step <= ckpt.step
+                and TRAIN_STATE in load_manifest(v, storage_options=opts).files]
+        have = f"step {full[-1].step} ({full[-1].uri})" if full else "none"
+        raise field_error(CheckpointError, "checkpoint.every_n_steps", cfg.checkpoint.every_n_steps,
+                          f"a full resumable state in {ckpt.uri} (the version this step trains from); the newest "
+                          f"version at or before it that has one: {have}",
+                          "fork the run from that version (fork_as=..., resume_from=<its step folder>) to retrain "
+                          "the steps since; a smaller every_n_steps loses fewer")
+    return dict(restore_train_checkpoint(backend, ckpt, storage_options=opts).extra)
 
 
 _RESIDENT: dict[str, object] = {}

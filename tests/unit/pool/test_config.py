@@ -30,7 +30,6 @@ def test_pods_is_the_default():
     ("pool.publish=nccl", "pool.publish"),
     ("pool.sync_bucket_mb=0", "pool.sync_bucket_mb"),
     ("pool.sync_timeout_s=-1", "pool.sync_timeout_s"),
-    ("checkpoint.every_n_steps=2", "checkpoint.every_n_steps"),  # pods restore the full state every step
     ("checkpoint.full_state=sharded", "checkpoint.full_state"),
     ("checkpoint.full_state=dcp", "checkpoint.full_state"),
     ("pool.worker_setup_hook=my_module.setup", "pool.worker_setup_hook"),
@@ -40,6 +39,18 @@ def test_pods_is_the_default():
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field):
         load_recipe("tiny-grpo", [override])
+
+
+def test_every_n_steps_outside_the_pool_is_run_local_only():
+    """run_local keeps its trainer resident (like the pool); a Flyte workflow in pods mode restores the full
+    state in every train pod, so its setup refuses every_n_steps > 1, naming the field and the fix."""
+    cfg = load_recipe("tiny-grpo", ["checkpoint.every_n_steps=3"])
+    assert cfg.checkpoint.every_n_steps == 3 and cfg.pool.execution == "pods"
+    with pytest.raises(ConfigError, match=r"checkpoint.every_n_steps=3: expected 1 in a Flyte workflow with "
+                                          r"pool.execution='pods'.*set pool.execution='pool'"):
+        cfg.checkpoint.check_workflow(cfg.pool.execution)
+    pool = load_recipe("tiny-grpo", ["checkpoint.every_n_steps=3", "pool.execution=pool"])
+    pool.checkpoint.check_workflow(pool.pool.execution)  # the pool's trainer keeps the state resident
 
 
 def test_full_state_every_n_steps_in_pool_mode():

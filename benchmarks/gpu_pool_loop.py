@@ -205,6 +205,8 @@ def run_preset(preset: str, args) -> dict:
         m_env = dict(env, CUDA_VISIBLE_DEVICES="0") if one_gpu else env
         res = _summary(_spawn(mode, state, args.steps, m_env))
         results.append(res)
+        if not args.keep_versions:  # a full fine-tune's versions are ~10 GB each: one mode's at a time on disk
+            shutil.rmtree(state / mode, ignore_errors=True)
         print(f"[{preset}] {mode}: " + (res["error"] if "error" in res else
               f"first {res['first_step_s']:.2f} s, steady {res['steady_step_s']:.2f} s"), flush=True)
     if not args.keep:
@@ -251,7 +253,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 layers, tiny sizes: plumbing only, not a result")
     ap.add_argument("--override", action="append", default=[])
     ap.add_argument("--root", default=None)
-    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the state dir (spec, per-mode JSON)")
+    ap.add_argument("--keep-versions", action="store_true", help="also keep each mode's checkpoint versions")
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--state", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

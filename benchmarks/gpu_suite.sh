@@ -52,7 +52,8 @@ case "$PART" in
   pool)
     root="$(mktemp -d)"
     bench pool "gpu_pool_loop*" python3 benchmarks/gpu_pool_loop.py --keep --root "$root" "$@"
-    tar czf "$RESULTS/pool_modes.tgz" -C "$root" . 2>/dev/null; rm -rf "$root" ;;
+    # the per-mode JSONs (per-step metrics); each mode's checkpoint versions are deleted after it ran
+    (cd "$root" && find . -name '*.json' | tar czf "$RESULTS/pool_modes.tgz" -T -) 2>/dev/null; rm -rf "$root" ;;
   step-cost)
     bench stepcost "bench_step_cost*" python3 benchmarks/bench_step_cost.py --preset sd35m-lora sd35m-full qwen3-0.6b "$@" ;;
   *)

@@ -168,6 +168,8 @@ def run_config(a, texts: list[str], root: str):
         over.append(f"train.micro_batch_tokens={a.micro_batch_tokens}")
     if a.master_weights:  # model: bf16 weights + AdamW state like TRL's (ours only)
         over.append(f"train.master_weights={a.master_weights}")
+    if a.full_state_every:  # the loop's versions: weights every step, the full resumable state every n-th
+        over.append(f"checkpoint.every_n_steps={a.full_state_every}")
     data = load_recipe_dict("tiny-grpo", over)
     data["data"] = {"source": "inline", "prompts": texts, "prompts_per_step": a.prompts,
                     "samples_per_prompt": a.group}
@@ -354,7 +356,7 @@ def run_side(a, side: str) -> dict:
     argv = [sys.executable, __file__, "--worker", side, "--out", out]
     for k in ("shape", "dtype", "device", "prompts", "group", "new_tokens", "prompt_len", "micro_batch",
               "decode_batch", "micro_batch_tokens", "loss", "lr", "steps", "warmup", "checkpoint_root",
-              "master_weights"):
+              "master_weights", "full_state_every"):
         if getattr(a, k) is not None:
             argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.grad_ckpt:
@@ -379,6 +381,8 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="ours: train.micro_batch_tokens (token-budget micro-batches); 0 = fixed micro-batch")
     ap.add_argument("--loss", choices=("grpo", "dapo", "dr_grpo"))
+    ap.add_argument("--full-state-every", type=int, default=None,
+                    help="loop side: checkpoint.every_n_steps (default 1: every version holds the optimizer state)")
     ap.add_argument("--master-weights", choices=("fp32", "model"), default=None,
                     help="ours: train.master_weights (default: the recipe's fp32 masters; model = TRL's footprint)")
     ap.add_argument("--lr", type=float)
@@ -464,6 +468,7 @@ def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> 
     out = Path(a.results)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"_master-{a.master_weights}" if a.master_weights else ""
+    tag += f"_full-every-{a.full_state_every}" if a.full_state_every else ""
     tag += f"_{a.name}" if a.name else ""
     path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}{tag}.json"
     # Folders of this machine stay out of the record (results dir, checkpoint root): only whether one was given.

@@ -44,7 +44,7 @@ case "$PART" in
     ( export CUDA_VISIBLE_DEVICES=1
       root="$(mktemp -d)"
       bench grpo06 "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset 0.6b --device cuda \
-        --master-weights model --checkpoint-root "$root"
+        --master-weights model --full-state-every 10 --checkpoint-root "$root"
       bench grpomath "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset math --device cuda \
         --master-weights model --checkpoint-root "$root" --rounds 1 --steps 3 --warmup 1
       rm -rf "$root" ) &

@@ -165,6 +165,10 @@ class ComposeRunConfig:
         if self.loop.rollout_shards != 1:
             raise field_error(ConfigError, "loop.rollout_shards", self.loop.rollout_shards, "1 in a compose run",
                               "the composed rollout runs as one shard")
+        if self.checkpoint.every_n_steps != 1:
+            raise field_error(ConfigError, "checkpoint.every_n_steps", self.checkpoint.every_n_steps,
+                              "1 in a compose run", "each stack's version holds its full state every step here; "
+                              "leave it at 1")
         if self.report.wandb is not None:
             raise field_error(ConfigError, "report.wandb", "set", "unset in a compose run",
                               "W&B is not wired for compose runs yet; TensorBoard scalars are written")

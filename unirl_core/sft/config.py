@@ -193,6 +193,11 @@ class SFTConfig:
         if getattr(self, other) is not None:
             raise field_error(ConfigError, other, "set", f"no '{other}' section for family={self.family!r}",
                               f"remove the '{other}' section")
+        ck = self.checkpoint
+        for name, value, default in (("every_n_steps", ck.every_n_steps, 1), ("full_state", ck.full_state, "file")):
+            if value != default:
+                raise field_error(ConfigError, f"checkpoint.{name}", value, "the default in an SFT run",
+                                  "an SFT version holds its full state every step; remove the setting")
         if self.data.batch_size % self.train.micro_batch_size:
             raise field_error(ConfigError, "train.micro_batch_size", self.train.micro_batch_size,
                               f"a divisor of data.batch_size ({self.data.batch_size})",

@@ -30,6 +30,8 @@ def test_shipped_recipes_parse():
     ("loop.export_ema=true", "loop.export_ema=True: expected False unless train.ema_decay is set"),
     ("loop.typo=1", "recipe.loop.typo=1: expected a field of SFTLoopConfig"),
     ("lm.model.model=tiny", "lm='set': expected no 'lm' section for family='diffusion'"),
+    ("checkpoint.every_n_steps=5", "checkpoint.every_n_steps=5: expected the default in an SFT run"),
+    ("checkpoint.full_state=sharded", "checkpoint.full_state='sharded': expected the default in an SFT run"),
 ])
 def test_bad_diffusion_fields_are_named(override, needle):
     with pytest.raises(ConfigError) as info:

@@ -29,18 +29,22 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
     config and ``extra`` JSON state (e.g. the advantage stat tracker).
 
     ``full_state=False`` writes the version without ``train_state.pt`` (weights, EMA, config, extra): the
-    resumable state is written elsewhen (``checkpoint.every_n_steps``) or elsewhere (``sharded.py``).
+    resumable state is written elsewhen (``checkpoint.every_n_steps``) or elsewhere (``sharded.py``). Such a
+    version is a publication artifact, never resumed from, so its weights and EMA are in the compute dtype (bf16
+    for a bf16 model with fp32 masters: half the bytes): the values every reader (rollout bundle, engine, eval)
+    gets after rounding the masters into that dtype anyway.
     Collective under FSDP: every rank gathers, rank 0 writes, all ranks return the same ref.
 
     ``writer`` (world size 1, ``publish=False``): the files are written on the writer's background thread
     from a snapshot taken now (``VersionWriter``); the ref is returned before the version exists.
     """
-    weights = backend.model_state_dict()
     if full_state:
+        weights = backend.model_state_dict()
         state = backend.state_dict()
         ema = state.pop("ema")
     else:
-        state, ema = None, _full_ema(backend)
+        weights = backend.model_state_dict(dtype=backend.compute_dtype)
+        state, ema = None, _full_ema(backend, backend.compute_dtype)
     rank, world = current_world()
     meta = {"weights_scope": backend.cfg.weights_scope, "world_size": str(world)}
     if writer is not None:
@@ -74,13 +78,17 @@ def _live_tensors(backend: TrainBackend) -> list:
     return out
 
 
-def _full_ema(backend: TrainBackend) -> dict | None:
-    """The EMA weights as full CPU tensors (collective under FSDP), as ``state_dict()['ema']`` has them."""
+def _full_ema(backend: TrainBackend, dtype: torch.dtype) -> dict | None:
+    """The EMA weights as full CPU tensors (collective under FSDP), rounded to ``dtype``."""
     from unirl_core.train.distributed import full_tensor
 
     if backend.ema is None:
         return None
-    return {n: full_tensor(t).detach().cpu().contiguous() for n, t in backend.ema.state_dict().items()}
+    out = {}
+    for n, t in backend.ema.state_dict().items():
+        t = full_tensor(t).detach()
+        out[n] = (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t).cpu().contiguous()
+    return out
 
 
 def restore_train_checkpoint(backend: TrainBackend, ref: CheckpointRef, *,

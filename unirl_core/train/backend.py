@@ -328,9 +328,11 @@ class TrainBackend:
 
     # ----------------------------------------------------------------------------------- state
 
-    def model_state_dict(self) -> dict[str, Tensor]:
+    def model_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """Full (unsharded) CPU weights to checkpoint: exactly the trainable parameters, or everything
-        (parameters and persistent buffers) with weights_scope='full'.
+        (parameters and persistent buffers) with weights_scope='full'. ``dtype``: the trainable parameters rounded to
+        it (on the device, before the host copy, for the trainable scope; e.g. the compute dtype for a weights-only
+        version); buffers and frozen parameters stay as they are.
 
         The trainable scope holds nothing else: no buffers (SD3's persistent ``pos_embed`` alone is
         ~13x a LoRA adapter at SD3.5-M shape) and no frozen tied names; a trainable tied weight appears
@@ -344,7 +346,8 @@ class TrainBackend:
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state = get_model_state_dict(self.policy.module, options=opts)
-            return {k: v.detach().contiguous() for k, v in state.items()}
+            trained = {n for n, p in self.policy.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+            return {k: _rounded(v.detach(), dtype if k in trained else None).contiguous() for k, v in state.items()}
         # named_parameters, not state_dict: the names load_model_state_dict requires (the same under FSDP2,
         # whose parameters are DTensor shards: full_tensor gathers each, in module order on every rank)
         out: dict[str, Tensor] = {}
@@ -353,7 +356,7 @@ class TrainBackend:
                 continue
             full = D.full_tensor(p.detach())
             if self.rank == 0:
-                out[name] = full.to("cpu").contiguous()
+                out[name] = _rounded(full, dtype).to("cpu").contiguous()
         return out
 
     def trainable_tensors(self) -> dict[str, Tensor]:
@@ -453,3 +456,8 @@ class TrainBackend:
             if name in ema:
                 local[name] = D.like_layout(ema[name], like)
         self.ema.load_state_dict(local, num_updates)
+
+
+def _rounded(t: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``t`` in ``dtype`` when it is a floating tensor of another dtype (``dtype`` None: as it is)."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t

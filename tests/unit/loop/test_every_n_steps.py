@@ -69,3 +69,22 @@ def test_resume_from_a_weights_only_version_names_the_newest_full_one(tmp_path):
                                               r"step 2 .*fork the run from that version"):
         run_local(cfg)
     assert store.latest().step == 3  # nothing was published by the refused resume
+
+
+def test_weights_only_versions_hold_the_compute_dtype(tmp_path):
+    """A bf16 model trained with fp32 masters: the versions without the full state hold the weights rounded to
+    bf16 (half the bytes; what the rollout bundle rounds them to anyway), the full ones the fp32 masters, and the
+    run is bitwise the every-step run (whose rollouts take the same rounding of the same masters)."""
+    torch.set_num_threads(1)
+    bf16 = ("lm.model.dtype=bfloat16", "train.master_weights=fp32")
+    every, sparse = _cfg(tmp_path / "a", 4, *bf16), _cfg(tmp_path / "b", 4, *bf16, "checkpoint.every_n_steps=2")
+    ha, hb = run_local(every), run_local(sparse)
+    for a, b in zip(ha, hb, strict=True):
+        assert [a[k] for k in KEYS] == [b[k] for k in KEYS]
+    assert _full_steps(sparse) == [0, 2, 4]
+    for step in range(1, 5):
+        wa, wb = _weights(every, step), _weights(sparse, step)
+        assert wa.keys() == wb.keys() and {t.dtype for t in wa.values()} == {torch.float32}
+        want = torch.float32 if step % 2 == 0 else torch.bfloat16
+        assert {t.dtype for t in wb.values()} == {want}
+        assert all(torch.equal(wa[k].to(want), wb[k]) for k in wa)

@@ -80,15 +80,12 @@ def _live_tensors(backend: TrainBackend) -> list:
 
 def _full_ema(backend: TrainBackend, dtype: torch.dtype) -> dict | None:
     """The EMA weights as full CPU tensors (collective under FSDP), rounded to ``dtype``."""
+    from unirl_core.models.precision import rounded
     from unirl_core.train.distributed import full_tensor
 
     if backend.ema is None:
         return None
-    out = {}
-    for n, t in backend.ema.state_dict().items():
-        t = full_tensor(t).detach()
-        out[n] = (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t).cpu().contiguous()
-    return out
+    return {n: rounded(full_tensor(t).detach(), dtype).cpu().contiguous() for n, t in backend.ema.state_dict().items()}
 
 
 def restore_train_checkpoint(backend: TrainBackend, ref: CheckpointRef, *,

@@ -78,6 +78,12 @@ def upcast_trainable(module: nn.Module) -> int:
     return n
 
 
+def rounded(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` when it is a floating tensor of another dtype (``dtype`` None: as it is): the rounding a
+    copy into a ``dtype`` parameter applies."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+
 def module_dtype(module: nn.Module) -> torch.dtype:
     """The dtype of ``module``'s frozen parameters (its model dtype), else of its first floating one."""
     first = None

@@ -23,7 +23,7 @@ from unirl_core.algorithms.base import Algorithm, LossOutput, Policy
 from unirl_core.algorithms.off_policy import TRAINER_VERSION_KEY
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
 from unirl_core.models.micro_batch import plan_micro_batches, split_to_count, token_lengths
-from unirl_core.models.precision import module_dtype, parameters_as, upcast_trainable
+from unirl_core.models.precision import module_dtype, parameters_as, rounded, upcast_trainable
 from unirl_core.train import distributed as D
 from unirl_core.train.config import TrainConfig
 from unirl_core.train.ema import ParameterEMA
@@ -347,7 +347,7 @@ class TrainBackend:
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state = get_model_state_dict(self.policy.module, options=opts)
             trained = {n for n, p in self.policy.module.named_parameters(remove_duplicate=False) if p.requires_grad}
-            return {k: _rounded(v.detach(), dtype if k in trained else None).contiguous() for k, v in state.items()}
+            return {k: rounded(v.detach(), dtype if k in trained else None).contiguous() for k, v in state.items()}
         # named_parameters, not state_dict: the names load_model_state_dict requires (the same under FSDP2,
         # whose parameters are DTensor shards: full_tensor gathers each, in module order on every rank)
         out: dict[str, Tensor] = {}
@@ -356,7 +356,7 @@ class TrainBackend:
                 continue
             full = D.full_tensor(p.detach())
             if self.rank == 0:
-                out[name] = _rounded(full, dtype).to("cpu").contiguous()
+                out[name] = rounded(full, dtype).to("cpu").contiguous()
         return out
 
     def trainable_tensors(self) -> dict[str, Tensor]:
@@ -456,8 +456,3 @@ class TrainBackend:
             if name in ema:
                 local[name] = D.like_layout(ema[name], like)
         self.ema.load_state_dict(local, num_updates)
-
-
-def _rounded(t: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """``t`` in ``dtype`` when it is a floating tensor of another dtype (``dtype`` None: as it is)."""
-    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t

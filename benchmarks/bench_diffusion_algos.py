@@ -98,8 +98,8 @@ def main() -> None:
                     lora_rank=32)
     sampling = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=10), guidance_scale=G, height=height,
                                        width=height, noise_level=0.7)
-    batch = micro_batch(rollout, args.preset, b, sampling)
-    batches = {"window": micro_batch(rollout, args.preset, b, sampling, sde_steps=WINDOW),
+    batches = {"all": micro_batch(rollout, args.preset, b, sampling),
+               "window": micro_batch(rollout, args.preset, b, sampling, sde_steps=WINDOW),
                "no_cfg": micro_batch(rollout, args.preset, b, replace(sampling, guidance_scale=1.0))}
     chosen = algorithms(b)
     if args.only:
@@ -110,7 +110,7 @@ def main() -> None:
         bundle = copy.deepcopy(rollout)
         bundle.module.train()
         backend = TrainBackend(bundle, build_algorithm(algo_cfg), train_cfg)
-        mb = batches[BATCHES[name]] if name in BATCHES else batch
+        mb = batches[BATCHES.get(name, "all")]
         try:
             firsts[name] = backend.step(mb).metrics  # warmup; first update of the batch
             peaks[name] = peak_of(lambda be=backend, m=mb: be.step(m), args.device)
@@ -129,7 +129,7 @@ def main() -> None:
         for name in (names if r % 2 == 0 else names[::-1]):
             sync(args.device)
             t0 = clock()
-            backends[name].step(batches[BATCHES[name]] if name in BATCHES else batch)
+            backends[name].step(batches[BATCHES.get(name, "all")])
             sync(args.device)
             times[name].append(clock() - t0)
     base = times["flow_grpo"]

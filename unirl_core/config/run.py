@@ -218,6 +218,10 @@ class CheckpointConfig:
     ``sharded``: ``state-<step>/`` per rank via torch.distributed.checkpoint, written asynchronously while the
     next steps run (pool mode; ``unirl_core/checkpoint/sharded.py``)."""
 
+    def full_state_at(self, step: int, total_steps: int) -> bool:
+        """Whether version ``step`` holds the full resumable state: every ``every_n_steps``-th and the last."""
+        return step % self.every_n_steps == 0 or step >= total_steps
+
     def check_workflow(self, execution: str) -> None:
         """Refuse what a Flyte workflow in pods mode cannot run: every train pod restores the full state of the
         version before it, so every version must hold it."""

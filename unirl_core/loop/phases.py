@@ -415,7 +415,7 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
     waited = time.perf_counter() - t0
     # A version `step` can only be a leftover of an interrupted attempt at this same step: replace it.
     t1 = time.perf_counter()
-    full = step % cfg.checkpoint.every_n_steps == 0 or step >= cfg.loop.total_steps
+    full = cfg.checkpoint.full_state_at(step, cfg.loop.total_steps)
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
                                 overwrite=True, writer=writer, full_state=full)
     saved = time.perf_counter() - t1  # the whole write, or (writer) the host snapshot the thread writes from

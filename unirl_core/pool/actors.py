@@ -278,7 +278,7 @@ class TrainerActor(_Actor):
         if phases.TRACKER_KEY in batch.metadata:
             extra["tracker"] = json.loads(batch.metadata[phases.TRACKER_KEY])
         ck = cfg.checkpoint
-        full_now = step % ck.every_n_steps == 0 or step >= cfg.loop.total_steps
+        full_now = ck.full_state_at(step, cfg.loop.total_steps)
         ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
                                     overwrite=True, full_state=full_now and ck.full_state == "file")
         if full_now and ck.full_state == "sharded":

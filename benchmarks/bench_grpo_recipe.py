@@ -168,6 +168,8 @@ def run_config(a, texts: list[str], root: str):
         over.append(f"train.micro_batch_tokens={a.micro_batch_tokens}")
     if a.master_weights:  # model: bf16 weights + AdamW state like TRL's (ours only)
         over.append(f"train.master_weights={a.master_weights}")
+    if a.logprob_chunk:  # response tokens per chunk of the LM head + log-softmax (recording and replay alike)
+        over.append(f"lm.model.logprob_chunk_tokens={a.logprob_chunk}")
     if a.full_state_every:  # the loop's versions: weights every step, the full resumable state every n-th
         over.append(f"checkpoint.every_n_steps={a.full_state_every}")
     data = load_recipe_dict("tiny-grpo", over)
@@ -233,24 +235,46 @@ def ours_backend(a, cfg) -> dict:
     publish()
     service = build.reward_service(cfg)
     times, lengths, rewards, dev = [], [], [], 0.0
+    peaks: dict[str, float] = {}
+    if a.device.startswith("cuda"):  # what is resident before the first step: weights, rollout bundle
+        peaks["resident_before_step_1"] = torch.cuda.memory_allocated() / 2**20
+        peaks["build"] = torch.cuda.max_memory_allocated() / 2**20
     for step in range(1, a.warmup + a.steps + 1):
         _sync(a.device)
         t0 = time.perf_counter()
         request = SampleBatch.from_prompts(phases.step_prompts(cfg, step), samples_per_prompt=a.group, kind="ar",
                                            sampling=cfg.lm.sampling, policy_version=backend.policy_version)
         engine_cfg = dataclasses.replace(cfg.lm.engine, seed=step, micro_batch_tokens=cfg.train.micro_batch_tokens)
+        _phase_peak(a.device, None)
         batch = TrainsideAREngine(policy, engine_cfg, policy_version=backend.policy_version).generate(request)
+        _phase_peak(a.device, peaks, "rollout")  # decode + the rescoring forward
         batch, _ = service.score_with_stats(batch)
         batch, _ = assign_advantages(batch, cfg.advantage, None)
         m = backend.step(batch)
+        _phase_peak(a.device, peaks, "train")
         publish()
         _sync(a.device)
         times.append(time.perf_counter() - t0)
         lengths.append(m.metrics["response_len_mean"])
         rewards.append(sum(p.reward for p in batch.generated) / len(batch))
         dev = max(dev, abs(m.metrics["ratio_max"] - 1), abs(m.metrics["ratio_min"] - 1))
+    if a.device.startswith("cuda"):
+        peaks["resident_after_last_step"] = torch.cuda.memory_allocated() / 2**20
     return {"times": times[a.warmup:], "lengths": lengths[a.warmup:], "rewards": rewards, "phases": {},
-            "ratio_max_dev": dev}
+            "ratio_max_dev": dev, "phase_peak_mib": peaks}
+
+
+def _phase_peak(device: str, peaks: dict | None, name: str = "") -> None:
+    """CUDA: record the peak allocated since the last call under ``name`` (max over steps), then reset it; the
+    per-phase split of the backend side's peak memory (``peaks`` None: reset only)."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return
+    _sync(device)
+    if peaks is not None:
+        peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
+    torch.cuda.reset_peak_memory_stats()
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -346,7 +370,8 @@ def worker(a) -> None:
             out = ours_loop(a, cfg) if a.worker == "loop" else ours_backend(a, cfg)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    out["peak_mib"] = _peak_mib(a.device)
+    # the backend side resets the peak between its phases (``phase_peak_mib``): the run's peak is their max
+    out["peak_mib"] = max([_peak_mib(a.device), *out.get("phase_peak_mib", {}).values()])
     Path(a.out).write_text(json.dumps(out))
 
 
@@ -356,7 +381,7 @@ def run_side(a, side: str) -> dict:
     argv = [sys.executable, __file__, "--worker", side, "--out", out]
     for k in ("shape", "dtype", "device", "prompts", "group", "new_tokens", "prompt_len", "micro_batch",
               "decode_batch", "micro_batch_tokens", "loss", "lr", "steps", "warmup", "checkpoint_root",
-              "master_weights", "full_state_every"):
+              "master_weights", "full_state_every", "logprob_chunk"):
         if getattr(a, k) is not None:
             argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.grad_ckpt:
@@ -385,6 +410,8 @@ def main() -> None:
                     help="loop side: checkpoint.every_n_steps (default 1: every version holds the optimizer state)")
     ap.add_argument("--master-weights", choices=("fp32", "model"), default=None,
                     help="ours: train.master_weights (default: the recipe's fp32 masters; model = TRL's footprint)")
+    ap.add_argument("--logprob-chunk", type=int, default=None,
+                    help="ours: lm.model.logprob_chunk_tokens (default: the config's)")
     ap.add_argument("--lr", type=float)
     ap.add_argument("--grad-ckpt", action="store_true", default=None)
     ap.add_argument("--sides", help="comma list of loop, backend, trl (default: the preset's)")
@@ -424,6 +451,8 @@ def summarise(side: str, rounds: list[dict], base: list[dict] | None) -> dict:
                peak_mib=max(r["peak_mib"] for r in ok), completion_len_mean=statistics.fmean(
                    x for r in ok for x in r["lengths"]), phases=ok[-1]["phases"],
                ratio_max_dev=ok[-1].get("ratio_max_dev"))
+    if ok[-1].get("phase_peak_mib"):
+        row["phase_peak_mib"] = ok[-1]["phase_peak_mib"]
     if base is not None:
         pairs = [t / u for r, b in zip(rounds, base) if "failed" not in r and "failed" not in b
                  for t, u in zip(r["times"], b["times"])]
@@ -469,6 +498,7 @@ def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> 
     out.mkdir(parents=True, exist_ok=True)
     tag = f"_master-{a.master_weights}" if a.master_weights else ""
     tag += f"_full-every-{a.full_state_every}" if a.full_state_every else ""
+    tag += f"_chunk-{a.logprob_chunk}" if a.logprob_chunk else ""
     tag += f"_{a.name}" if a.name else ""
     path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}{tag}.json"
     # Folders of this machine stay out of the record (results dir, checkpoint root): only whether one was given.

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODES = ("warm", "pool-separate", "pool-colocate", "pool-separate-lag1", "pool-shared")
 KEEP = ("time/", "pool/", "async/", "train/ratio", "train/logp", "train/absdiff", "rollout/logp", "reward/mean",
-        "checkpoint/", "rollout/load_weights", "train/time_")
+        "checkpoint/", "rollout/load_weights", "rollout/seconds", "rollout/tokens_per_s", "train/time_")
 
 
 def _pool_overrides(mode: str, gpus: bool, cpus: float) -> list[str]:
@@ -108,7 +108,7 @@ def worker(mode: str, state: Path, steps: int) -> dict:
 
     overrides = [*spec["overrides"], f"checkpoint.root={state / mode}", f"loop.total_steps={steps}"]
     if mode != "warm":
-        overrides += _pool_overrides(mode, spec["device"] == "cuda", spec["actor_cpus"])
+        overrides += _pool_overrides(mode, spec["device"] == "cuda", spec["actor_cpus"]) + spec["pool_overrides"]
     cfg = load_recipe(spec["recipe"], overrides)
     t0 = time.perf_counter()
     phases.init_run(cfg, resume_from="never")
@@ -165,7 +165,10 @@ def _summary(res: dict) -> dict:
             "first_step_s": walls[0], "steady_step_s":
             statistics.median(steady), "steady_steps": len(steady), "phases_s": per_phase, "pool": pool,
             "first_update": agree, "reward_mean": [m.get("reward/mean") for m in ms],
-            "gpu_peak_mib": res["gpu_peak_mib"], "process_s": res["process_s"]}
+            "gpu_peak_mib": res["gpu_peak_mib"], "process_s": res["process_s"],
+            "per_step": [{"wall_s": w, **{k: v for k, v in m.items() if k.startswith(("time/", "checkpoint/",
+                                                                                      "rollout/", "train/time_"))}}
+                         for w, m in zip(walls, ms, strict=False)]}
 
 
 def run_preset(preset: str, args) -> dict:
@@ -188,7 +191,8 @@ def run_preset(preset: str, args) -> dict:
     overrides += ["name=poolloop", "checkpoint.keep_last=2", *args.override]
     state = Path(tempfile.mkdtemp(prefix="unirl-poolloop-", dir=args.root))
     spec = {"preset": preset, "recipe": p["recipe"], "overrides": overrides, "device": device,
-            "shaped": p["shaped"], "layers": 2 if args.smoke else None, "actor_cpus": 0.5 if args.smoke else 4}
+            "shaped": p["shaped"], "layers": 2 if args.smoke else None, "actor_cpus": 0.5 if args.smoke else 4,
+            "pool_overrides": list(args.pool_override)}
     (state / "spec.json").write_text(json.dumps(spec, indent=1))
     from safetensors.torch import save_model
 
@@ -211,7 +215,8 @@ def run_preset(preset: str, args) -> dict:
               f"first {res['first_step_s']:.2f} s, steady {res['steady_step_s']:.2f} s"), flush=True)
     if not args.keep:
         shutil.rmtree(state, ignore_errors=True)
-    return {"preset": preset, "device": device, "steps": args.steps, "overrides": overrides, "modes": results}
+    return {"preset": preset, "device": device, "steps": args.steps, "overrides": overrides,
+            "pool_overrides": spec["pool_overrides"], "modes": results}
 
 
 def _table(out: dict) -> None:
@@ -252,6 +257,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 layers, tiny sizes: plumbing only, not a result")
     ap.add_argument("--override", action="append", default=[])
+    ap.add_argument("--pool-override", action="append", default=[],
+                    help="an override for the pool modes only (e.g. checkpoint.full_state=sharded, which in-process "
+                         "execution refuses)")
     ap.add_argument("--root", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the state dir (spec, per-mode JSON)")
     ap.add_argument("--keep-versions", action="store_true", help="also keep each mode's checkpoint versions")

@@ -121,6 +121,8 @@ def test_killed_actors_raise_typed_errors_and_the_retry_is_bitexact(tmp_path):
 
     def kill_trainer_after_2(metrics, batch):
         if metrics["step"] == 2.0:
+            # the trainer writes version 2 on its thread (run_local): let it land, so LATEST is 2 for sure
+            cluster.current_pool().call("trainer", "wait_version", what="test")
             os.kill(_pid("trainer"), signal.SIGKILL)
 
     with pytest.raises(PoolActorDied, match="'trainer'.*train step 3"):
@@ -135,6 +137,46 @@ def test_killed_actors_raise_typed_errors_and_the_retry_is_bitexact(tmp_path):
     ref = run_local(_cfg(recipe, tmp_path / "pods", steps))
     assert [h["reward/mean"] for h in rest] == [h["reward/mean"] for h in ref[2:]]
     assert _same_weights(_weights(tmp_path / "pool", recipe, 4), _weights(tmp_path / "pods", recipe, 4))
+
+
+def test_background_version_write_killed_anywhere_leaves_a_complete_latest(tmp_path):
+    """run_local in pool mode: the trainer writes each version on its thread while the next rollout samples, and
+    the thread publishes it once written. Killed right after step 2 (its write may or may not have landed): LATEST
+    names a complete version (step 1 or 2), the resumed run ends bitwise equal to an uninterrupted in-process one.
+    Through train_phase without ``asynchronous`` (the Flyte task), the version is complete when the phase returns."""
+    recipe, steps = "tiny-grpo", 4
+    cfg = _cfg(recipe, tmp_path / "pool", steps, *POOL)
+    store = CheckpointStore(str(tmp_path / "pool"), cfg.name)
+    history = []
+
+    def kill_trainer_after_2(metrics, batch):
+        history.append(metrics)
+        if metrics["step"] == 2.0:
+            os.kill(_pid("trainer"), signal.SIGKILL)  # no wait: the write of version 2 races the kill
+
+    with pytest.raises(PoolActorDied, match="'trainer'.*train step 3"):
+        run_local(cfg, on_step=kill_trainer_after_2, progress=False)
+    assert history[1]["checkpoint/previous_write_s"] > 0  # step 2 waited for version 1, written on the thread
+    latest = store.latest()
+    assert latest.step in (1, 2)
+    store.load(latest)  # every file there, sizes and sha256 as the manifest says
+    rest = run_local(cfg, progress=False)
+    assert [h["step"] for h in rest] == [float(s) for s in range(latest.step + 1, steps + 1)]
+    ref = run_local(_cfg(recipe, tmp_path / "pods", steps), progress=False)
+    assert [h["reward/mean"] for h in rest] == [h["reward/mean"] for h in ref[latest.step:]]
+    assert _same_weights(_weights(tmp_path / "pool", recipe, 4), _weights(tmp_path / "pods", recipe, 4))
+    assert store.latest().step == steps
+
+    # the typed task's path: synchronous, the version is in the store (not yet published) when train returns
+    cfg6 = _cfg(recipe, tmp_path / "pool", 6, *POOL)
+    ckpt = store.latest()
+    batch, _ = phases.rollout_phase(cfg6, ckpt, step=5)
+    batch, _ = phases.reward_phase(cfg6, batch)
+    batch, _ = phases.advantage_phase(cfg6, batch, ckpt)
+    ref5, _ = phases.train_phase(cfg6, batch, ckpt, step=5)
+    assert (tmp_path / "pool" / recipe / "step-00000005" / "manifest.json").exists()
+    assert store.latest().step == 4
+    store.load(ref5)
 
 
 @pytest.mark.time_limit(300)

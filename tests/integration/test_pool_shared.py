@@ -96,6 +96,8 @@ def test_killed_shared_actor_fails_typed_and_the_retry_is_bitexact(tmp_path):
 
     def kill_after_2(metrics, batch):
         if metrics["step"] == 2.0:
+            # the actor writes version 2 on its thread (run_local): let it land, so LATEST is 2 for sure
+            cluster.current_pool().call("shared", "wait_version", what="test")
             os.kill(_pid("shared"), signal.SIGKILL)
 
     with pytest.raises(PoolActorDied, match="'shared'.*rollout step 3"):

@@ -390,14 +390,19 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
     thread from a snapshot and the ref returns before the version exists; ``publish_phase(asynchronous=True)``
     moves ``LATEST`` once it does. Every phase that reads the version from the store waits for the write first;
     the next train phase trains from the trainer's resident copy and waits for the write (and its publish) before
-    it saves its own version: a failed write raises there, naming the version."""
+    it saves its own version: a failed write raises there, naming the version. In pool mode with one trainer rank
+    the trainer actor writes the version on its own thread the same way (``finish_writes`` waits for it)."""
     if step != ckpt.step + 1:
         raise field_error(CheckpointError, "step", step, f"ckpt.step + 1 = {ckpt.step + 1}",
                           "train each step from the version of the step before it")
     if cfg.pool.execution == "pool":
         from unirl_core.pool import phases as pool_phases
 
-        return pool_phases.train_phase(cfg, batch, ckpt, step=step)
+        background = asynchronous and cfg.pool.trainer_ranks == 1
+        ref, metrics = pool_phases.train_phase(cfg, batch, ckpt, step=step, background=background)
+        if background:  # the trainer actor writes it: finish_writes waits for that write too
+            _POOL_WRITE.update(cfg=cfg, ref=ref)
+        return ref, metrics
     writer = _WRITER if asynchronous and current_world()[1] == 1 else None
     if not (writer and _WRITER.pending(ckpt)):
         finish_writes()  # any other version in flight is complete (or its failure raises) first
@@ -454,10 +459,20 @@ writer has finished (or clears it when the write failed)."""
 _WRITER = VersionWriter()
 """The process's background version writer (``train_phase(asynchronous=True)``); at most one version in flight."""
 
+_POOL_WRITE: dict[str, object] = {}
+"""Pool mode: the config and ref of the last version the pool's trainer actor was asked to write in the background
+(``train_phase(asynchronous=True)`` with one trainer rank); ``finish_writes`` waits for that actor's write."""
+
 
 def finish_writes() -> None:
-    """Wait for the version being written in the background (and its publish); raises its failure. The resident
-    record then gets the checksums the version was written with."""
+    """Wait for the version being written in the background (and its publish) - by this process's writer, or in
+    pool mode by the trainer actor - and raise its failure. The resident record then gets the checksums the
+    version was written with."""
+    if _POOL_WRITE:
+        from unirl_core.pool import phases as pool_phases
+
+        cfg, ref = _POOL_WRITE.pop("cfg"), _POOL_WRITE.pop("ref")
+        pool_phases.wait_written(cfg, ref)
     try:
         _WRITER.wait()
     except CheckpointError:
@@ -537,10 +552,18 @@ def publish_phase(cfg: RunConfig, ckpt: CheckpointRef, *, asynchronous: bool = F
     Inside a multi-rank job (every rank running the loop) rank 0 publishes and the others wait for it.
     In pool mode the trainer's weights then go to the pool's engines in-pool (``pool/*`` entries).
     ``asynchronous``: when ``ckpt`` is still being written by this process's writer (``train_phase(
-    asynchronous=True)``), its thread publishes it once the manifest is written and this returns at once with
-    ``uri`` / ``step`` / ``policy_version`` and ``pending_write: 1`` (no ``files`` / ``bytes`` yet)."""
+    asynchronous=True)``) or, in pool mode, by the trainer actor's, that thread publishes it once the manifest is
+    written and this returns at once with ``uri`` / ``step`` / ``policy_version`` and ``pending_write: 1`` (no
+    ``files`` / ``bytes`` yet; the pool's engines still get the weights in-pool, from the trainer's memory)."""
+    pending = {"uri": ckpt.uri, "step": ckpt.step, "policy_version": ckpt.policy_version, "pending_write": 1}
     if asynchronous and cfg.pool.execution != "pool" and _WRITER.publish(ckpt):
-        return {"uri": ckpt.uri, "step": ckpt.step, "policy_version": ckpt.policy_version, "pending_write": 1}
+        return pending
+    if asynchronous and cfg.pool.execution == "pool" and _POOL_WRITE.get("ref") == ckpt:
+        from unirl_core.pool import phases as pool_phases
+
+        if pool_phases.publish_when_written(cfg, ckpt):  # the trainer's thread moves LATEST once it is written
+            pending.update(pool_phases.publish_weights(cfg, ckpt))  # in-pool: from the trainer's memory
+            return pending
     finish_writes()
     store = build.store(cfg)
     rank, world = current_world()

@@ -33,6 +33,7 @@ from unirl_core.checkpoint.store import (
     load_manifest,
     load_version_json,
 )
+from unirl_core.checkpoint.writer import VersionWriter
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, field_error
@@ -228,6 +229,7 @@ class TrainerActor(_Actor):
         self.backend = build.trainer(cfg) if cfg.pool.trainer_ranks == 1 else None
         self.state: Version | None = None  # the version the resident state equals, None before a restore
         self.extra: dict[str, object] = {}
+        self._writer = VersionWriter()  # train_background: the version written on a thread, as run_local does
 
     def current_group(self) -> str | None:
         """The token of the trainer group this rank joined (None before ``join_group``)."""
@@ -264,6 +266,39 @@ class TrainerActor(_Actor):
               *shards: SampleBatch) -> tuple[CheckpointRef, dict[str, float]]:
         """Train the full ``shards`` of step ``step`` with ``scored``'s advantages; writes (unpublished)
         version ``step`` to the store, as the pods train phase does."""
+        return self._train(ckpt, step, scored, shards, background=False)
+
+    def train_background(self, ckpt: CheckpointRef, step: int, scored: SampleBatch,
+                         *shards: SampleBatch) -> tuple[CheckpointRef, dict[str, float]]:
+        """``train``, with version ``step`` written on this actor's writer thread from a snapshot (one rank only):
+        the ref returns before the version exists, as ``run_local``'s in-process train phase does. The next
+        ``train*`` call (and a restore) waits for the write first and raises its failure; ``publish_version`` has
+        the thread move ``LATEST`` once it is written; ``wait_version`` waits for it."""
+        if self.cfg.pool.trainer_ranks != 1:
+            raise field_error(ConfigError, "pool.trainer_ranks", self.cfg.pool.trainer_ranks, "1 for background "
+                              "version writes", "train with train() (each rank's write is collective)")
+        return self._train(ckpt, step, scored, shards, background=True)
+
+    def publish_version(self, ckpt: CheckpointRef) -> bool:
+        """Have the writer thread publish ``ckpt`` (move ``LATEST``, retention) once its files are written; False
+        when ``ckpt`` is not this actor's background write (the caller publishes it from the store)."""
+        return self._writer.publish(ckpt)
+
+    def wait_version(self) -> None:
+        """Wait for the background version write (and its publish); raises its failure (``CheckpointError``)."""
+        self._writer.wait()
+
+    def shutdown(self) -> None:
+        """Before the pool kills this actor: finish the background version write and the sharded state write, so
+        a version already handed out is complete (or, failed, never published)."""
+        for wait in (self._writer.wait, self.wait_state):
+            try:
+                wait()
+            except CheckpointError as e:
+                log.error("%s: %s", self.name, e)
+
+    def _train(self, ckpt: CheckpointRef, step: int, scored: SampleBatch, shards: tuple[SampleBatch, ...], *,
+               background: bool) -> tuple[CheckpointRef, dict[str, float]]:
         cfg, backend = self.cfg, self.backend
         restored = self.state != _version(ckpt) or backend.step_count != ckpt.step
         if restored:
@@ -279,12 +314,24 @@ class TrainerActor(_Actor):
             extra["tracker"] = json.loads(batch.metadata[phases.TRACKER_KEY])
         ck = cfg.checkpoint
         full_now = ck.full_state_at(step, cfg.loop.total_steps)
+        t0 = time.perf_counter()
+        self._writer.wait()  # the previous version is complete (or its failure raises) before this one is written
+        waited = time.perf_counter() - t0
+        t1 = time.perf_counter()
         ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
-                                    overwrite=True, full_state=full_now and ck.full_state == "file")
+                                    overwrite=True, full_state=full_now and ck.full_state == "file",
+                                    writer=self._writer if background else None)
+        saved = time.perf_counter() - t1
         if full_now and ck.full_state == "sharded":
             self._write_sharded(last=step >= cfg.loop.total_steps)
         self.state, self.extra = _version(ref), extra
         out = {f"train/{k}": float(v) for k, v in metrics.items()}
+        # the version's write (background: its host snapshot); the sharded full state's start (last step: its
+        # whole write); background: how long this call waited for the previous version's write, and that write
+        out["checkpoint/save_s"] = saved
+        out["checkpoint/full_state_start_s"] = time.perf_counter() - t1 - saved
+        if background:
+            out.update({"checkpoint/wait_s": waited, "checkpoint/previous_write_s": self._writer.last_seconds})
         out["pool/trainer_restored"] = float(restored)
         return ref, out
 
@@ -314,10 +361,11 @@ class TrainerActor(_Actor):
         the same step. Returns the version's extra JSON state."""
         cfg = self.cfg
         opts = cfg.checkpoint.storage_options
-        try:
-            self.wait_state()
-        except CheckpointError as e:  # the write failed: that state is not there; restore decides below
-            log.warning("%s: %s", self.name, e)
+        for wait in (self._writer.wait, self.wait_state):
+            try:
+                wait()
+            except CheckpointError as e:  # the write failed: that version / state is not there; decided below
+                log.warning("%s: %s", self.name, e)
         if TRAIN_STATE in load_manifest(ckpt, storage_options=opts).files:
             return dict(restore_train_checkpoint(self.backend, ckpt, storage_options=opts).extra)
         state = latest_state(cfg.checkpoint.root, cfg.name, at_most=ckpt.step, storage_options=opts)

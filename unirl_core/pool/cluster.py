@@ -337,18 +337,21 @@ class Pool:
         if self.started_ray:
             ray.shutdown()
 
-    def _shutdown_servers(self, timeout_s: float = 60.0) -> None:
-        """Let the actors that own a server process (``shutdown``: the vLLM engine actor) stop it before they are
-        killed; a failure only leaves it to the actor's watchdog (``ManagedServer.stop_with_parent``)."""
+    def _shutdown_servers(self) -> None:
+        """Let the actors with something to finish do it before they are killed (``shutdown``): the vLLM engine
+        actor stops its server (a failure leaves it to the actor's watchdog, ``ManagedServer.stop_with_parent``), a
+        trainer finishes its background version and sharded state writes."""
         import ray
 
         refs = [(n, self._handles[n].shutdown.remote()) for n in list(self._handles)
                 if hasattr(self.roles[n].cls, "shutdown")]
         for name, ref in refs:
+            # a write takes what the storage takes (a call's bound); a server stops within a minute or is left
+            writes = issubclass(self.roles[name].cls, actors.TrainerActor)
             try:
-                ray.get(ref, timeout=timeout_s)
+                ray.get(ref, timeout=self.pcfg.call_timeout_s if writes else 60.0)
             except Exception as e:  # noqa: BLE001 - the actor is killed next either way
-                log.warning("pool %s: %s did not stop its server (%s: %s)", self.prefix, name, type(e).__name__, e)
+                log.warning("pool %s: %s did not shut down cleanly (%s: %s)", self.prefix, name, type(e).__name__, e)
 
     # ----------------------------------------------------------------------------- the singleton
 

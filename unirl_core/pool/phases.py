@@ -14,7 +14,7 @@ from typing import Literal
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
-from unirl_core.errors import ConfigError, PoolActorDied, field_error
+from unirl_core.errors import CheckpointError, ConfigError, PoolActorDied, field_error
 from unirl_core.loop import build
 from unirl_core.pool import group
 from unirl_core.pool.cluster import REWARD, Pool, engine_name
@@ -66,16 +66,19 @@ def reward_phase(cfg: RunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[
     return Pool.get(cfg).call(REWARD, "score", batch, what=f"reward of {len(batch)} samples")
 
 
-def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
-                step: int) -> tuple[CheckpointRef, dict[str, float]]:
+def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step: int,
+                background: bool = False) -> tuple[CheckpointRef, dict[str, float]]:
     """Train step ``step`` on the trainer actor from the full batches the engines hold, with ``batch``'s
     (the scored projection's) advantages. A shard the pool no longer holds (its engine restarted, or the
     rollout came from a task cache) is sampled again from ``ckpt`` with the same seed and checked against
-    the projection's log-probs before training."""
+    the projection's log-probs before training. ``background`` (one trainer rank): the trainer writes the
+    version on its writer thread and the ref returns before it exists (``publish_when_written``,
+    ``wait_written``)."""
     pool = Pool.get(cfg)
     shards = cfg.loop.rollout_shards
+    method = "train_background" if background else "train"
     if _shared(cfg):
-        return _train_shared(pool, cfg, batch, ckpt, step=step)
+        return _train_shared(pool, cfg, batch, ckpt, step=step, method=method)
     refs, resampled = [], 0
     for shard in range(shards):
         name = _engine_of(cfg, shard)
@@ -88,15 +91,15 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
             got = pool.call(name, "batch_ref", step, shard, what=what)
             resampled += 1
         refs.extend(got)
-    ref, metrics = group.call(pool, "train", ckpt, step, batch, *refs, what=f"train step {step}")
+    ref, metrics = group.call(pool, method, ckpt, step, batch, *refs, what=f"train step {step}")
     for name in sorted({_engine_of(cfg, s) for s in range(shards)}):
         pool.remote(name, "release", step)  # not waited for: a lost release only keeps a batch until the next
     metrics["pool/resampled_shards"] = float(resampled)
     return ref, metrics
 
 
-def _train_shared(pool: Pool, cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *,
-                  step: int) -> tuple[CheckpointRef, dict[str, float]]:
+def _train_shared(pool: Pool, cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step: int,
+                  method: str) -> tuple[CheckpointRef, dict[str, float]]:
     """The shared actor trains on the full batches it sampled itself (nothing travels); a shard it lost (it
     restarted since the rollout, or the rollout came from a task cache) is sampled again first, as above."""
     what = f"train step {step}"
@@ -108,9 +111,33 @@ def _train_shared(pool: Pool, cfg: RunConfig, batch: SampleBatch, ckpt: Checkpoi
                     ckpt.uri)
         pool.call(SHARED, "rollout", ckpt, step, shard, shards, "projection", weights,
                   what=f"re-sampling {what} shard {shard}")
-    ref, metrics = group.call(pool, "train", ckpt, step, batch, what=what)
+    ref, metrics = group.call(pool, method, ckpt, step, batch, what=what)
     metrics["pool/resampled_shards"] = float(len(missing))
     return ref, metrics
+
+
+def publish_when_written(cfg: RunConfig, ckpt: CheckpointRef) -> bool:
+    """Have the trainer's writer thread publish ``ckpt`` once written (``train_phase(background=True)``); False
+    when the trainer is not writing it (the caller publishes it from the store)."""
+    pool = Pool.get(cfg)
+    return bool(pool.call(group.rank0(pool), "publish_version", ckpt, what=f"publish v{ckpt.policy_version}"))
+
+
+def wait_written(cfg: RunConfig, ckpt: CheckpointRef) -> None:
+    """Wait for the trainer's background write of ``ckpt`` (and its publish); raises its failure. A trainer that
+    died meanwhile took the write with it: ``CheckpointError`` naming the version (``LATEST`` names the one
+    before it)."""
+    from unirl_core.pool.cluster import current_pool
+
+    pool = current_pool()
+    try:
+        if pool is None or group.rank0(pool) not in pool.live:
+            raise PoolActorDied(f"the pool of run {cfg.name!r} (or its trainer) is gone")
+        pool.call(group.rank0(pool), "wait_version", what=f"writing {ckpt.uri}")
+    except PoolActorDied as e:
+        raise field_error(CheckpointError, ckpt.uri, f"not written: {e}", "a complete version",
+                          f"the trainer that was writing it in the background is gone; the run's LATEST names the "
+                          f"version before step {ckpt.step}: resume from it") from e
 
 
 def _publish_shared(pool: Pool, ckpt: CheckpointRef, t0: float) -> dict[str, float]:

@@ -98,9 +98,10 @@ class SharedActor(TrainerActor):
         with self._held_lock:
             return [s for s in range(num_shards) if (step, s) not in self._held]
 
-    def train(self, ckpt: CheckpointRef, step: int, scored: SampleBatch,
-              *shards: SampleBatch) -> tuple[CheckpointRef, dict[str, float]]:
-        """``TrainerActor.train`` on the full batches this process sampled for ``step`` (none travel)."""
+    def _train(self, ckpt: CheckpointRef, step: int, scored: SampleBatch, shards: tuple[SampleBatch, ...], *,
+               background: bool) -> tuple[CheckpointRef, dict[str, float]]:
+        """``TrainerActor.train`` (``train_background``) on the full batches this process sampled for ``step``
+        (none travel)."""
         if not shards:
             num = self.cfg.loop.rollout_shards
             missing = self.missing_shards(step, num)
@@ -111,7 +112,7 @@ class SharedActor(TrainerActor):
             with self._held_lock:
                 shards = tuple(self._held.pop((step, s)) for s in range(num))
         restored, self._restored = self._restored, False
-        ref, metrics = super().train(ckpt, step, scored, *shards)
+        ref, metrics = super()._train(ckpt, step, scored, shards, background=background)
         metrics["pool/trainer_restored"] = max(metrics["pool/trainer_restored"], float(restored))
         return ref, metrics
 

@@ -244,8 +244,18 @@ class LoopConfig:
     """Prompt shards rolled out in parallel (map_task); each shard holds whole groups."""
     seed: int = 0
     """Base seed of the per-step NoiseRecipe and the sampling generators."""
+    rollout_with_trainer: bool = False
+    """In-process runs (``run_local``): the trainside engine samples with the trainer's own module (its compute
+    context reads fp32 masters as the model dtype, the rounding a published version gives; ``ema`` rollouts swap
+    the trainer's EMA in), so the process holds one copy of the weights instead of two and copies none per step.
+    Bitwise the default rollout. The trainer restores the version first when it does not hold it (step 1, after a
+    failure). Not with a dedicated engine, lagged rollouts, ``train.shard: always`` or ``pool.execution: pool``
+    (there: ``pool.placement: shared``). Evaluation and extra dynamic-sampling rounds still use a rollout bundle."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.rollout_with_trainer, bool):
+            raise field_error(ConfigError, "loop.rollout_with_trainer", self.rollout_with_trainer, "true or false",
+                              "use false (the default) or true")
         for name in ("total_steps", "steps_per_chunk", "rollout_shards"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
@@ -398,6 +408,7 @@ class RunConfig:
         self._check_rollout_weights()
         check_eval_config(self)
         self._check_async()
+        self._check_rollout_with_trainer()
         check_shared(self)
         check_dedicated(self)
 
@@ -419,6 +430,24 @@ class RunConfig:
         if self.pool.execution == "pool":
             raise field_error(ConfigError, "filter_groups", "set", "unset with pool.execution='pool'",
                               "dynamic sampling's extra rounds run in pods mode only; use execution 'pods'")
+
+    def _check_rollout_with_trainer(self) -> None:
+        if not self.loop.rollout_with_trainer:
+            return
+        blockers = [("pool.execution", self.pool.execution, self.pool.execution == "pool",
+                     "in the pool use pool.placement='shared' (one actor is trainer and engine)"),
+                    ("async_training.max_policy_lag", self.async_training.max_policy_lag,
+                     self.async_training.max_policy_lag > 0, "one module holds one version: sample lagged rollouts "
+                     "with the rollout bundle (loop.rollout_with_trainer=false)"),
+                    ("train.shard", self.train.shard, self.train.shard == "always",
+                     "an FSDP2-sharded module cannot sample: use train.shard 'auto' or 'never'")]
+        if self.lm is not None:
+            blockers.append(("lm.deployment.engine", self.lm.deployment.engine, self.lm.dedicated is not None,
+                             "a dedicated engine holds its own weights: use the trainside engine"))
+        for name, value, blocked, fix in blockers:
+            if blocked:
+                raise field_error(ConfigError, name, value, "its default with loop.rollout_with_trainer=true",
+                                  f"{fix}, or set loop.rollout_with_trainer=false")
 
     def _check_async(self) -> None:
         """Lagged rollouts: no dynamic sampling, versions kept long enough, corrections that can act."""

@@ -6,6 +6,7 @@ Flyte tasks call exactly one of them. ``run_local`` chains the same functions in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -222,6 +223,9 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
 
         return pool_phases.rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights)
     t0 = time.perf_counter()
+    if trainer_copy and cfg.loop.rollout_with_trainer and current_world()[1] == 1:
+        return _rollout_with_trainer(cfg, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights,
+                                     gen_round=gen_round, started=t0)
     policy = build.bundle(cfg)
     if not (trainer_copy and _copy_resident_weights(policy, ckpt, cfg, weights)):
         finish_writes()  # the version must be in the store before it is read
@@ -230,6 +234,30 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
     batch, metrics = sample_step(cfg, policy, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights,
                                  started=t0, gen_round=gen_round)
     return batch, {**metrics, "rollout/load_weights_seconds": loaded}
+
+
+def _rollout_with_trainer(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
+                          weights: Literal["policy", "ema"], gen_round: int,
+                          started: float) -> tuple[SampleBatch, dict[str, float]]:
+    """``loop.rollout_with_trainer``: sample with the process's trainer module holding ``ckpt`` (restored into it
+    first when it holds another state: the first step, or after a failed one), inside its compute context, with
+    its EMA swapped in for ``weights='ema'``. No rollout bundle is built; the next train phase finds the trainer
+    resident (``_RESIDENT``) and does not restore again."""
+    backend = build.trainer(cfg)
+    restored = not _holds(_RESIDENT, backend, ckpt, cfg)
+    if restored:
+        finish_writes()  # ckpt is read from the store
+        _RESIDENT.clear()
+        extra = _restore(backend, ckpt, cfg)
+        files = load_manifest(ckpt, storage_options=cfg.checkpoint.storage_options).files
+        _RESIDENT.update(backend=backend, version=(ckpt.uri, ckpt.step, ckpt.policy_version), files=files,
+                         extra=dict(extra))
+    loaded = time.perf_counter() - started
+    with backend.ema_applied() if weights == "ema" else contextlib.nullcontext():
+        batch, metrics = sample_step(cfg, backend.policy, ckpt, step=step, shard=shard, num_shards=num_shards,
+                                     weights=weights, started=started, gen_round=gen_round)
+    return batch, {**metrics, "rollout/load_weights_seconds": loaded, "rollout/with_trainer": 1.0,
+                   "rollout/trainer_restored": float(restored)}
 
 
 def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,

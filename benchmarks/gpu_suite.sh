@@ -24,14 +24,19 @@ START=$SECONDS
 
 left() { echo $((LIMIT - (SECONDS - START))); }
 
-# bench <log name> <results glob> <command...>: run within the time left, log, copy its results at once
+# bench <log name> <results glob> <command...>: run within the time left, log, copy the results it wrote at once
+# (only files newer than its start: the repo's earlier results of the same name stay behind)
 bench() {
   local name="$1" glob="$2"; shift 2
   local t; t="$(left)"
   if [ "$t" -le 10 ]; then echo "$name: no time left" | tee -a "$RESULTS/$name.txt"; return; fi
+  local stamp; stamp="$(mktemp)"
   timeout "$t" "$@" >>"$RESULTS/$name.txt" 2>&1
   echo "$name rc $?" >>"$RESULTS/$name.txt"
-  if [ "$RESULTS" != "benchmarks/results" ]; then cp benchmarks/results/$glob "$RESULTS/" 2>/dev/null; fi
+  if [ "$RESULTS" != "benchmarks/results" ]; then
+    find benchmarks/results -maxdepth 1 -name "$glob" -newer "$stamp" -exec cp {} "$RESULTS/" \;
+  fi
+  rm -f "$stamp"
 }
 
 case "$PART" in

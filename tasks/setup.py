@@ -52,6 +52,7 @@ def setup_task(recipe: str, overrides: list[str]) -> Setup:
     ``pool.kuberay`` the pool's RayCluster spec is validated and written as ``<root>/<run>/pool/raycluster.yaml``."""
     cfg, cluster = load_run_config(recipe, overrides)
     cfg.async_training.check_workflow()
+    cfg.loop.check_workflow()
     cfg.checkpoint.check_workflow(cfg.pool.execution)
     check_agent_workflow(cfg)
     for note in preflight(cfg):

@@ -41,6 +41,15 @@ def test_setup_writes_the_kuberay_spec_and_stops_without_an_address(tmp_path, ru
                                                   "pool.kuberay.worker_cpus=0.5", "pool.address=ray://h:10001"])
 
 
+def test_workflow_refuses_rollout_with_trainer_in_setup(tmp_path, run_name):
+    """loop.rollout_with_trainer is run_local's (one process is rollout and trainer): the workflow, whose phases are
+    separate tasks, stops at setup naming the field and the fix."""
+    with pytest.raises(Exception, match=r"loop.rollout_with_trainer=True: expected false in a Flyte workflow.*"
+                                        r"pool.placement='shared'"):
+        setup_task(recipe="tiny-grpo", overrides=[f"checkpoint.root={tmp_path}", f"name={run_name}",
+                                                  "loop.rollout_with_trainer=true"])
+
+
 def test_pods_workflow_refuses_sparse_full_states_in_setup(tmp_path, run_name):
     """Every pods train task restores the previous version's full state: checkpoint.every_n_steps > 1 (fine in
     run_local and the pool) stops the workflow at setup, naming the field and the fix."""

@@ -169,6 +169,9 @@ class ComposeRunConfig:
             raise field_error(ConfigError, "checkpoint.every_n_steps", self.checkpoint.every_n_steps,
                               "1 in a compose run", "each stack's version holds its full state every step here; "
                               "leave it at 1")
+        if self.loop.rollout_with_trainer:
+            raise field_error(ConfigError, "loop.rollout_with_trainer", True, "false in a compose run",
+                              "the composed engine samples with rollout bundles of its own; remove the setting")
         if self.report.wandb is not None:
             raise field_error(ConfigError, "report.wandb", "set", "unset in a compose run",
                               "W&B is not wired for compose runs yet; TensorBoard scalars are written")

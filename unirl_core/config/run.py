@@ -252,6 +252,13 @@ class LoopConfig:
     failure). Not with a dedicated engine, lagged rollouts, ``train.shard: always`` or ``pool.execution: pool``
     (there: ``pool.placement: shared``). Evaluation and extra dynamic-sampling rounds still use a rollout bundle."""
 
+    def check_workflow(self) -> None:
+        """Refuse what the Flyte workflow cannot honour: its rollout and train phases are separate tasks."""
+        if self.rollout_with_trainer:
+            raise field_error(ConfigError, "loop.rollout_with_trainer", True, "false in a Flyte workflow",
+                              "rollout and train are separate tasks there (pods) or actors (pool): use "
+                              "pool.placement='shared' for one copy of the weights in the pool, or run_local")
+
     def __post_init__(self) -> None:
         if not isinstance(self.rollout_with_trainer, bool):
             raise field_error(ConfigError, "loop.rollout_with_trainer", self.rollout_with_trainer, "true or false",

@@ -291,11 +291,16 @@ class TrainerActor(_Actor):
     def shutdown(self) -> None:
         """Before the pool kills this actor: finish the background version write and the sharded state write, so
         a version already handed out is complete (or, failed, never published)."""
+        self._finish_writes(log.error)
+
+    def _finish_writes(self, report) -> None:
+        """Wait for the background version write, then the sharded state write; a failed one is ``report``ed
+        (that version / state is not in the store), not raised."""
         for wait in (self._writer.wait, self.wait_state):
             try:
                 wait()
             except CheckpointError as e:
-                log.error("%s: %s", self.name, e)
+                report("%s: %s", self.name, e)
 
     def _train(self, ckpt: CheckpointRef, step: int, scored: SampleBatch, shards: tuple[SampleBatch, ...], *,
                background: bool) -> tuple[CheckpointRef, dict[str, float]]:
@@ -361,11 +366,7 @@ class TrainerActor(_Actor):
         the same step. Returns the version's extra JSON state."""
         cfg = self.cfg
         opts = cfg.checkpoint.storage_options
-        for wait in (self._writer.wait, self.wait_state):
-            try:
-                wait()
-            except CheckpointError as e:  # the write failed: that version / state is not there; decided below
-                log.warning("%s: %s", self.name, e)
+        self._finish_writes(log.warning)  # a failed write: that version / state is not there; decided below
         if TRAIN_STATE in load_manifest(ckpt, storage_options=opts).files:
             return dict(restore_train_checkpoint(self.backend, ckpt, storage_options=opts).extra)
         state = latest_state(cfg.checkpoint.root, cfg.name, at_most=ckpt.step, storage_options=opts)

@@ -324,7 +324,7 @@ class Pool:
 
         if not ray.is_initialized():
             return
-        self._shutdown_servers()
+        self._shutdown_actors()
         for name in list(self._handles):
             self.kill(name)
         if self.detached:  # actors other processes of the run created
@@ -337,7 +337,7 @@ class Pool:
         if self.started_ray:
             ray.shutdown()
 
-    def _shutdown_servers(self) -> None:
+    def _shutdown_actors(self) -> None:
         """Let the actors with something to finish do it before they are killed (``shutdown``): the vLLM engine
         actor stops its server (a failure leaves it to the actor's watchdog, ``ManagedServer.stop_with_parent``), a
         trainer finishes its background version and sharded state writes."""

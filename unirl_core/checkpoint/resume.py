@@ -36,14 +36,19 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
     Collective under FSDP: every rank gathers, rank 0 writes, all ranks return the same ref.
 
     ``writer`` (world size 1, ``publish=False``): the files are written on the writer's background thread
-    from a snapshot taken now (``VersionWriter``); the ref is returned before the version exists.
+    from a snapshot taken now (``VersionWriter``); the ref is returned before the version exists. A weights-only
+    version's GPU weights go to the writer's pinned buffers without a stall (``HostStaging``); the thread waits
+    for those copies before it writes.
     """
+    if writer is not None:
+        writer.wait()  # the previous write has read its staged weights before they are overwritten
     if full_state:
         weights = backend.model_state_dict()
         state = backend.state_dict()
         ema = state.pop("ema")
-    else:
-        weights = backend.model_state_dict(dtype=backend.compute_dtype)
+    else:  # the per-step publication: its weights staged in the writer's pinned buffers (a GPU trainer)
+        weights = backend.model_state_dict(dtype=backend.compute_dtype,
+                                           staging=writer.staging if writer is not None else None)
         state, ema = None, _full_ema(backend, backend.compute_dtype)
     rank, world = current_world()
     meta = {"weights_scope": backend.cfg.weights_scope, "world_size": str(world)}

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from unirl_core.checkpoint.ref import CheckpointRef
 from unirl_core.checkpoint.store import CheckpointStore, load_manifest
 from unirl_core.errors import CheckpointError, field_error
+from unirl_core.train.host_staging import HostStaging, wait_all
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,9 @@ def storages(tensors: Iterable[Tensor]) -> set[int]:
 class _Write:
     """One version's write (and, once asked, its publish), run by the writer's thread."""
 
-    def __init__(self, store: CheckpointStore, ref: CheckpointRef, kwargs: dict[str, object]) -> None:
-        self.store, self.ref, self.kwargs = store, ref, kwargs
+    def __init__(self, store: CheckpointStore, ref: CheckpointRef, kwargs: dict[str, object],
+                 ready: list) -> None:
+        self.store, self.ref, self.kwargs, self.ready = store, ref, kwargs, ready
         self.lock = threading.Lock()
         self.publish_requested = self.saved = False
         self.published = False
@@ -78,6 +80,7 @@ class _Write:
     def run(self) -> None:
         t0 = time.perf_counter()
         try:
+            wait_all(self.ready)  # the staged device->host copies have landed
             self.store.save(self.ref.step, policy_version=self.ref.policy_version, publish=False, **self.kwargs)
             self.kwargs = {}  # the snapshot's memory goes now, not when the next version replaces this one
             self.files = load_manifest(self.ref, storage_options=self.store.storage_options).files
@@ -115,6 +118,9 @@ class VersionWriter:
         self._last: _Write | None = None
         self.last_seconds = 0.0
         """Seconds the last finished write took on its thread (save, manifest read-back, publish)."""
+        self.staging = HostStaging()
+        """Pinned host buffers a caller may stage device tensors in before ``save`` (``save_train_checkpoint``
+        does, for weights-only versions): reused version after version, so staged only after ``wait()``."""
 
     def save(self, store: CheckpointStore, step: int, *, policy_version: int, live: Iterable[Tensor],
              **kwargs: object) -> CheckpointRef:
@@ -125,7 +131,7 @@ class VersionWriter:
         ref = store.ref_for(step, policy_version)
         shared = storages(live)
         data = {k: snapshot(v, shared) for k, v in kwargs.items()}
-        self._write = _Write(store, ref, data)
+        self._write = _Write(store, ref, data, self.staging.fence())
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-checkpoint")
         self._pool.submit(self._write.run)

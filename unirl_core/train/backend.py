@@ -27,6 +27,7 @@ from unirl_core.models.precision import module_dtype, parameters_as, rounded, up
 from unirl_core.train import distributed as D
 from unirl_core.train.config import TrainConfig
 from unirl_core.train.ema import ParameterEMA
+from unirl_core.train.host_staging import HostStaging
 from unirl_core.train.optim import build_optimizer, build_scheduler, trainable_parameters
 from unirl_core.train.state import capture_rng, restore_rng, seed_everything
 from unirl_core.types import SampleBatch
@@ -328,11 +329,14 @@ class TrainBackend:
 
     # ----------------------------------------------------------------------------------- state
 
-    def model_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    def model_state_dict(self, dtype: torch.dtype | None = None, *,
+                         staging: HostStaging | None = None) -> dict[str, Tensor]:
         """Full (unsharded) CPU weights to checkpoint: exactly the trainable parameters, or everything
         (parameters and persistent buffers) with weights_scope='full'. ``dtype``: the trainable parameters rounded to
         it (on the device, before the host copy, for the trainable scope; e.g. the compute dtype for a weights-only
-        version); buffers and frozen parameters stay as they are.
+        version); buffers and frozen parameters stay as they are. ``staging`` (trainable scope): device tensors go
+        into its reusable pinned buffers asynchronously (read them after ``staging.fence()``), not to new
+        pageable memory synchronously.
 
         The trainable scope holds nothing else: no buffers (SD3's persistent ``pos_embed`` alone is
         ~13x a LoRA adapter at SD3.5-M shape) and no frozen tied names; a trainable tied weight appears
@@ -356,7 +360,9 @@ class TrainBackend:
                 continue
             full = D.full_tensor(p.detach())
             if self.rank == 0:
-                out[name] = rounded(full, dtype).to("cpu").contiguous()
+                value = rounded(full, dtype)
+                out[name] = (staging.copy(name, value) if staging is not None
+                             else value.to("cpu").contiguous())
         return out
 
     def trainable_tensors(self) -> dict[str, Tensor]:

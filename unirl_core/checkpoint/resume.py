@@ -40,7 +40,11 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
     version's GPU weights go to the writer's pinned buffers without a stall (``HostStaging``); the thread waits
     for those copies before it writes.
     """
+    rank, world = current_world()
     if writer is not None:
+        if world > 1 or publish:
+            raise field_error(CheckpointError, "writer", "set", f"unset with world size {world} / publish={publish}",
+                              "write asynchronously only in a single-rank process, and publish separately")
         writer.wait()  # the previous write has read its staged weights before they are overwritten
     if full_state:
         weights = backend.model_state_dict()
@@ -50,12 +54,8 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
         weights = backend.model_state_dict(dtype=backend.compute_dtype,
                                            staging=writer.staging if writer is not None else None)
         state, ema = None, _full_ema(backend, backend.compute_dtype)
-    rank, world = current_world()
     meta = {"weights_scope": backend.cfg.weights_scope, "world_size": str(world)}
     if writer is not None:
-        if world > 1 or publish:
-            raise field_error(CheckpointError, "writer", "set", f"unset with world size {world} / publish={publish}",
-                              "write asynchronously only in a single-rank process, and publish separately")
         return writer.save(store, backend.step_count, policy_version=backend.policy_version, live=_live_tensors(backend),
                            weights=weights, ema_weights=ema, train_state=state, config=config, extra=extra,
                            meta=meta, overwrite=overwrite)

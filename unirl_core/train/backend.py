@@ -334,7 +334,7 @@ class TrainBackend:
         """Full (unsharded) CPU weights to checkpoint: exactly the trainable parameters, or everything
         (parameters and persistent buffers) with weights_scope='full'. ``dtype``: the trainable parameters rounded to
         it (on the device, before the host copy, for the trainable scope; e.g. the compute dtype for a weights-only
-        version); buffers and frozen parameters stay as they are. ``staging`` (trainable scope): device tensors go
+        version); buffers and frozen parameters stay as they are. ``staging`` (a single-rank trainer): device tensors go
         into its reusable pinned buffers asynchronously (read them after ``staging.fence()``), not to new
         pageable memory synchronously.
 
@@ -348,9 +348,13 @@ class TrainBackend:
         if self.cfg.weights_scope != "trainable":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            # staging (one rank): the module's own device tensors, copied into the pinned buffers below
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=staging is None)
             state = get_model_state_dict(self.policy.module, options=opts)
             trained = {n for n, p in self.policy.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+            if staging is not None:
+                return {k: staging.copy(k, rounded(v.detach(), dtype if k in trained else None))
+                        for k, v in state.items()}
             return {k: rounded(v.detach(), dtype if k in trained else None).contiguous() for k, v in state.items()}
         # named_parameters, not state_dict: the names load_model_state_dict requires (the same under FSDP2,
         # whose parameters are DTensor shards: full_tensor gathers each, in module order on every rank)

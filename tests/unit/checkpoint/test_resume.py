@@ -1,5 +1,7 @@
 """Resume restores the exact training state: the next step is bit-identical to the uninterrupted run's."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,3 +82,29 @@ def test_resume_into_another_layout_fails_loudly(tmp_path):
     be2 = TrainBackend(other, ToyGRPO(), TrainConfig(micro_batch_size=2, ema_decay=0.9))
     with pytest.raises(CheckpointError, match="shapes"):
         restore_train_checkpoint(be2, ref)
+
+
+@pytest.mark.parametrize("scope", ["trainable", "full"])
+def test_background_weights_version_holds_the_weights_at_save(tmp_path, scope):
+    """The writer's staging path (``model_state_dict(staging=...)``; on a CPU trainer the tensors are the live
+    parameters, cloned by the snapshot): the next step's in-place update, right after the save returns, does not
+    reach the version being written; the written weights are the ones the synchronous path writes."""
+    from unirl_core.checkpoint.store import load_weights
+    from unirl_core.checkpoint.writer import VersionWriter
+
+    cfg = dataclasses.replace(CFG, weights_scope=scope)
+    _, be = backend(cfg)
+    be.step(batches()[0])
+    sync = save_train_checkpoint(CheckpointStore(str(tmp_path / "sync"), "run"), be, full_state=False)
+    writer = VersionWriter()
+    ref = save_train_checkpoint(CheckpointStore(str(tmp_path / "bg"), "run"), be, full_state=False, publish=False,
+                                writer=writer)
+    assert writer.staging.fence() == []  # a CPU trainer stages nothing on a device
+    with torch.no_grad():
+        for p in be.policy.module.parameters():
+            p.add_(1.0)  # the next step's update while the version is written
+    writer.wait()
+    want, got = load_weights(sync), load_weights(ref)
+    assert set(got) == set(want) and len(got) > 0
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name

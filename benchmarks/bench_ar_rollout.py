@@ -3,7 +3,9 @@
 Both sample B prompts x N new tokens at temperature 1 with top-k/top-p off and EOS ignored, so
 both produce exactly B x N tokens; the ratio engine_tok_s / generate_tok_s is the result. The
 engine is timed twice: with its default exact-replay rescoring forward (``rescore``: what
-training uses) and without it (``decode``). Timings are medians over ``--repeats`` alternating runs
+training uses) and without it (``decode``), and with ``engine.cuda_graphs`` (``rescore_graphs``: the lean
+decoder's token step at fixed shapes, replayed as one CUDA graph per token on a GPU; run eagerly on a CPU,
+where it only shows the cost of attending over the whole cache). Timings are medians over ``--repeats`` alternating runs
 after one warm-up run of each.
 
 CPU (OMP_NUM_THREADS=1 is set below, before torch loads):
@@ -124,9 +126,9 @@ def time_generate(bundle, texts, new_tokens, device) -> tuple[float, int]:
     return dt, int((out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0])
 
 
-def time_engine(bundle, texts, new_tokens, device, logp_source, fbs) -> tuple[float, int]:
+def time_engine(bundle, texts, new_tokens, device, logp_source, fbs, graphs=False) -> tuple[float, int]:
     eng = TrainsideAREngine(bundle, AREngineConfig(forward_batch_size=fbs, apply_chat_template=False,
-                                                   logp_source=logp_source, ignore_eos=True))
+                                                   logp_source=logp_source, ignore_eos=True, cuda_graphs=graphs))
     recs = [PromptRecord(prompt_id=str(i), prompt=t) for i, t in enumerate(texts)]
     batch = SampleBatch.from_prompts(recs, samples_per_prompt=1, kind="ar",
                                      sampling=ARSamplingParams(max_new_tokens=new_tokens, temperature=1.0))
@@ -161,6 +163,9 @@ def main() -> None:
         "hf_generate": lambda: time_generate(bundle, texts, args.new_tokens, args.device),
         "engine_rescore": lambda: time_engine(bundle, texts, args.new_tokens, args.device, "rescore", args.batch),
         "engine_decode_only": lambda: time_engine(bundle, texts, args.new_tokens, args.device, "decode", args.batch),
+        # the lean decoder's token step at fixed shapes, replayed as a CUDA graph on a GPU (eager on a CPU)
+        "engine_rescore_graphs": lambda: time_engine(bundle, texts, args.new_tokens, args.device, "rescore",
+                                                     args.batch, graphs=True),
     }
     for run in runners.values():  # warm-up (allocator, kernels, lazy imports)
         run()

@@ -170,6 +170,8 @@ def run_config(a, texts: list[str], root: str):
         over.append(f"train.master_weights={a.master_weights}")
     if a.rollout_with_trainer:  # the loop samples with the trainer's module: one copy of the weights (ours only)
         over.append("loop.rollout_with_trainer=true")
+    if a.cuda_graphs:  # the lean decoder's token step replayed as a CUDA graph (ours only)
+        over.append("lm.engine.cuda_graphs=true")
     if a.logprob_chunk:  # response tokens per chunk of the LM head + log-softmax (recording and replay alike)
         over.append(f"lm.model.logprob_chunk_tokens={a.logprob_chunk}")
     if a.full_state_every:  # the loop's versions: weights every step, the full resumable state every n-th
@@ -394,6 +396,8 @@ def run_side(a, side: str) -> dict:
         argv.append("--grad-ckpt")
     if a.rollout_with_trainer:
         argv.append("--rollout-with-trainer")
+    if a.cuda_graphs:
+        argv.append("--cuda-graphs")
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=a.timeout, check=False)
     if proc.returncode != 0:
         tail = proc.stderr[-3000:]
@@ -422,6 +426,8 @@ def main() -> None:
                     help="ours: lm.model.logprob_chunk_tokens (default: the config's)")
     ap.add_argument("--rollout-with-trainer", action="store_true", default=None,
                     help="loop side: loop.rollout_with_trainer=true (no rollout bundle: one copy of the weights)")
+    ap.add_argument("--cuda-graphs", action="store_true", default=None,
+                    help="ours: lm.engine.cuda_graphs=true (the decode step replayed as a CUDA graph)")
     ap.add_argument("--lr", type=float)
     ap.add_argument("--grad-ckpt", action="store_true", default=None)
     ap.add_argument("--sides", help="comma list of loop, backend, trl (default: the preset's)")
@@ -526,6 +532,7 @@ def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> 
     tag += f"_full-every-{a.full_state_every}" if a.full_state_every else ""
     tag += f"_chunk-{a.logprob_chunk}" if a.logprob_chunk else ""
     tag += "_with-trainer" if a.rollout_with_trainer else ""
+    tag += "_graphs" if a.cuda_graphs else ""
     tag += f"_{a.name}" if a.name else ""
     path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}{tag}.json"
     # Folders of this machine stay out of the record (results dir, checkpoint root): only whether one was given.

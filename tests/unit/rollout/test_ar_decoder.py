@@ -21,15 +21,17 @@ def _model(model_type, dtype=torch.float32):
     return AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
-def test_lean_logits_match_full_forward_with_left_padding(model_type):
+def test_lean_logits_match_full_forward_with_left_padding(model_type, static):
+    """``static``: the fixed-shape step a CUDA graph records (here run eagerly), over a cache with a spare column."""
     model = _model(model_type)
     assert lean_decoder_supported(model)
     ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     extra = torch.tensor([[8, 9], [10, 11]])
-    dec = LeanDecoder(model, batch=2, max_len=7)
-    got = [dec.prefill(ids, mask), dec.step(extra[:, 0]), dec.step(extra[:, 1])]
+    dec = LeanDecoder(model, batch=2, max_len=8 if static else 7, static=static)
+    got = [dec.prefill(ids, mask).clone(), dec.step(extra[:, 0]).clone(), dec.step(extra[:, 1]).clone()]
     full_ids = torch.cat([ids, extra], 1)
     full_mask = torch.cat([mask, torch.ones(2, 2, dtype=torch.int64)], 1)
     pos = (full_mask.cumsum(1) - 1).clamp(min=0)
@@ -61,3 +63,39 @@ def test_unsupported_model_falls_back_or_raises():
     with pytest.raises(ConfigError, match="decoder"):
         TrainsideAREngine(bundle, AREngineConfig(decoder="lean"))._use_lean(gpt2)
     assert not TrainsideAREngine(bundle)._use_lean(gpt2)
+
+
+def test_static_step_fills_the_cache_and_then_refuses():
+    model = _model("qwen3")
+    dec = LeanDecoder(model, batch=1, max_len=4, static=True)
+    dec.prefill(torch.tensor([[1, 2]]), torch.tensor([[1, 1]]))
+    dec.step(torch.tensor([3]))
+    dec.step(torch.tensor([4]))  # columns 2 and 3: the cache is full
+    assert int(dec._col) == 4 and bool(dec._open.all())
+    with pytest.raises(RuntimeError, match="full"):
+        dec.step(torch.tensor([5]))
+
+
+def test_engine_static_step_samples_the_same_tokens():
+    """``engine.cuda_graphs`` on a CPU runs the graph's fixed-shape step eagerly: the same sampled tokens as the
+    dynamic lean step here (its logits differ only in float rounding), and the same rescored log-probs."""
+    bundle = build_tiny_lm(seed=0, keep_reference=False)
+    recs = [PromptRecord(prompt_id=f"p{i}", prompt="x" * (i + 1) + " =") for i in range(4)]
+    batch = SampleBatch.from_prompts(recs, samples_per_prompt=2, kind="ar",
+                                     sampling=ARSamplingParams(max_new_tokens=12, seed=5))
+    plain = TrainsideAREngine(bundle, AREngineConfig(decoder="lean")).generate(batch)
+    static = TrainsideAREngine(bundle, AREngineConfig(decoder="lean", cuda_graphs=True)).generate(batch)
+    for a, b in zip(plain, static):
+        assert torch.equal(a.generated.segment.response_ids, b.generated.segment.response_ids)
+        assert torch.equal(a.generated.segment.log_probs, b.generated.segment.log_probs)
+
+
+def test_cuda_graphs_without_the_lean_decoder_is_refused():
+    with pytest.raises(ConfigError, match="engine.cuda_graphs"):
+        AREngineConfig(decoder="transformers", cuda_graphs=True)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    bundle = build_tiny_lm(seed=0, keep_reference=False)
+    with pytest.raises(ConfigError, match="engine.cuda_graphs"):  # auto: a model the lean decoder cannot run
+        TrainsideAREngine(bundle, AREngineConfig(cuda_graphs=True))._use_lean(gpt2)

@@ -25,6 +25,7 @@ class HostStaging:
     def __init__(self) -> None:
         self._buffers: dict[str, Tensor] = {}
         self._devices: set[torch.device] = set()
+        self._used: set[str] = set()
 
     def copy(self, key: str, t: Tensor) -> Tensor:
         """``t`` (detached, contiguous) on the host: a device tensor in ``key``'s pinned buffer, copied
@@ -37,11 +38,18 @@ class HostStaging:
             self._buffers[key] = buf
         buf.copy_(t.detach(), non_blocking=True)
         self._devices.add(t.device)
+        self._used.add(key)
         return buf
 
     def fence(self) -> list[torch.cuda.Event]:
         """Events on each device's current stream after every copy since the last fence (empty when there were
-        none); ``wait_all`` them before reading the staged tensors."""
+        none); ``wait_all`` them before reading the staged tensors. A fence after copies also frees the buffers
+        of keys those copies did not use (another model's names in the same process), so the pinned memory stays
+        one version's worth."""
+        if self._used:
+            for key in [k for k in self._buffers if k not in self._used]:
+                del self._buffers[key]
+            self._used = set()
         events = []
         for device in self._devices:
             event = torch.cuda.Event()

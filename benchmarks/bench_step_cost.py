@@ -233,25 +233,35 @@ def _setup_worker(state: Path) -> dict:
     import logging
 
     t0 = time.perf_counter()
+
+    def progress(what: str) -> None:
+        print(f"  [setup] {what} at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
     spec = _spec(state)
     clock = Clock(spec["device"])
     _imports(spec, clock)
+    progress("imports")
     logging.getLogger("unirl.progress").disabled = True
     if spec.get("shaped"):
         from safetensors.torch import save_model
 
         module = construct_shaped(spec)
+        progress("shaped model built")
         save_model(module, str(state / "model-init.safetensors"))
         del module
+        progress("shaped weights written")
         for phase, nbytes in spec.get("standins", {}).items():
             write_standin(state / f"standin-{phase}.safetensors", int(nbytes * spec.get("standin_scale", 1.0)))
         patch_shaped(spec, state, clock)
+        progress("stand-ins written")
     from unirl_core.checkpoint import CheckpointStore
     from unirl_core.loop import phases
 
     cfg = _config(spec)
     v0 = phases.init_run(cfg, resume_from="never")
+    progress("version 0 written")
     metrics, v1 = _inprocess_step(cfg, v0, 1, Clock(spec["device"]), None)
+    progress("step 1 trained and version 1 written")
     _save_ref(v1, state / "v1.json")
     CheckpointStore(cfg.checkpoint.root, cfg.name, keep_last=1).apply_retention()  # drop version 0 (disk)
     return {"setup_s": time.perf_counter() - t0, "step1_metrics": metrics}
@@ -328,11 +338,13 @@ def _warm_worker(state: Path, repeats: int) -> dict:
             load_standin(spec, state, phase, clock)
     _inprocess_step(cfg, v1, STEP, clock, first)
     warmup_s = time.perf_counter() - t0
+    print(f"  [warm] warm-up step {warmup_s:.1f} s", file=sys.stderr, flush=True)
     steps, metrics = [], {}
-    for _ in range(repeats):
+    for k in range(repeats):
         per: dict = {}
         metrics, new = _inprocess_step(cfg, v1, STEP, clock, per)
         steps.append(per)
+        print(f"  [warm] step {k + 1}/{repeats} at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return {"warmup_step_s": warmup_s, "warmup_phases": first, "steps": steps, "metrics": metrics,
             "version_bytes": _tree_bytes(Path(new.uri))}
 
@@ -513,11 +525,13 @@ def _spawn(worker: str, state: Path, extra: list[str] = ()) -> tuple[dict, float
     """Run a worker process; returns its report, the spawn wall time and the exit wall time."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--state", str(state), *extra]
     spawn = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), check=False)
+    # the worker's stderr (its progress lines, warnings, a traceback) goes straight to ours: a run cut by a time
+    # limit still shows how far each worker got
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=str(ROOT), check=False)
     end = time.time()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
     if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        sys.stderr.write(proc.stdout[-4000:])
         raise SystemExit(f"worker {worker} failed (exit {proc.returncode})")
     return json.loads(lines[-1][len(MARK):]), spawn, end
 
@@ -537,6 +551,7 @@ def _pods_round(state: Path, cold: bool) -> dict:
         comps["start"] = r["t0_wall"] - spawn
         comps["exit"] = end - r["end_wall"]
         comps["total"] = end - spawn
+        print(f"  [pods] {phase} process {comps['total']:.1f} s", file=sys.stderr, flush=True)
         comps.update({k: v for k, v in t.items() if "." in k})  # build.* sub-components
         comps["bytes_written"] = r["bytes_written"]
         comps["projection_bytes"] = r.get("projection_bytes", 0)

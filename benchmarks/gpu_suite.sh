@@ -7,6 +7,7 @@
 #                                                       # GPU 1: GRPO vs TRL at 0.6B (master weights = model) and math
 #   RESULTS=out bash benchmarks/gpu_suite.sh pool [gpu_pool_loop.py args]   # the pool loop (two GPUs)
 #   RESULTS=out bash benchmarks/gpu_suite.sh step-cost  # bench_step_cost at the GPU shapes
+#   RESULTS=out bash benchmarks/gpu_suite.sh graphs     # lm.engine.cuda_graphs: decode throughput, GRPO vs TRL
 #
 # Needs torch with CUDA, diffusers, transformers, peft (and trl for the TRL side, ray for the pool) importable.
 # LIMIT (seconds, default 540) bounds each part. Two-GPU hosts: NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -59,9 +60,18 @@ case "$PART" in
     bench pool "gpu_pool_loop*" python3 benchmarks/gpu_pool_loop.py --keep --root "$root" "$@"
     # the per-mode JSONs (per-step metrics); each mode's checkpoint versions are deleted after it ran
     (cd "$root" && find . -name '*.json' | tar czf "$RESULTS/pool_modes.tgz" -T -) 2>/dev/null; rm -rf "$root" ;;
+  graphs)
+    # lm.engine.cuda_graphs: decode throughput (row engine_rescore_graphs), then the GRPO step vs TRL with it
+    CUDA_VISIBLE_DEVICES=0 bench arrollout "bench_ar_rollout*" python3 benchmarks/bench_ar_rollout.py \
+      --preset qwen3-0.6b --device cuda --dtype bfloat16 --batch 64 --new-tokens 256
+    root="$(mktemp -d)"
+    CUDA_VISIBLE_DEVICES=0 bench grpo06g "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset 0.6b \
+      --device cuda --master-weights model --full-state-every 10 --logprob-chunk 256 --rollout-with-trainer \
+      --cuda-graphs --sides loop,trl --steps 4 --warmup 1 --rounds 2 --timeout 150 --checkpoint-root "$root"
+    rm -rf "$root" ;;
   step-cost)
     bench stepcost "bench_step_cost*" python3 benchmarks/bench_step_cost.py --preset sd35m-lora sd35m-full qwen3-0.6b "$@" ;;
   *)
-    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost [args]" >&2; exit 2 ;;
+    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost|graphs [args]" >&2; exit 2 ;;
 esac
 ls -la "$RESULTS"

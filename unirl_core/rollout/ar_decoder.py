@@ -169,7 +169,9 @@ class LeanDecoder:
             return out
         if self._graph is None:
             self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
+            # thread_local: another thread's CUDA calls during the capture (the checkpoint writer waiting on its
+            # staging event while this rollout runs) must not invalidate it
+            with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
                 self._out = self._static_step()
         self._graph.replay()
         return self._out

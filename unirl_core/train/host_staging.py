@@ -8,15 +8,20 @@ pinned buffer kept from the last version under the same key (same shape and dtyp
 waits on it before it reads a byte. The copies run in stream order, so the next in-place update of a parameter
 (the optimizer's, on the same stream) happens after its copy.
 
-The buffers are reused: a staged tensor is valid until the next ``copy`` under its key. The owner
+The buffers are reused: a staged tensor is valid until the next ``copy`` under its key. A host that cannot
+page-lock more memory gets the synchronous pageable copy for that tensor (logged once), not a failed step. The owner
 (``VersionWriter``) stages the next version only after the previous write finished. CPU tensors are copied by
 ``to("cpu")`` as before (nothing to overlap), so a CPU run takes the same path as without staging.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 
 class HostStaging:
@@ -26,15 +31,24 @@ class HostStaging:
         self._buffers: dict[str, Tensor] = {}
         self._devices: set[torch.device] = set()
         self._used: set[str] = set()
+        self._warned = False
 
     def copy(self, key: str, t: Tensor) -> Tensor:
         """``t`` (detached, contiguous) on the host: a device tensor in ``key``'s pinned buffer, copied
         asynchronously (read it only after ``fence()``'s events completed); a CPU tensor as it is."""
-        if t.device.type != "cuda":
+        if not _on_device(t):
             return t.to("cpu").contiguous()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._buffers.pop(key, None)
+            try:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            except RuntimeError as e:  # no page-locked memory left on this host: the synchronous pageable copy
+                if not self._warned:
+                    log.warning("pinned host memory for checkpoint staging unavailable (%s); copying %s and "
+                                "further tensors synchronously", e, key)
+                    self._warned = True
+                return t.detach().to("cpu").contiguous()
             self._buffers[key] = buf
         buf.copy_(t.detach(), non_blocking=True)
         self._devices.add(t.device)
@@ -62,6 +76,10 @@ class HostStaging:
     def nbytes(self) -> int:
         """Pinned host memory held."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _on_device(t: Tensor) -> bool:
+    return t.device.type == "cuda"
 
 
 def wait_all(events: list[torch.cuda.Event]) -> None:

@@ -135,15 +135,7 @@ class LeanDecoder:
         sin = self._sin[positions][:, None]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = _rms(layer.input_layernorm, h)
-            qs = attn.q_proj(x).view(b, q, self.n_heads, self.head_dim)
-            ks = attn.k_proj(x).view(b, q, self.n_kv, self.head_dim)
-            vs = attn.v_proj(x).view(b, q, self.n_kv, self.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):
-                qs, ks = _rms(attn.q_norm, qs), _rms(attn.k_norm, ks)
-            qk = torch.cat((qs, ks), dim=2).transpose(1, 2)  # rotate q and k heads together
-            qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
-            qs, ks = qk[:, :self.n_heads], qk[:, self.n_heads:]
+            qs, ks, vs = self._qkv(attn, _rms(layer.input_layernorm, h), cos, sin)
             self.k[i][:, :, start:end] = ks
             self.v[i][:, :, start:end] = vs
             o = F.scaled_dot_product_attention(qs, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask,
@@ -152,6 +144,18 @@ class LeanDecoder:
             h = h + layer.mlp(_rms(layer.post_attention_layernorm, h))
         self._length = end
         return self.model.lm_head(_rms(self.inner.norm, h[:, -1]))
+
+    def _qkv(self, attn: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries ``[B, H, q, D]``, keys and values ``[B, KV, q, D]`` of the normed hidden ``x [B, q, C]``."""
+        b, q = x.shape[:2]
+        qs = attn.q_proj(x).view(b, q, self.n_heads, self.head_dim)
+        ks = attn.k_proj(x).view(b, q, self.n_kv, self.head_dim)
+        vs = attn.v_proj(x).view(b, q, self.n_kv, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            qs, ks = _rms(attn.q_norm, qs), _rms(attn.k_norm, ks)
+        qk = torch.cat((qs, ks), dim=2).transpose(1, 2)  # rotate q and k heads together
+        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
+        return qk[:, :self.n_heads], qk[:, self.n_heads:], vs
 
     def _replay(self, token_ids: Tensor) -> Tensor:
         if self._length + self._steps >= self.max_len:
@@ -185,15 +189,7 @@ class LeanDecoder:
         sin = self._sin[self._pos][:, None]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = _rms(layer.input_layernorm, h)
-            qs = attn.q_proj(x).view(b, 1, self.n_heads, self.head_dim)
-            ks = attn.k_proj(x).view(b, 1, self.n_kv, self.head_dim)
-            vs = attn.v_proj(x).view(b, 1, self.n_kv, self.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):
-                qs, ks = _rms(attn.q_norm, qs), _rms(attn.k_norm, ks)
-            qk = torch.cat((qs, ks), dim=2).transpose(1, 2)
-            qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
-            qs, ks = qk[:, :self.n_heads], qk[:, self.n_heads:]
+            qs, ks, vs = self._qkv(attn, _rms(layer.input_layernorm, h), cos, sin)
             self.k[i].index_copy_(2, col, ks)
             self.v[i].index_copy_(2, col, vs)
             # One query token: the G query heads sharing a KV head go in the query-length dimension (head h reads

@@ -300,9 +300,10 @@ class TrainsideAREngine:
             ids[i, p - x.numel():] = x
             mask[i, p - x.numel():] = 1
         ids, mask = ids.to(dev), mask.to(dev)
+        lean = None
         if self._use_lean(model):
-            stepper = LeanDecoder(model, batch=b, max_len=p + n, graphs=self.config.cuda_graphs)
-            logits, step = stepper.prefill(ids, mask), stepper.step
+            lean = LeanDecoder(model, batch=b, max_len=p + n, graphs=self.config.cuda_graphs)
+            logits, step = lean.prefill(ids, mask), lean.step
         else:
             logits, step = _transformers_stepper(model, ids, mask, n)
         tokens = torch.full((b, n), pad, dtype=torch.int64, device=dev)
@@ -310,23 +311,27 @@ class TrainsideAREngine:
         lengths = torch.full((b,), n, dtype=torch.int64, device=dev)
         finished = torch.zeros(b, dtype=torch.bool, device=dev)
         steps = 0
-        for t in range(n):
-            tok, lp = sample_next(logits, sp, gen)
-            tok = tok.masked_fill(finished, pad)
-            tokens[:, t], logps[:, t] = tok, lp
-            hit = torch.isin(tok, eos) & ~finished
-            lengths = torch.where(hit, t + 1, lengths)
-            finished |= hit
-            steps = t + 1
-            if sp.stop and (steps % self.config.stop_check_interval == 0 or steps == n):
-                self._check_stops(tokens, steps, sp.stop, finished, lengths)
-            # Checking for "all finished" syncs with the device; every few steps keeps the GPU queue full.
-            if steps == n or (steps % self.config.finish_check_interval == 0 and bool(finished.all())):
-                break
-            logits = step(tok)
-        lengths = lengths.clamp(max=steps).cpu()
-        finished = finished.cpu()
-        tokens, logps = tokens.cpu(), logps.cpu()
+        try:
+            for t in range(n):
+                tok, lp = sample_next(logits, sp, gen)
+                tok = tok.masked_fill(finished, pad)
+                tokens[:, t], logps[:, t] = tok, lp
+                hit = torch.isin(tok, eos) & ~finished
+                lengths = torch.where(hit, t + 1, lengths)
+                finished |= hit
+                steps = t + 1
+                if sp.stop and (steps % self.config.stop_check_interval == 0 or steps == n):
+                    self._check_stops(tokens, steps, sp.stop, finished, lengths)
+                # Checking for "all finished" syncs with the device; every few steps keeps the GPU queue full.
+                if steps == n or (steps % self.config.finish_check_interval == 0 and bool(finished.all())):
+                    break
+                logits = step(tok)
+            lengths = lengths.clamp(max=steps).cpu()
+            finished = finished.cpu()
+            tokens, logps = tokens.cpu(), logps.cpu()
+        finally:
+            if lean is not None:
+                lean.close()  # the static cache and, after a CUDA graph, the graph and cuBLAS workspaces
         finish = ["stop" if bool(finished[i]) else "length" for i in range(b)]
         return _Decoded(response_ids=[tokens[i, :int(lengths[i])].clone() for i in range(b)],
                         log_probs=[logps[i, :int(lengths[i])].clone() for i in range(b)], finish=finish)

@@ -99,3 +99,56 @@ def test_cuda_graphs_without_the_lean_decoder_is_refused():
     bundle = build_tiny_lm(seed=0, keep_reference=False)
     with pytest.raises(ConfigError, match="engine.cuda_graphs"):  # auto: a model the lean decoder cannot run
         TrainsideAREngine(bundle, AREngineConfig(cuda_graphs=True))._use_lean(gpt2)
+
+
+def test_close_frees_the_cache_and_refuses_further_steps():
+    model = _model("qwen3")
+    dec = LeanDecoder(model, batch=1, max_len=6, static=True)
+    dec.prefill(torch.tensor([[1, 2]]), torch.tensor([[1, 1]]))
+    dec.step(torch.tensor([3]))
+    dec.close()
+    dec.close()  # idempotent
+    assert dec.k == [] and dec.v == [] and dec._open is None
+    with pytest.raises(RuntimeError, match="after close"):
+        dec.step(torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="after close"):
+        dec.prefill(torch.tensor([[1, 2]]), torch.tensor([[1, 1]]))
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_engine_closes_every_decoder_it_opens(monkeypatch, fail):
+    """One decoder per decode batch, each closed when its batch ends, also when sampling raises: its static cache
+    (and on a GPU its graph and cuBLAS workspaces) must not outlive the rollout into the train step's peak."""
+    import unirl_core.rollout.ar as ar
+
+    opened = []
+
+    class Tracked(LeanDecoder):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            opened.append(self)
+
+    monkeypatch.setattr(ar, "LeanDecoder", Tracked)
+    if fail:
+        real = ar.sample_next
+        calls = []
+
+        def failing(*a, **k):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("sampling failed")
+            return real(*a, **k)
+
+        monkeypatch.setattr(ar, "sample_next", failing)
+    bundle = build_tiny_lm(seed=0, keep_reference=False)
+    recs = [PromptRecord(prompt_id=f"p{i}", prompt="x" * (i + 1) + " =") for i in range(4)]
+    batch = SampleBatch.from_prompts(recs, samples_per_prompt=2, kind="ar",
+                                     sampling=ARSamplingParams(max_new_tokens=6, seed=1))
+    engine = TrainsideAREngine(bundle, AREngineConfig(decoder="lean", cuda_graphs=True, decode_batch_size=4))
+    if fail:
+        with pytest.raises(RuntimeError, match="sampling failed"):
+            engine.generate(batch)
+    else:
+        engine.generate(batch)
+    assert opened and all(d.closed and d.k == [] for d in opened)
+    assert len(opened) == (1 if fail else 2)

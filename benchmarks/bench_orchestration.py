@@ -13,10 +13,14 @@ uses a fresh run name, so the flytekit cache never hits.
 
 ``--execution pool``: the same comparison with ``pool.execution: pool`` at steady state (a local Ray head started
 once by this process; its start and each run's actor start are reported apart, not in the per-step times):
-  * plain: ``run_local`` in-process (the warm loop), ``time/step`` of the steps after the warm-up ones;
+  * plain: ``run_local`` in-process (the warm loop), the steps after the warm-up ones;
   * plain-pool: ``run_local`` in pool mode, the same steps;
   * flyte-pool: ``grpo`` in pool mode, one execution of ``--warmup`` steps (``max_steps``: starts the actors), then
-    one of ``--steps`` steps on the same config (same actors, warm): its wall / steps, setup and init tasks included.
+    one of ``--steps`` steps on the same config (same actors, warm).
+Every side's steady step is timed the same way: from the first measured step's end to the last one's, over the
+steps between (run_local: an ``on_step`` clock after its per-step bookkeeping; Flyte: each step's report record,
+written by the step's last task, holds its end time). The Flyte execution's once-per-run tasks (setup, init and
+resume, the end) fall outside; its wall / steps, with them, is reported beside (``execution_s_per_step``).
 Per-phase seconds per step come from the steps' ``time/<phase>`` (Flyte: recorded by each task around the library
 call); Flyte's remainder (task machinery, Arrow IPC + hashing, decks, report) is its overhead.
 """
@@ -82,11 +86,20 @@ def _pool_plain(recipe: str, root: str, warmup: int, steps: int, pool: bool) -> 
 
     extra = ["pool.execution=pool"] if pool else []
     cfg = load_recipe(recipe, [*_overrides(root, f"p-{uuid.uuid4().hex[:8]}", warmup + steps, warmup + steps), *extra])
+    ends: list[float] = []  # wall clock at each step's end, after the loop's own per-step bookkeeping
     t0 = time.perf_counter()
-    hist = run_local(cfg, progress=False)
+    hist = run_local(cfg, progress=False, on_step=lambda metrics, batch: ends.append(time.perf_counter()))
     steady = hist[warmup:]
-    return {"step_s": sum(h["time/step"] for h in steady) / steps, "first_s": time.perf_counter() - t0
-            - sum(h["time/step"] for h in steady), "phases": _phase_means(steady)}
+    return {"step_s": _between_ends(ends[warmup:]), "compute_s": sum(h["time/step"] for h in steady) / steps,
+            "first_s": ends[warmup] - t0,  # set-up (actors in pool mode) + the warm-up steps + the first measured
+            "phases": _phase_means(steady)}
+
+
+def _between_ends(ends: list[float]) -> float:
+    """Steady seconds per step: from the first measured step's end to the last one's, over the steps between."""
+    if len(ends) < 2:
+        raise ValueError(f"--steps must be at least 2 to time steps between their ends, got {len(ends)}")
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
 def _pool_flyte(recipe: str, root: str, warmup: int, steps: int) -> dict:
@@ -101,12 +114,23 @@ def _pool_flyte(recipe: str, root: str, warmup: int, steps: int) -> dict:
     wall = time.perf_counter() - t1
     if out.step != warmup + steps:
         raise RuntimeError(f"flyte-pool ran to step {out.step}, expected {warmup + steps}")
-    recs = [json.loads(path.read_text())["metrics"]
+    recs = [json.loads(path.read_text())
             for path in sorted((Path(root) / name / "report").glob("step-*/metrics.json"))[warmup:]]
-    return {"step_s": wall / steps, "first_s": t1 - t0, "phases": _phase_means(recs)}
+    # steady state as for run_local: between the measured steps' ends (each step's report record, written by the
+    # step's last task, holds its end time); the execution's once-per-run tasks (setup, init, resume, the end)
+    # are wall / steps - this, reported apart
+    return {"step_s": _between_ends([r["time"] for r in recs]), "execution_s_per_step": wall / steps,
+            "first_s": t1 - t0, "phases": _phase_means([r["metrics"] for r in recs])}
+
+
+def ratio_exec(runs: dict) -> float:
+    """Median over rounds of the flyte-pool execution's wall / steps over plain's steady step."""
+    return statistics.median(f["execution_s_per_step"] / p["step_s"] for f, p in zip(runs["flyte-pool"], runs["plain"]))
 
 
 def pool_main(args) -> None:
+    if args.steps < 2:
+        raise SystemExit(f"--steps {args.steps}: pool mode times steps between their ends; use --steps 2 or more")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only, as the pool's own head
     import ray
 
@@ -116,7 +140,7 @@ def pool_main(args) -> None:
     rows, data = [], {"ray_head_start_s": ray_start}
     with tempfile.TemporaryDirectory() as root:
         for recipe in args.recipes:
-            _pool_plain(recipe, root, 1, 1, False)  # warm-up: imports, the in-process model caches
+            _pool_plain(recipe, root, 1, 2, False)  # warm-up: imports, the in-process model caches
             runs = {"plain": [], "plain-pool": [], "flyte-pool": []}
             for _ in range(args.rounds):  # alternating, so load drifts hit every side alike
                 runs["plain"].append(_pool_plain(recipe, root, args.warmup, args.steps, False))
@@ -127,23 +151,33 @@ def pool_main(args) -> None:
             phases = {side: {p: statistics.median(r["phases"][p] for r in rs) for p in PHASES}
                       for side, rs in runs.items()}
             flyte_overhead = med["flyte-pool"] - sum(phases["flyte-pool"].values())
+            per_execution = statistics.median(r["execution_s_per_step"] for r in runs["flyte-pool"])
+            plain_compute = statistics.median(r["compute_s"] for r in runs["plain"])
             data[recipe] = {"warmup_steps": args.warmup, "steps": args.steps, "rounds": args.rounds,
                             "step_s": med, "flyte_pool_vs_plain": ratio("flyte-pool", "plain"),
                             "plain_pool_vs_plain": ratio("plain-pool", "plain"),
                             "flyte_pool_vs_plain_pool": ratio("flyte-pool", "plain-pool"),
                             "phase_s_per_step": phases, "flyte_overhead_s_per_step": flyte_overhead,
+                            "flyte_pool_execution_s_per_step": per_execution,
+                            "flyte_pool_execution_vs_plain": ratio_exec(runs),
+                            "plain_time_step_s": plain_compute,
                             "first_s": {side: statistics.median(r["first_s"] for r in rs) for side, rs in runs.items()},
                             "target_flyte_pool_vs_plain": 1.15, "raw": runs}
             cell = lambda side: " / ".join(f"{phases[side][p]:.3f}" for p in PHASES)  # noqa: E731
             rows.append([recipe, f"{med['plain']:.3f}", f"{med['plain-pool']:.3f}", f"{med['flyte-pool']:.3f}",
                          f"{data[recipe]['flyte_pool_vs_plain']:.2f}", f"{data[recipe]['plain_pool_vs_plain']:.2f}",
                          cell("plain"), cell("plain-pool"), cell("flyte-pool"), f"{flyte_overhead:.3f}",
+                         f"{per_execution:.3f} ({data[recipe]['flyte_pool_execution_vs_plain']:.2f}x)",
                          f"{data[recipe]['first_s']['flyte-pool']:.1f}"])
     header = ["recipe", "plain s/step", "plain-pool s/step", "flyte-pool s/step", "flyte-pool/plain",
               "plain-pool/plain", "plain phases s", "plain-pool phases s", "flyte-pool phases s",
-              "flyte overhead s/step", "flyte-pool first execution s"]
+              "flyte overhead s/step", "flyte-pool execution wall / steps s (vs plain)", "flyte-pool first execution s"]
     notes = (f"Steady state, {args.steps} steps after {args.warmup} warm-up step(s), medians over {args.rounds} "
-             f"alternating rounds (ratios: median of per-round ratios). Phases: {' / '.join(PHASES)} seconds per step "
+             "alternating rounds (ratios: median of per-round ratios). s/step: from the first measured step's end "
+             "to the last one's, over the steps between, on every side (run_local: after its per-step bookkeeping; "
+             "Flyte: the end time each step's report record holds); the Flyte execution's once-per-run tasks "
+             "(setup, init/resume, the end) are in 'execution wall / steps' instead. "
+             f"Phases: {' / '.join(PHASES)} seconds per step "
              "inside the phase functions (pool: the driver's wait on the actor call, so it includes Ray's call and "
              "(de)serialisation). Flyte overhead = flyte-pool step - its phases (task machinery, Arrow IPC + sha256, "
              "decks, report; setup + init tasks once per execution). One-off, not in the steps: Ray head start "

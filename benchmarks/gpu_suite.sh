@@ -8,6 +8,7 @@
 #   RESULTS=out bash benchmarks/gpu_suite.sh pool [gpu_pool_loop.py args]   # the pool loop (two GPUs)
 #   RESULTS=out bash benchmarks/gpu_suite.sh step-cost  # bench_step_cost at the GPU shapes
 #   RESULTS=out bash benchmarks/gpu_suite.sh graphs     # lm.engine.cuda_graphs: decode throughput, GRPO vs TRL
+#   RESULTS=out bash benchmarks/gpu_suite.sh graphs-math  # the same at the qwen3-math shape, loop + TRL (~6 min)
 #
 # Needs torch with CUDA, diffusers, transformers, peft (and trl for the TRL side, ray for the pool) importable.
 # LIMIT (seconds, default 540) bounds each part. Two-GPU hosts: NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -69,9 +70,16 @@ case "$PART" in
       --device cuda --master-weights model --full-state-every 10 --logprob-chunk 256 --rollout-with-trainer \
       --cuda-graphs --sides loop,trl --steps 4 --warmup 1 --rounds 2 --timeout 150 --checkpoint-root "$root"
     rm -rf "$root" ;;
+  graphs-math)
+    # peak vs TRL's at the qwen3-math shape with graphs (the decoder's close() frees its cuBLAS workspaces)
+    root="$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)"
+    CUDA_VISIBLE_DEVICES=0 bench grpomathg "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset math \
+      --device cuda --master-weights model --full-state-every 10 --logprob-chunk 256 --rollout-with-trainer \
+      --cuda-graphs --sides loop,trl --rounds 1 --steps 3 --warmup 1 --timeout 250 --checkpoint-root "$root"
+    rm -rf "$root" ;;
   step-cost)
     bench stepcost "bench_step_cost*" python3 benchmarks/bench_step_cost.py --preset sd35m-lora sd35m-full qwen3-0.6b "$@" ;;
   *)
-    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost|graphs [args]" >&2; exit 2 ;;
+    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost|graphs|graphs-math [args]" >&2; exit 2 ;;
 esac
 ls -la "$RESULTS"

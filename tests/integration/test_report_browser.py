@@ -95,7 +95,8 @@ def test_dom_has_step_rows_charts_with_axes_and_thumbnails(report_index, tmp_pat
         ticks = _tick_numbers(svg)
         assert {"1", "2"} <= set(ticks) and len(ticks) >= 4, (metric, ticks)
         assert ">step<" in svg, metric  # the x axis label
-    assert dom.count('src="data:image/jpeg;base64,') >= 8  # the sample strips of both steps
+    # the sample strips of both steps (the tiny recipe's 64 px PNGs go in as they are, larger ones as JPEGs)
+    assert len(re.findall(r'src="data:image/(?:png|jpeg);base64,', dom)) >= 8
     assert 'class="strip-note"' in dom and "the first, the last" in dom
     assert "step-00000002/rollout.html" in dom and '"name": "browser-' in dom  # deck pages, the config
 
@@ -140,7 +141,7 @@ def _table(dom: str, css_class: str) -> str:
 def test_flow_decks_render_grid_histogram_statistics_and_timings(report_index, tmp_path):
     step = report_index.parent / "step-00000002"
     rollout = _dom(step / "rollout.html", tmp_path)
-    assert _table(rollout, "sample-grid").count('src="data:image/jpeg;base64,') == 8
+    assert len(re.findall(r'src="data:image/(?:png|jpeg);base64,', _table(rollout, "sample-grid"))) == 8
     assert "time/rollout" in _table(rollout, "timings") or "rollout/seconds" in _table(rollout, "timings")
     reward = _dom(step / "reward.html", tmp_path)
     assert "jpeg_compressibility" in _table(reward, "reward-components")

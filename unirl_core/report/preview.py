@@ -10,10 +10,26 @@ from unirl_core.report.text import display_html
 from unirl_core.types import DiffusionSegment, Part, SampleBatch, TokenSegment
 
 THUMB_PX = 96
+EMBED_MAX_BYTES = 4096
+"""A PNG at most this big that already fits the thumbnail goes in as it is: flat-colour renders (the shapes world)
+compress to ~1 KB, stay sharp and skip a decode; noisy ones (a random tiny model's, ~10 KB at 64 px) would make
+pages 3-4x larger than their JPEG thumbnails and take the JPEG path."""
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(data: bytes) -> tuple[int, int] | None:
+    """Width and height from a PNG's header (no decode); None for anything else."""
+    if len(data) < 24 or data[:8] != _PNG_MAGIC or data[12:16] != b"IHDR":
+        return None
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
 def thumbnail_data_uri(png: bytes, size: int = THUMB_PX) -> str:
-    """A small JPEG data URI of an image (keeps a deck of 64 samples well under 1 MB)."""
+    """A small data URI of an image (keeps a deck of 64 samples well under 1 MB): the PNG itself when it already
+    fits ``size`` and is at most ``EMBED_MAX_BYTES`` (no decode, lossless), else a JPEG thumbnail."""
+    dims = png_size(png)
+    if dims is not None and max(dims) <= size and len(png) <= EMBED_MAX_BYTES:
+        return "data:image/png;base64," + base64.b64encode(png).decode()
     from PIL import Image
 
     with Image.open(io.BytesIO(png)) as im:

@@ -24,10 +24,13 @@ after each decode batch) drops the graph, its static buffers and the cache and c
 keeps a workspace (32 MiB on an H200) per (handle, stream) in the caching allocator for the life of the process,
 so a fresh warm-up stream per decode batch left one more workspace allocated after every rollout (+160 MiB at the
 training step's peak after 4 rollouts, measured at the qwen3-math shape), and a workspace first used during
-capture would outlive its graph.
+capture would outlive its graph. The clear runs on the main thread only (a lagged rollout's sampler thread
+leaves its side stream's one workspace in place rather than clear those of a train step running beside it).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -217,7 +220,10 @@ class LeanDecoder:
         self._cos = self._sin = self._key_mask = None
         self.closed = True
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if graphed and clear is not None:
+        # the clear drops every thread's workspaces: only from the main thread, so a decoder on a lagged rollout's
+        # sampler thread never pulls one from under a train step running beside it (that side stream's one
+        # workspace then stays allocated: it is reused by every later warm-up on the same stream)
+        if graphed and clear is not None and threading.current_thread() is threading.main_thread():
             clear()  # re-created on the next cuBLAS call of each stream that makes one
 
     def _static_step(self) -> Tensor:

@@ -123,7 +123,7 @@ def _pool_flyte(recipe: str, root: str, warmup: int, steps: int) -> dict:
             "first_s": t1 - t0, "phases": _phase_means([r["metrics"] for r in recs])}
 
 
-def ratio_exec(runs: dict) -> float:
+def _ratio_exec(runs: dict) -> float:
     """Median over rounds of the flyte-pool execution's wall / steps over plain's steady step."""
     return statistics.median(f["execution_s_per_step"] / p["step_s"] for f, p in zip(runs["flyte-pool"], runs["plain"]))
 
@@ -159,7 +159,7 @@ def pool_main(args) -> None:
                             "flyte_pool_vs_plain_pool": ratio("flyte-pool", "plain-pool"),
                             "phase_s_per_step": phases, "flyte_overhead_s_per_step": flyte_overhead,
                             "flyte_pool_execution_s_per_step": per_execution,
-                            "flyte_pool_execution_vs_plain": ratio_exec(runs),
+                            "flyte_pool_execution_vs_plain": _ratio_exec(runs),
                             "plain_time_step_s": plain_compute,
                             "first_s": {side: statistics.median(r["first_s"] for r in rs) for side, rs in runs.items()},
                             "target_flyte_pool_vs_plain": 1.15, "raw": runs}

@@ -95,7 +95,7 @@ def test_dom_has_step_rows_charts_with_axes_and_thumbnails(report_index, tmp_pat
         ticks = _tick_numbers(svg)
         assert {"1", "2"} <= set(ticks) and len(ticks) >= 4, (metric, ticks)
         assert ">step<" in svg, metric  # the x axis label
-    # the sample strips of both steps (the tiny recipe's 64 px PNGs go in as they are, larger ones as JPEGs)
+    # the sample strips of both steps (a small flat-colour PNG goes in as it is, any other image as a JPEG)
     assert len(re.findall(r'src="data:image/(?:png|jpeg);base64,', dom)) >= 8
     assert 'class="strip-note"' in dom and "the first, the last" in dom
     assert "step-00000002/rollout.html" in dom and '"name": "browser-' in dom  # deck pages, the config

@@ -22,6 +22,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -157,6 +158,8 @@ def main() -> None:
     ap.add_argument("--guidance", type=float, default=4.5)
     ap.add_argument("--layers", type=int, default=None, help="sd35m only: fewer layers (CPU smoke test)")
     ap.add_argument("--height", type=int, default=None, help="image size in pixels (default: the preset's)")
+    ap.add_argument("--cfg-batch", choices=("joint", "split"), default="joint",
+                    help="our side's diffusion.model.cfg_batch (the plain loop always batches [uncond; cond])")
     args = ap.parse_args()
     p = dict(PRESETS[args.preset])
     if args.height:
@@ -166,6 +169,7 @@ def main() -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)
     bundle = build(args.preset, args.device, p["dtype"], args.layers)
+    bundle.config = dataclasses.replace(bundle.config, cfg_batch=args.cfg_batch)
     sampling = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=steps, shift=3.0), guidance_scale=args.guidance,
                                        height=p["height"], width=p["height"])
     recipe = NoiseRecipe(base_seed=0)
@@ -184,9 +188,12 @@ def main() -> None:
     name = f"bench_diffusion_rollout_{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
         name += "_smoke"
+    if args.cfg_batch != "joint":
+        name += f"_cfg-{args.cfg_batch}"
     report(name, f"Diffusion rollout: trainside (SDE + recording) vs plain diffusers loop ({args.preset}, {args.device})",
            ["preset", "batch", "steps", "plain img-steps/s", "ours img-steps/s", "ours / plain"], rows, data,
-           notes=f"Median of {repeats} interleaved runs after a warmup; ratio = median of per-pair time ratios; CFG scale {args.guidance} (2B rows per forward); "
+           notes=f"Median of {repeats} interleaved runs after a warmup; ratio = median of per-pair time ratios; CFG scale {args.guidance} (ours: cfg_batch "
+                 f"{args.cfg_batch}, joint = 2B rows per forward, split = two forwards of B); "
                  "ours records latents, fp32 Flow-GRPO log-probs and sigmas on every step. "
                  "CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: ours / plain >= 0.97.")
 

@@ -9,6 +9,8 @@
 #   RESULTS=out bash benchmarks/gpu_suite.sh step-cost  # bench_step_cost at the GPU shapes
 #   RESULTS=out bash benchmarks/gpu_suite.sh graphs     # lm.engine.cuda_graphs: decode throughput, GRPO vs TRL
 #   RESULTS=out bash benchmarks/gpu_suite.sh graphs-math  # the same at the qwen3-math shape, loop + TRL (~6 min)
+#   RESULTS=out bash benchmarks/gpu_suite.sh rollout-cfg  # SD3.5-M rollout with cfg_batch joint vs split (~3 min)
+#   RESULTS=out bash benchmarks/gpu_suite.sh flowstep   # Flow-GRPO step vs the reference loop, cfg_batch joint + split
 #
 # Needs torch with CUDA, diffusers, transformers, peft (and trl for the TRL side, ray for the pool) importable.
 # LIMIT (seconds, default 540) bounds each part. Two-GPU hosts: NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -77,9 +79,21 @@ case "$PART" in
       --device cuda --master-weights model --full-state-every 10 --logprob-chunk 256 --rollout-with-trainer \
       --cuda-graphs --sides loop,trl --rounds 1 --steps 3 --warmup 1 --timeout 250 --checkpoint-root "$root"
     rm -rf "$root" ;;
+  rollout-cfg)
+    # the rollout's cost of cfg_batch split vs joint (each against the plain diffusers loop, batch 8)
+    for mode in joint split; do
+      CUDA_VISIBLE_DEVICES=0 bench rollcfg "bench_diffusion_rollout*" python3 benchmarks/bench_diffusion_rollout.py \
+        --preset sd35m --device cuda --sizes 8 --cfg-batch "$mode"
+    done ;;
+  flowstep)
+    CUDA_VISIBLE_DEVICES=0 bench flowstep "bench_flow_grpo_step*" python3 benchmarks/bench_flow_grpo_step.py "$@" ;;
   step-cost)
-    bench stepcost "bench_step_cost*" python3 benchmarks/bench_step_cost.py --preset sd35m-lora sd35m-full qwen3-0.6b "$@" ;;
+    # the state dir in RAM: writing the full-scope versions to the machine's disk took most of a call before
+    root="$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)"
+    bench stepcost "bench_step_cost*" python3 benchmarks/bench_step_cost.py --root "$root" \
+      --preset sd35m-lora sd35m-full qwen3-0.6b "$@"
+    rm -rf "$root" ;;
   *)
-    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost|graphs|graphs-math [args]" >&2; exit 2 ;;
+    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost|graphs|graphs-math|flowstep|rollout-cfg [args]" >&2; exit 2 ;;
 esac
 ls -la "$RESULTS"

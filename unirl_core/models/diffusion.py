@@ -96,8 +96,18 @@ class DiffusionModelConfig:
     """T5 context length; None uses 32 for tiny presets, 256 for SD3 and 512 for Flux."""
     gradient_checkpointing: bool = False
     """Recompute transformer activations in backward (same forward numerics, less memory)."""
+    cfg_batch: Literal["joint", "split"] = "joint"
+    """How SD3's classifier-free guidance runs its two branches: ``joint`` batches ``[uncond; cond]`` into one
+    forward of 2B rows (the diffusers pipeline's way), ``split`` runs two forwards of B rows. Rollout and replay
+    share this field, so they run the same layout and the replay stays bit-exact either way. With ``split`` a loss
+    that stops gradient at the unconditional branch (Flow-GRPO's default ``cfg_grad: cond``) runs that branch
+    without autograd, so the backward covers B rows instead of 2B (faster, less activation memory). Flux runs
+    its two branches as two forwards whatever this says."""
 
     def __post_init__(self) -> None:
+        if self.cfg_batch not in ("joint", "split"):
+            raise field_error(ConfigError, "model.cfg_batch", self.cfg_batch, "'joint' or 'split'",
+                              "use 'split' to train Flow-GRPO without a backward through the unconditional branch")
         if self.dtype not in DTYPES:
             raise field_error(ConfigError, "model.dtype", self.dtype, f"one of {tuple(DTYPES)}", "use 'bfloat16' on GPU")
         if self.finetune not in ("lora", "full"):
@@ -283,7 +293,7 @@ class DiffusionBundle:
 
     def prepare_cfg(self, conds: dict[str, Tensor], *, guidance_scale: float) -> dict[str, Tensor]:
         """Add the ``[uncond; cond]`` concatenations once per slice instead of once per step (same values)."""
-        if self.family != "sd3" or not self.guidance_uses_negative(guidance_scale):
+        if self.family != "sd3" or self.config.cfg_batch == "split" or not self.guidance_uses_negative(guidance_scale):
             return conds
         out = dict(conds)
         out.update({CFG_PREFIX + k: torch.cat([conds[NEG_PREFIX + k], conds[k]]) for k in COND_KEYS})
@@ -293,23 +303,25 @@ class DiffusionBundle:
                         guidance_scale: float, uncond_grad: bool = True) -> Tensor:
         """CFG velocity in fp32. ``conds`` holds ``negative_*`` keys when the unconditional branch runs.
 
-        SD3 batches ``[uncond; cond]`` into one forward of 2B (as its pipeline does); Flux runs two
-        forwards (as its true-CFG path does). Rollout and replay both come through here.
-        ``uncond_grad=False`` stops gradient at the unconditional branch (same values, bitwise).
+        SD3 batches ``[uncond; cond]`` into one forward of 2B (as its pipeline does) unless ``cfg_batch`` is
+        ``split``; Flux runs two forwards (as its true-CFG path does). Rollout and replay both come through here.
+        ``uncond_grad=False`` stops gradient at the unconditional branch (same values, bitwise); with two
+        forwards that branch then runs under ``no_grad`` (forward kernels do not depend on the grad mode).
         """
         x = latents.to(self.dtype)
         if not self.guidance_uses_negative(guidance_scale):
             return self.velocity(x, sigma, conds, guidance_scale=guidance_scale).float()
         neg = {k: conds[NEG_PREFIX + k] for k in COND_KEYS}
-        if self.family == "sd3":
+        if self.family == "sd3" and self.config.cfg_batch == "joint":
             both = {k: conds[CFG_PREFIX + k] if CFG_PREFIX + k in conds else torch.cat([neg[k], conds[k]])
                     for k in COND_KEYS}
             v_u, v_c = self.velocity(torch.cat([x, x]), sigma, both).float().chunk(2)
+            if not uncond_grad:
+                v_u = v_u.detach()
         else:
             v_c = self.velocity(x, sigma, conds).float()
-            v_u = self.velocity(x, sigma, neg).float()
-        if not uncond_grad:
-            v_u = v_u.detach()
+            with torch.set_grad_enabled(uncond_grad and torch.is_grad_enabled()):
+                v_u = self.velocity(x, sigma, neg).float()
         return v_u + guidance_scale * (v_c - v_u)
 
     # -- images -------------------------------------------------------------------------------

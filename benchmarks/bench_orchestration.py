@@ -39,7 +39,7 @@ from pathlib import Path
 
 from benchmarks.common import pin_threads, report
 
-TASKS_PER_STEP = 7  # rollout shard (1 shard), join, reward, advantage, train, publish, report
+TASKS_PER_STEP = 6  # rollout (1 shard: one task, no map + join), reward, advantage, train, publish, report
 
 
 def _overrides(root: str, name: str, steps: int, chunk: int) -> list[str]:

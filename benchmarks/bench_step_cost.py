@@ -727,8 +727,8 @@ def run_preset(name: str, args) -> None:
              f"{warm_info['warmup_step_s']:.2f} s. Same-result check pods vs warm: {check['keys_compared']} metrics, "
              f"max abs diff {check['max_abs_diff']:.3g}. Page cache {'evicted' if args.cold_cache else 'kept'} "
              "before each pod (best effort). Not modelled: pod scheduling / image pull / container start, "
-             "flytekit literal conversion and blob upload/download (see bench_orchestration), the join_shards and "
-             f"report tasks{sub_note}.")
+             "flytekit literal conversion and blob upload/download (see bench_orchestration), the report task (and "
+             f"join_shards with more than one rollout shard){sub_note}.")
     suffix = "_smoke" if smoke else ""
     report(f"bench_step_cost_{name}_{device.split(':')[0]}{suffix}",
            f"Step cost by component: fresh process per phase (pods) vs warm in-process loop ({name}, {device})",

@@ -23,7 +23,7 @@ from tasks.lagged import lagged_version_task
 from tasks.publish import publish_task
 from tasks.report import report_task
 from tasks.reward import reward_task
-from tasks.rollout import Joined, join_shards_task, rollout_task
+from tasks.rollout import Joined, join_shards_task, rollout_one_task, rollout_task
 from tasks.run_types import ClusterConfig
 from tasks.setup import init_task, setup_task
 from tasks.train import TRAIN_TASKS
@@ -33,7 +33,8 @@ from unirl_core.config import RunConfig
 
 @workflow
 def rollout_step(cfg: RunConfig, ckpt: CheckpointRef, step: int, num_shards: int, shards: list[int]) -> Joined:
-    """The rollout pod pool: one mapped task per prompt shard, then the shards joined in order.
+    """The rollout pod pool of ``loop.rollout_shards`` > 1: one mapped task per prompt shard, then the shards joined
+    in order (one shard: ``rollout_one_task``, no map task and no join).
 
     A static sub-workflow (not wired inside the dynamic) so the map task is part of the registered package."""
     batches = map_task(functools.partial(rollout_task, cfg=cfg, ckpt=ckpt, step=step, num_shards=num_shards))(
@@ -67,8 +68,11 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
         version = cfg.async_training.rollout_version(step)
         if version not in published_at:  # published before this chunk: read its ref from the store
             published_at[version] = lagged_version_task(cfg=cfg, ckpt=ckpt, version=version)
-        joined = rollout_step(cfg=cfg, ckpt=published_at[version], step=step, num_shards=shards,
-                              shards=list(range(shards)))
+        if shards == 1:  # one task instead of a map task + join task: one batch file written and read, not two
+            joined = rollout_one_task(cfg=cfg, ckpt=published_at[version], step=step)
+        else:
+            joined = rollout_step(cfg=cfg, ckpt=published_at[version], step=step, num_shards=shards,
+                                  shards=list(range(shards)))
         scored = reward_task(cfg=cfg, batch=joined.batch)
         if cfg.filter_groups is not None:  # DAPO dynamic sampling: flat groups dropped, refilled by extra rounds
             scored = dynamic_sampling_task(cfg=cfg, batch=scored.batch, ckpt=state, step=step,

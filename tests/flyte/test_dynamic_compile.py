@@ -42,18 +42,33 @@ def _targets(spec) -> list[str]:
 def test_a_chunk_is_k_steps_then_the_next_chunk():
     spec = _compile(["loop.total_steps=5", "loop.steps_per_chunk=2"])
     names = [t.rsplit(".", 1)[1] for t in _targets(spec)]
-    step = ["rollout_step", "reward_task", "advantage_task", "train_task", "publish_task", "report_task"]
+    step = ["rollout_one_task", "reward_task", "advantage_task", "train_task", "publish_task", "report_task"]
     assert names == step * 2 + ["grpo_chunk"]
     by_id = {n.id: n for n in spec.nodes}
     reports = [n.id for n in spec.nodes if n.task_node and n.task_node.reference_id.name.endswith("report_task")]
     assert reports[0] in by_id[reports[1]].upstream_node_ids  # reports are serialised
-    assert spec.subworkflows[0].id.name == "workflows.grpo.rollout_step"  # holds the map task
+    assert not spec.subworkflows  # one shard: one rollout task, no map task and no join
+    roll = next(t for t in spec.tasks if t.id.name == "tasks.rollout.rollout_one_task")
+    assert roll.metadata.retries.retries == 2 and roll.metadata.discoverable and roll.container.resources.requests
+
+
+def test_more_than_one_shard_maps_the_rollout_and_joins_the_shards():
+    spec = _compile(["loop.total_steps=2", "loop.rollout_shards=2"])
+    names = [t.rsplit(".", 1)[1] for t in _targets(spec)]
+    assert names == ["rollout_step", "reward_task", "advantage_task", "train_task", "publish_task", "report_task"] * 2
+    sub = spec.subworkflows[0]
+    assert sub.id.name == "workflows.grpo.rollout_step"  # holds the map task and the join
+    assert [n.array_node is not None for n in sub.nodes] == [True, False]
+    assert sub.nodes[1].task_node.reference_id.name == "tasks.rollout.join_shards_task"
+    node = next(n for n in spec.nodes if n.workflow_node)
+    shards = next(b for b in node.inputs if b.var == "shards").binding.collection.bindings
+    assert [b.scalar.primitive.integer for b in shards] == [0, 1]
 
 
 def test_filter_groups_wires_dynamic_sampling_between_reward_and_advantage():
     spec = _compile(["loop.total_steps=1", "filter_groups={max_num_gen_batches: 3}", "train.old_logp_source=replay"])
     names = [t.rsplit(".", 1)[1] for t in _targets(spec)]
-    assert names == ["rollout_step", "reward_task", "dynamic_sampling_task", "advantage_task", "train_task",
+    assert names == ["rollout_one_task", "reward_task", "dynamic_sampling_task", "advantage_task", "train_task",
                      "publish_task", "report_task"]
     task = next(t for t in spec.tasks if t.id.name.endswith("dynamic_sampling_task"))
     reward = next(t for t in spec.tasks if t.id.name.endswith("reward_task"))
@@ -98,7 +113,7 @@ def test_lag_one_runs_rollout_n_plus_1_beside_train_n():
                      "train.old_logp_source=replay", "lm.algorithm.tis_cap=2.0"], from_step=2)
     kind = {n.id: (n.task_node.reference_id.name if n.task_node else n.workflow_node.sub_workflow_ref.name)
             .rsplit(".", 1)[1] for n in spec.nodes}
-    rollouts = [i for i in kind if kind[i] == "rollout_step"]
+    rollouts = [i for i in kind if kind[i] == "rollout_one_task"]
     trains = [i for i in kind if kind[i] == "train_task"]
     publishes = [i for i in kind if kind[i] == "publish_task"]
     assert list(kind.values()).count("lagged_version_task") == 1  # step 3 samples with version 1
@@ -108,6 +123,6 @@ def test_lag_one_runs_rollout_n_plus_1_beside_train_n():
     up5 = _upstream(spec, rollouts[2])
     assert publishes[0] in up5 and trains[1] not in up5
     sync = _compile(["loop.total_steps=6", "loop.steps_per_chunk=3"], from_step=2)
-    ids = [n.id for n in sync.nodes if n.workflow_node]
+    ids = [n.id for n in sync.nodes if n.task_node and n.task_node.reference_id.name.endswith("rollout_one_task")]
     t = [n.id for n in sync.nodes if n.task_node and n.task_node.reference_id.name.endswith("train_task")]
     assert t[0] in _upstream(sync, ids[1]) and "lagged_version_task" not in str(_targets(sync))

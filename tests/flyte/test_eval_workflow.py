@@ -39,7 +39,7 @@ def test_eval_task_is_wired_after_publish_of_due_steps_only():
     spec = _compile(["loop.total_steps=5", "loop.steps_per_chunk=3", "eval.every_n_steps=2",
                      "eval.num_prompts=2"])
     names = [t.rsplit(".", 1)[1] for t in _targets(spec)]
-    step = ["rollout_step", "reward_task", "advantage_task", "train_task", "publish_task"]
+    step = ["rollout_one_task", "reward_task", "advantage_task", "train_task", "publish_task"]
     # the starting version first (the report's held-out "before"), then every due step
     assert names == ["eval_task", *step, "report_task", *step, "eval_task", "report_task", *step, "report_task",
                      "grpo_chunk"]

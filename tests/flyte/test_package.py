@@ -62,7 +62,8 @@ def _gpus(template) -> str | None:
 
 
 def test_gpu_tasks_request_gpus_and_the_accelerator(package):
-    for name, gpus in [("tasks.rollout.rollout_task", "1"), ("tasks.reward.reward_task", "1"),
+    for name, gpus in [("tasks.rollout.rollout_task", "1"), ("tasks.rollout.rollout_one_task", "1"),
+                       ("tasks.reward.reward_task", "1"),
                        ("tasks.train.train_task", "1"), ("tasks.train.train_elastic_1x8", "8"),
                        ("tasks.train.train_elastic_2x8", "8")]:
         t = _task(package, name)
@@ -72,9 +73,10 @@ def test_gpu_tasks_request_gpus_and_the_accelerator(package):
 
 
 def test_retries_timeouts_cache_and_images(package):
-    roll = _task(package, "tasks.rollout.rollout_task")
-    assert roll["metadata"]["retries"]["retries"] == 2 and roll["metadata"]["timeout"] == "7200s"
-    assert roll["metadata"]["discoverable"] and roll["metadata"]["discoveryVersion"]
+    for name in ("tasks.rollout.rollout_task", "tasks.rollout.rollout_one_task"):
+        roll = _task(package, name)
+        assert roll["metadata"]["retries"]["retries"] == 2 and roll["metadata"]["timeout"] == "7200s", name
+        assert roll["metadata"]["discoverable"] and roll["metadata"]["discoveryVersion"], name
     reward = _task(package, "tasks.reward.reward_task")
     assert reward["metadata"]["retries"]["retries"] == 3
     # side-effecting tasks are never cached
@@ -93,6 +95,8 @@ def test_elastic_train_tasks(package):
 
 
 def test_rollout_fans_out_with_a_map_task(package):
+    """``loop.rollout_shards`` > 1 wires this sub-workflow; one shard wires ``rollout_one_task`` (both packaged)."""
+    assert "tasks.rollout.rollout_one_task#1" in package
     wf = package["workflows.grpo.rollout_step#2"]["template"]
     array = [n for n in wf["nodes"] if "arrayNode" in n]
     assert len(array) == 1
@@ -124,8 +128,8 @@ def test_the_image_given_with_dash_dash_image_runs_every_task(package):
 
 def test_a_named_role_image_overrides_its_role_and_the_image_specs_stay_the_default(tmp_path):
     images = _images(_decode(_package(tmp_path, ("rollout=ghcr.io/example/rollout:7",))))
-    rollout = {k for k in images if k.startswith("tasks.rollout.rollout_task") or "map_rollout_task" in k}
-    assert len(rollout) == 2
+    rollout = {k for k in images if k.startswith("tasks.rollout.rollout_") or "map_rollout_task" in k}
+    assert len(rollout) == 3
     assert {images[k] for k in rollout} == {"ghcr.io/example/rollout:7"}
     # no default --image: the other roles keep their ImageSpec (built by flytekit when missing)
     assert images["tasks.reward.reward_task"].startswith("unirl-reward:")

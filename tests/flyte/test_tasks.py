@@ -98,3 +98,34 @@ def test_shard_metrics_take_the_max_of_maxima():
     assert got == pytest.approx({"rollout/logp_absdiff_max": 4e-3, "rollout/logp_absdiff_mean": 2e-4,
                                  "train/ratio_min": 0.98}, rel=1e-12)
     assert got["rollout/logp_absdiff_max"] == 4e-3  # the max itself, not a blend
+
+
+def test_one_shard_rollout_task_gives_what_the_map_and_join_give(monkeypatch):
+    """``loop.rollout_shards == 1`` wires ``rollout_one_task``, not the map task + join: same batch, same metrics."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from tasks import rollout
+    from tests.flyte.test_report import _batch
+
+    def fake_rollout_phase(cfg, ckpt, *, step, shard, num_shards):
+        b = _batch(step)
+        b.metadata.update({"run": "r", "step": str(step), "shard": str(shard)})
+        return b, {"rollout/samples": float(len(b)), "rollout/seconds": 0.25}
+
+    @contextmanager
+    def fixed_phase(name, metrics):
+        yield
+        metrics[f"time/{name}"] = 0.5
+
+    monkeypatch.setattr(rollout, "phases", SimpleNamespace(rollout_phase=fake_rollout_phase), raising=False)
+    monkeypatch.setattr(rollout, "phase", fixed_phase)
+    monkeypatch.setattr(rollout, "deck", lambda name, page: None)
+    one = rollout.rollout_one_task.task_function(cfg=None, ckpt=None, step=3)
+    shard = rollout.rollout_task.task_function(cfg=None, ckpt=None, step=3, num_shards=1, shard=0)
+    assert rollout.SHARD_METRICS_KEY in shard.metadata
+    joined = rollout.join_shards_task.task_function(shards=[shard])
+    assert one.metrics == joined.metrics == {"rollout/samples": 4.0, "rollout/seconds": 0.25, "time/rollout": 0.5}
+    assert one.batch.metadata == joined.batch.metadata == {"run": "r", "step": "3"}
+    assert [s.sample_id for s in one.batch] == [s.sample_id for s in joined.batch]
+    assert [s.generated.reward for s in one.batch] == [s.generated.reward for s in joined.batch]

@@ -18,3 +18,13 @@ def merge_shard_metrics(per_shard: list[dict[str, float]]) -> dict[str, float]:
         else:
             out[key] = sum(vals) / len(vals)
     return out
+
+
+def join_shards(batches: list, per_shard: list[dict[str, float]]) -> tuple:
+    """One step's rollout from its shards, in shard order: the batches concatenated (the first shard's metadata
+    without its ``shard`` key) and the metrics merged (``merge_shard_metrics``). One shard: its batch's samples
+    and its metrics as they are, so the single rollout task and the map + join path give the same output."""
+    from unirl_core.types import SampleBatch
+
+    meta = {k: v for k, v in batches[0].metadata.items() if k != "shard"}
+    return SampleBatch.concat(batches, metadata=meta), merge_shard_metrics(per_shard)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import io
+import threading
+from collections import OrderedDict
 
 from unirl_core.report.text import display_html
 from unirl_core.types import DiffusionSegment, Part, SampleBatch, TokenSegment
@@ -26,10 +29,34 @@ def png_size(data: bytes) -> tuple[int, int] | None:
 
 def thumbnail_data_uri(png: bytes, size: int = THUMB_PX) -> str:
     """A small data URI of an image (keeps a deck of 64 samples well under 1 MB): the PNG itself when it already
-    fits ``size`` and is at most ``EMBED_MAX_BYTES`` (no decode, lossless), else a JPEG thumbnail."""
+    fits ``size`` and is at most ``EMBED_MAX_BYTES`` (no decode, lossless), else a JPEG thumbnail (kept per process
+    by content hash, see ``THUMB_CACHE_ENTRIES``)."""
     dims = png_size(png)
     if dims is not None and max(dims) <= size and len(png) <= EMBED_MAX_BYTES:
         return "data:image/png;base64," + base64.b64encode(png).decode()
+    key = (hashlib.blake2b(png, digest_size=16).digest(), size)
+    with _THUMBS_LOCK:
+        hit = _THUMBS.get(key)
+        if hit is not None:
+            _THUMBS.move_to_end(key)
+            return hit
+    uri = _jpeg_thumbnail(png, size)
+    with _THUMBS_LOCK:
+        _THUMBS[key] = uri
+        while len(_THUMBS) > THUMB_CACHE_ENTRIES:
+            _THUMBS.popitem(last=False)
+    return uri
+
+
+THUMB_CACHE_ENTRIES = 512
+"""JPEG thumbnails kept per process, keyed by the image's content hash and size (a few KB each): a local run's
+report task shows the rollout page its rollout task rendered for its deck, in the same process, and reuses
+those thumbnails instead of decoding and resizing every image again. Same bytes in, same thumbnail out."""
+_THUMBS: OrderedDict[tuple[bytes, int], str] = OrderedDict()
+_THUMBS_LOCK = threading.Lock()
+
+
+def _jpeg_thumbnail(png: bytes, size: int) -> str:
     from PIL import Image
 
     with Image.open(io.BytesIO(png)) as im:

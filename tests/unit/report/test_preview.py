@@ -48,3 +48,25 @@ def test_png_size_rejects_what_is_not_a_png_header():
     png = _encode(np.zeros((4, 5, 3), dtype=np.uint8), "PNG")
     assert png_size(png) == (5, 4)
     assert png_size(png[:20]) is None and png_size(b"GIF89a" + png[6:]) is None and png_size(b"") is None
+
+
+def test_jpeg_thumbnails_are_reused_by_content_and_size_and_the_cache_is_bounded(monkeypatch):
+    from unirl_core.report import preview
+
+    rng = np.random.default_rng(2)
+    imgs = [_encode(rng.integers(0, 256, (128, 128, 3), dtype=np.uint8), "PNG") for _ in range(3)]
+    made = []
+    real = preview._jpeg_thumbnail
+    monkeypatch.setattr(preview, "_jpeg_thumbnail", lambda png, size: made.append(size) or real(png, size))
+    monkeypatch.setattr(preview, "_THUMBS", preview.OrderedDict())
+    monkeypatch.setattr(preview, "THUMB_CACHE_ENTRIES", 2)
+    first = thumbnail_data_uri(imgs[0])
+    assert thumbnail_data_uri(bytes(imgs[0])) == first == real(imgs[0], THUMB_PX)  # equal bytes: made once
+    assert len(made) == 1
+    thumbnail_data_uri(imgs[0], 64)  # another size is another thumbnail
+    assert made == [THUMB_PX, 64]
+    thumbnail_data_uri(imgs[1])
+    thumbnail_data_uri(imgs[2])
+    assert len(preview._THUMBS) == 2  # the oldest entries went
+    thumbnail_data_uri(imgs[0])
+    assert len(made) == 5

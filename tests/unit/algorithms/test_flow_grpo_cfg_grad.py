@@ -16,8 +16,9 @@ from unirl_core.types import DiffusionSamplingParams, NoiseRecipe, PromptRecord,
 FBS, G = 4, 4.5
 
 
-def _rollout():
-    bundle = DiffusionBundle.build(DiffusionModelConfig(source="tiny-sd3", finetune="lora"))
+def _rollout(bundle=None):
+    """A tiny SD3 LoRA bundle (or ``bundle``) and a CFG 4.5 rollout of 2 prompts x 2 samples with set advantages."""
+    bundle = bundle or DiffusionBundle.build(DiffusionModelConfig(source="tiny-sd3", finetune="lora"))
     eng = TrainsideDiffusionEngine(bundle, DiffusionEngineConfig(forward_batch_size=FBS, decode_media=False))
     sp = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=4), guidance_scale=G)
     prompts = [PromptRecord(prompt_id=f"p{i}", prompt=f"prompt {i}") for i in range(2)]

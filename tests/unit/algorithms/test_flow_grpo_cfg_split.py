@@ -16,13 +16,11 @@ from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
 from unirl_core.loop.local import run_local
 from unirl_core.models.diffusion import DiffusionBundle, DiffusionModelConfig, stack_conditions
-from unirl_core.rollout.diffusion import DiffusionEngineConfig, TrainsideDiffusionEngine
-from unirl_core.sde import flow_sigmas
-from unirl_core.types import DiffusionSamplingParams, NoiseRecipe, PromptRecord, SampleBatch
+from unirl_core.types import SampleBatch
 
+from tests.unit.algorithms.test_flow_grpo_cfg_grad import FBS, G
+from tests.unit.algorithms.test_flow_grpo_cfg_grad import _rollout as rollout_with_advantages
 from tests.unit.loop.test_exactness_matrix import RECIPES, assert_exact, overrides
-
-FBS, G = 4, 4.5
 
 
 def _bundle(cfg_batch: str, dtype: str = "float32") -> DiffusionBundle:
@@ -31,14 +29,7 @@ def _bundle(cfg_batch: str, dtype: str = "float32") -> DiffusionBundle:
 
 
 def _rollout(bundle: DiffusionBundle) -> SampleBatch:
-    eng = TrainsideDiffusionEngine(bundle, DiffusionEngineConfig(forward_batch_size=FBS, decode_media=False))
-    sp = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=4), guidance_scale=G)
-    prompts = [PromptRecord(prompt_id=f"p{i}", prompt=f"prompt {i}") for i in range(2)]
-    batch = eng.generate(SampleBatch.from_prompts(prompts, samples_per_prompt=2, kind="diffusion", sampling=sp),
-                         noise=NoiseRecipe(base_seed=3))
-    for j, s in enumerate(batch):
-        s.generated.advantage = float(j % 3) - 1.0
-    return batch
+    return rollout_with_advantages(bundle)[1]
 
 
 def _forward_log(bundle: DiffusionBundle) -> tuple[list[tuple[int, bool]], object]:

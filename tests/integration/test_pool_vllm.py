@@ -5,8 +5,9 @@ The same tiny-grpo-vllm run in-process (``run_local``, execution pods: the drive
 pool (the engine actor starts it; the trainer actor's versions reach it through the object store and a staged
 reload); then a dead server and a dead actor, each failing typed and naming the actor, each retry starting a new
 server, and the pool's close stopping the last; then the Flyte workflow in pool mode (the typed tasks as the pool's
-clients). Budget on a busy 2-core box: five server starts (~35-40 s each) plus seconds of training, ~4 min for the
-module.
+clients); then the collective publication (``pool.publish: collective``: the server's worker joins the publish
+group) against the same in-process run, and a replaced server joining a new group. Budget on a busy 2-core box:
+eight server starts (~35-40 s each) plus seconds of training, ~8 min for the module.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from unirl_core.config import load_recipe
 from unirl_core.errors import EngineError, PoolActorDied
 from unirl_core.loop import build
 from unirl_core.loop.local import run_local
-from unirl_core.loop.phases import rollout_phase
+from unirl_core.loop.phases import advantage_phase, publish_phase, reward_phase, rollout_phase, train_phase
 from unirl_core.pool import cluster
 from unirl_core.rollout.vllm import default_python
 
@@ -182,4 +183,52 @@ def test_flyte_workflow_in_pool_mode_with_the_vllm_actor(runs):
         assert _same_weights(_weights(root / "local", k), _weights(root / "flyte", k)), k
     report = root / "flyte" / "tiny-grpo-vllm" / "report" / f"step-{STEPS:08d}" / "metrics.json"
     assert json.loads(report.read_text())["metrics"]["reward/mean"] == local[-1]["reward/mean"]
+    cluster.close_pool()
+
+
+@pytest.mark.time_limit(480)  # two server starts and a new pool's actors
+def test_collective_publish_reaches_the_server_through_its_worker(runs):
+    """``pool.publish: collective``: the server's worker joins the publish group and streams each version into
+    vLLM's in-place reload (no object store, no staged folder): bitwise the in-process run. A replaced server
+    leaves the group; the next publish opens a new one."""
+    root, local, _, _ = runs
+    collective = ["pool.execution=pool", "pool.publish=collective"]
+    served: list[dict] = []
+
+    def on_step(metrics, batch):
+        served.append(cluster.current_pool().call(ENGINE, "server_info", what="test"))
+
+    pooled = run_local(_cfg(root / "collective", *collective), on_step=on_step)
+    print(f"collective: steady step {pooled[-1]['time/step']:.2f} s; publish "
+          f"{[round(h['pool/publish_s'], 3) for h in pooled]} s, send "
+          f"{[round(h['pool/publish_send_s'], 3) for h in pooled]} s, bytes {pooled[-1]['pool/publish_bytes']:.0f}")
+    for key in ("reward/mean", "rollout/response_tokens_mean", "train/loss", "train/tis_mean"):
+        assert [h[key] for h in pooled] == [h[key] for h in local], key
+    for k in range(1, STEPS + 1):
+        assert _same_weights(_weights(root / "local", k), _weights(root / "collective", k)), k
+    assert pooled[0]["train/ratio_mean"] == 1.0
+    assert [h["pool/publish_collective"] for h in pooled] == [1.0] * STEPS
+    assert [h["pool/publish_group_opened"] for h in pooled] == [1.0] + [0.0] * (STEPS - 1)
+    assert [h["pool/engines_serving"] for h in pooled] == [1.0] * STEPS
+    assert [int(s["served_version"]) for s in served] == list(range(1, STEPS + 1))
+    assert [h["rollout/weight_synced"] for h in pooled] == [1.0] + [0.0] * (STEPS - 1)  # only step 1 from the store
+    # the server dies: the rollout fails naming the actor, the retry starts a new server (the version from the
+    # store), and the step's publish opens a new group with the new server's worker in it
+    server = int(served[-1]["pid"])
+    os.killpg(server, signal.SIGKILL)
+    assert _gone(server, 10.0)
+    cfg = _cfg(root / "collective", *collective)  # the same config: the same pool
+    ref = CheckpointStore(cfg.checkpoint.root, cfg.name).latest()
+    with pytest.raises(EngineError, match=rf"pool actor '{ENGINE}' of run 'tiny-grpo-vllm': rollout step "
+                                          rf"{STEPS + 1} shard 0 failed \(the next call starts a new server"):
+        rollout_phase(cfg, ref, step=STEPS + 1)
+    batch, m = rollout_phase(cfg, ref, step=STEPS + 1)
+    assert m["pool/vllm_server_start_s"] > 1.0 and m["rollout/weight_synced"] == 1.0
+    batch, _ = reward_phase(cfg, batch)
+    batch, _ = advantage_phase(cfg, batch, ref)
+    new, _ = train_phase(cfg, batch, ref, step=STEPS + 1)
+    published = publish_phase(cfg, new)
+    assert published["pool/publish_collective"] == 1.0 == published["pool/publish_group_opened"]
+    info = cluster.current_pool().call(ENGINE, "server_info", what="test")
+    assert int(info["served_version"]) == STEPS + 1 and int(info["pid"]) != server
     cluster.close_pool()

@@ -159,6 +159,10 @@ class EngineActor(_Actor):
         targets = sync_names(self.policy.module, _scope(self.cfg))
         return {n: str(t.dtype).removeprefix("torch.") for n, t in targets.items()}
 
+    def sync_ranks(self) -> int:
+        """Ranks this actor takes in the publish group (its bundle's receiver)."""
+        return 1
+
     def join_sync(self, token: str, addr: str, port: int, rank: int, num_engines: int) -> None:
         """Join the publish group as ``rank``; blocks until the trainer and every engine have joined."""
         self.close_sync()

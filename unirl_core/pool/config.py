@@ -191,8 +191,10 @@ def check_shared(cfg) -> None:
 
 def check_dedicated(cfg) -> None:
     """What a pool run with a dedicated LM engine needs (``cfg``: the RunConfig). Built: one engine actor that
-    starts and owns a vLLM server (``unirl_core/pool/vllm.py``), versions sent from the trainer actor through
-    Ray's object store and reloaded by the server from a staged folder. Everything else is refused here."""
+    starts and owns a vLLM server (``unirl_core/pool/vllm_actor.py``); full weights reach it through the trainer's
+    broadcast (``pool.publish: collective``, the server's worker one more rank of the publish group) or through
+    Ray's object store and a staged folder; a LoRA adapter through the object store. Everything else is refused
+    here."""
     if cfg.pool.execution != "pool" or cfg.lm is None or cfg.lm.deployment.engine == "trainside":
         return
     lm, p = cfg.lm, cfg.pool
@@ -207,9 +209,10 @@ def check_dedicated(cfg) -> None:
          "a vLLM server samples, not the trainer's module; use placement 'colocate'"),
         ("pool.num_engines", p.num_engines, p.num_engines == 1, "1 " + want,
          "one engine actor owns one server (several servers have not run); set pool.num_engines=1"),
-        ("pool.publish", p.publish, p.publish == "object_store", "'object_store' " + want,
-         "the server's workers do not join the trainer's collective group (not built): versions travel as a "
-         "state dict and the server reloads them from a staged folder; set pool.publish=object_store"),
+        ("pool.publish", p.publish, p.publish == "object_store" or lm.deployment.sync.method == "reload",
+         "'object_store' " + want + " and lm.deployment.sync.method='lora'",
+         "the server loads an adapter from a folder (its LoRA manager), not from the trainer's broadcast; set "
+         "pool.publish=object_store"),
         ("async_training.max_policy_lag", cfg.async_training.max_policy_lag, cfg.async_training.max_policy_lag == 0,
          "0 " + want, "lagged rollouts have not run on a vLLM engine actor; use execution 'pods' for them"),
         ("lm.deployment.mode", lm.deployment.mode, lm.deployment.mode == "separate", "'separate' " + want,

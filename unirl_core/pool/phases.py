@@ -232,20 +232,33 @@ def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
         raise
 
 
+def _sync_ranks(pool: Pool, name: str) -> int:
+    """Ranks engine ``name`` brings to the publish group: 1, or 2 for a vLLM engine actor (its bundle and its
+    server's worker)."""
+    memo = pool.memo(name)
+    if "sync_ranks" not in memo:  # an actor does not change kind
+        memo["sync_ranks"] = int(pool.call(name, "sync_ranks", what="publish"))
+    return memo["sync_ranks"]
+
+
 def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str, float]:
     trainers = group.names(pool)
     members = [*trainers, *engines]
-    tokens = {_sync_token(pool, name) for name in members}
+    # engines are asked every time: a vLLM engine actor leaves the group when its server is replaced
+    tokens = {_sync_token(pool, name) for name in trainers} | \
+        {pool.call(name, "current_sync", what="publish") for name in engines}
     opened = 0.0
-    if len(tokens) != 1 or None in tokens:  # first publish, or an actor was re-created since
+    if len(tokens) != 1 or None in tokens:  # first publish, or an actor (or a server) was re-created since
         token = uuid.uuid4().hex
         addr, port = pool.call(trainers[0], "sync_endpoint", what="publish")
         dtypes = pool.call(engines[0], "sync_dtypes", what="publish")
-        n = len(engines)
+        counts = [_sync_ranks(pool, name) for name in engines]
+        firsts = [1 + sum(counts[:i]) for i in range(len(engines))]
+        n = sum(counts)
         # the other trainer ranks follow rank 0's sends (their shards' gathers) with the same casts
         calls = [(name, pool.remote(name, "open_sync", token, addr, port, n, dtypes)) for name in trainers]
-        calls += [(name, pool.actor(name).join_sync.remote(token, addr, port, i + 1, n))
-                  for i, name in enumerate(engines)]
+        calls += [(name, pool.actor(name).join_sync.remote(token, addr, port, first, n))
+                  for first, name in zip(firsts, engines)]
         _gather(pool, calls, "opening the publish group")
         for name in members:
             pool.memo(name)["sync"] = token

@@ -13,6 +13,12 @@ lives for the run, so the server does too (started on the first rollout or publi
   store; the bundle takes it (the replay check needs the served version) and the server reloads it from a staged
   folder through the worker extension (full weights, ``stage_state_dict``) or loads it as a peft adapter (LoRA,
   written from the bundle as the local path does), then is labelled with the version.
+- publish (``pool.publish: collective``, full weights): the server's worker is one more rank of the pool's publish
+  group (``sync_ranks`` 2: rank r for the bundle's receiver, r + 1 for the worker, joined through the worker
+  extension's ``unirl_join_sync``); each publish drains the server, and the trainer's broadcast reaches the bundle
+  and the worker at once, the worker streaming the buckets into vLLM's in-place reload
+  (``unirl_core.train.weight_stream``): no state dict through the object store, no staged folder. A replaced
+  server leaves the group (the actor's sync token is cleared), so the next publish opens a new one.
 - failures: a server that died (between calls or under a request) raises ``EngineError`` naming the actor and
   drops the engine, so the retried phase starts a new server; a dead actor is ``PoolActorDied`` (cluster.py), and a
   watchdog (``ManagedServer.stop_with_parent``) stops the orphaned server group. ``shutdown`` (pool close) stops
@@ -21,12 +27,14 @@ lives for the run, so the server does too (started on the first rollout or publi
 
 from __future__ import annotations
 
+import threading
 import time
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.errors import EngineError
 from unirl_core.loop import build
-from unirl_core.pool.actors import EngineActor, _version
+from unirl_core.pool.actors import EngineActor, _device, _scope, _version
+from unirl_core.train.weight_sync import WeightReceiver
 from unirl_core.pool.config import Emit
 from unirl_core.rollout.weights import stage_state_dict
 from unirl_core.types import SampleBatch
@@ -68,9 +76,73 @@ class VLLMEngineActor(EngineActor):
                 raise self._error(e, what) from e
 
     def _drop(self) -> None:
-        """Forget the engine (its server is dead or unusable): the bundle and server serve no version now."""
+        """Forget the engine (its server is dead or unusable): the bundle and server serve no version now, and
+        the publish group (which had the old server's worker in it) is left."""
         self._slot, self.served = None, None
+        EngineActor.close_sync(self)
         build.close_engines()
+
+    # ------------------------------------------------------------------ the publish group (collective)
+    def sync_ranks(self) -> int:
+        """The bundle's receiver and the server's worker."""
+        return 2
+
+    def join_sync(self, token: str, addr: str, port: int, rank: int, num_engines: int) -> None:
+        """Join as ``rank`` (the bundle) and ``rank + 1`` (the server's worker, on a thread: both block until the
+        group is complete)."""
+        what = "opening the publish group"
+        self.close_sync()
+        slot = self._engine(what)
+        p = self.cfg.pool
+        box: dict = {}
+
+        def server() -> None:
+            try:
+                box["out"] = slot.engine.join_sync(master_addr=addr, master_port=port, rank=rank + 1,
+                                                   num_engines=num_engines, timeout_s=p.sync_timeout_s,
+                                                   bucket_mb=p.sync_bucket_mb)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                box["error"] = e
+
+        thread = threading.Thread(target=server, name="vllm-join-sync", daemon=True)
+        thread.start()
+        try:
+            module = self.policy.module
+            self._peer = WeightReceiver(self._sync_config(addr, port, num_engines), module, rank=rank,
+                                        scope=_scope(self.cfg), device=_device(module))
+        finally:
+            thread.join()
+        if "error" in box:
+            self.close_sync()
+            error = box["error"]
+            raise self._error(error, what) if isinstance(error, EngineError) else error
+        self.sync_token = token
+
+    def receive_weights(self, ckpt: CheckpointRef) -> dict[str, float]:
+        """Version ``ckpt`` from the trainer's broadcast into the bundle and, at once, into the server."""
+        what = f"publish v{ckpt.policy_version} (collective)"
+        slot = self._engine(what)
+        self.served = None
+        try:
+            out = slot.engine.receive_sync(ckpt.policy_version, timeout_s=self.cfg.pool.sync_timeout_s,
+                                           alongside=lambda: EngineActor.receive_weights(self, ckpt))
+        except EngineError as e:
+            self.close_sync()
+            raise self._error(e, what) from e
+        except BaseException:
+            self.close_sync()
+            raise
+        slot.served_uri = ckpt.uri
+        self.served = _version(ckpt)
+        return out
+
+    def close_sync(self) -> None:
+        """Leave the publish group: the bundle's receiver, and the server's worker when the server runs."""
+        joined = self.sync_token is not None or getattr(self, "_peer", None) is not None
+        super().close_sync()
+        slot = self._slot
+        if joined and slot is not None and slot.engine.server is not None and slot.engine.server.alive():
+            slot.engine.close_sync()
 
     def _error(self, error: EngineError, what: str) -> EngineError:
         """``error`` of ``what`` naming this actor. A server that exited, or no longer answers its health check

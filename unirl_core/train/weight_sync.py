@@ -228,17 +228,25 @@ def sync_names(module: nn.Module, scope: SyncScope) -> dict[str, Tensor]:
     return out
 
 
+def check_names(specs: list[TensorSpec], known, required, *, unknown: tuple[str, str],
+                missing: tuple[str, str]) -> None:
+    """Raise ``WeightSyncError`` naming the first tensors sent that are not ``known`` or ``required`` ones not
+    sent; ``unknown`` / ``missing``: (what was expected, the fix) of each error."""
+    sent = {s.name for s in specs}
+    extra = [s.name for s in specs if s.name not in known]
+    if extra:
+        raise field_error(WeightSyncError, "weight_sync.tensors", extra[:5], *unknown)
+    lacking = [n for n in required if n not in sent]
+    if lacking:
+        raise field_error(WeightSyncError, "weight_sync.tensors", lacking[:5], *missing)
+
+
 def check_specs(specs: list[TensorSpec], targets: Mapping[str, Tensor]) -> None:
     """Raise ``WeightSyncError`` naming the first tensor whose name, shape or dtype does not fit ``targets``."""
-    sent = {s.name for s in specs}
-    unknown = [s.name for s in specs if s.name not in targets]
-    if unknown:
-        raise field_error(WeightSyncError, "weight_sync.tensors", unknown[:5], "names of the engine's module",
-                          "trainer and engine must load the same architecture (and LoRA targets)")
-    missing = [n for n in targets if n not in sent]
-    if missing:
-        raise field_error(WeightSyncError, "weight_sync.tensors", missing[:5], "a tensor for every target",
-                          "sync the same scope (full / lora) the engine expects")
+    check_names(specs, targets, targets,
+                unknown=("names of the engine's module",
+                         "trainer and engine must load the same architecture (and LoRA targets)"),
+                missing=("a tensor for every target", "sync the same scope (full / lora) the engine expects"))
     for s in specs:
         t = targets[s.name]
         if tuple(t.shape) != s.shape:
@@ -499,7 +507,11 @@ class WeightSender:
                 self.group.broadcast(buf, f"bucket[{b.dtype}]")
                 total += buf.numel() * buf.element_size()
                 del buf
-        self.group.vote(False)  # every engine has copied the buckets into its module
+        failed = self.group.vote(False)  # every engine has copied (or loaded) the buckets
+        if failed:
+            raise field_error(WeightSyncError, "weight_sync.load", version, "every engine to load the version",
+                              f"{failed} engine(s) failed to load it (their logs and errors name why); it is not "
+                              "published to them")
         stats = SyncStats(version=version, num_tensors=len(specs), num_buckets=len(buckets), bytes=total,
                           seconds=time.perf_counter() - t0)
         log.info("weight sync v%d: %d tensors, %d buckets, %.1f MB in %.3f s", version, stats.num_tensors,
@@ -537,6 +549,32 @@ class WeightSender:
         self.close()
 
 
+def accept_header(group: _SyncGroup, check) -> tuple[dict, list[TensorSpec], float] | None:
+    """A receiver's side of steps 1-2 of a sync: the header, ``check(header, specs)`` (raising
+    ``WeightSyncError``), the vote. Returns (header, specs, the perf_counter after the header) or None when the
+    sender closed the stream; a foreign or refused header votes "refuse" (the sender fails instead of hanging)."""
+    try:
+        header = group.recv_header()
+    except WeightSyncTimeout:
+        raise
+    except WeightSyncError:
+        group.vote(True)
+        raise
+    t0 = time.perf_counter()
+    if header.get("kind") == "close":
+        return None
+    specs = specs_of_header(header)
+    try:
+        check(header, specs)
+    except WeightSyncError:
+        group.vote(True)
+        raise
+    if group.vote(False):
+        raise field_error(WeightSyncError, "weight_sync.version", header["version"],
+                          "every engine to accept the header", "another engine refused it (see its log)")
+    return header, specs, t0
+
+
 class WeightReceiver:
     """Engine side: joins the sync group as ``rank`` (1..num_engines) and loads weights into ``module``."""
 
@@ -553,28 +591,16 @@ class WeightReceiver:
 
     def receive(self) -> SyncStats | None:
         """Block for the next sync; copy it into the module in place. None when the sender closed."""
-        try:
-            header = self.group.recv_header()
-        except WeightSyncTimeout:
-            raise
-        except WeightSyncError:
-            self.group.vote(True)  # a foreign header: refuse it so the sender fails instead of hanging
-            raise
-        t0 = time.perf_counter()
-        if header.get("kind") == "close":
-            return None
-        specs = specs_of_header(header)
-        try:
+        def check(header: dict, specs: list[TensorSpec]) -> None:
             if header.get("scope") != self.scope:
                 raise field_error(WeightSyncError, "weight_sync.scope", header.get("scope"), repr(self.scope),
                                   "sender and receiver must agree on full weights vs a LoRA adapter")
             check_specs(specs, self.targets)
-        except WeightSyncError:
-            self.group.vote(True)
-            raise
-        if self.group.vote(False):
-            raise field_error(WeightSyncError, "weight_sync.version", header["version"],
-                              "every engine to accept the header", "another engine refused it (see its log)")
+
+        accepted = accept_header(self.group, check)
+        if accepted is None:
+            return None
+        header, specs, t0 = accepted
         buckets = plan_buckets(specs, int(header["bucket_bytes"]), header.get("direct_bytes"))
         total = 0
         with torch.no_grad():

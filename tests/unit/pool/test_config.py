@@ -85,14 +85,21 @@ def test_ema_rollouts_run_in_the_pool_only_when_shared():
 VLLM_POOL = ["pool.execution=pool", "pool.publish=object_store"]
 
 
-def test_pool_runs_a_vllm_engine_actor_with_object_store_publication():
+VLLM_LORA = ["lm.model.finetune=lora", "lm.model.lora_rank=8", "lm.deployment.sync.method=lora",
+             "lm.vllm.weight_sync=lora", "lm.vllm.max_lora_rank=8"]
+
+
+def test_pool_runs_a_vllm_engine_actor_with_object_store_or_collective_publication():
     cfg = load_recipe("tiny-grpo-vllm", VLLM_POOL)
     assert cfg.pool.execution == "pool" and cfg.lm.deployment.engine == "vllm"
+    cfg = load_recipe("tiny-grpo-vllm", ["pool.execution=pool"])  # full weights: the trainer's broadcast
+    assert cfg.pool.publish == "collective"
+    assert load_recipe("tiny-grpo-vllm", [*VLLM_POOL, *VLLM_LORA]).pool.publish == "object_store"
 
 
 @pytest.mark.parametrize("extra, match", [
-    ([], r"pool.publish='collective': expected 'object_store' with pool.execution='pool' and "
-         r"lm.deployment.engine='vllm'.*set pool.publish=object_store"),
+    (VLLM_LORA, r"pool.publish='collective': expected 'object_store' with pool.execution='pool' and "
+                r"lm.deployment.engine='vllm' and lm.deployment.sync.method='lora'.*set pool.publish=object_store"),
     (["pool.publish=object_store", "pool.num_engines=2"], r"pool.num_engines=2: expected 1 .*pool.num_engines=1"),
     (["pool.publish=object_store", "pool.placement=shared"], r"pool.placement='shared'.*placement 'colocate'"),
     (["pool.publish=object_store", "async_training.max_policy_lag=1"], r"async_training.max_policy_lag=1"),

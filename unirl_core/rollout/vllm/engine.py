@@ -235,6 +235,71 @@ class VLLMEngine:
         if old is not None and old != name:
             self.client.post("/v1/unload_lora_adapter", {"lora_name": old}, expect_json=False)
 
+    # ------------------------------------------------------------------ the trainer's broadcast (pool.publish: collective)
+    def _rpc(self, method: str, kwargs: dict, timeout_s: float) -> dict:
+        """``POST /collective_rpc`` of one of our worker-extension methods; the single worker's result."""
+        out = self.client.post("/collective_rpc", {"method": method, "kwargs": kwargs}, timeout_s=timeout_s)
+        results = (out or {}).get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], dict):
+            raise field_error(EngineError, f"vllm collective_rpc {method}", results, "one worker's dict result",
+                              "run the server with one worker (no tensor / pipeline parallelism) for the "
+                              "trainer's broadcast, or publish through the object store")
+        return results[0]
+
+    def join_sync(self, *, master_addr: str, master_port: int, rank: int, num_engines: int, timeout_s: float,
+                  bucket_mb: float) -> dict:
+        """The server's worker joins the trainer's publish group as ``rank``; blocks until the group is complete
+        (call it on a thread while the other ranks join)."""
+        kwargs = dict(master_addr=master_addr, master_port=int(master_port), rank=int(rank),
+                      num_engines=int(num_engines), timeout_s=float(timeout_s), bucket_mb=float(bucket_mb))
+        return self._rpc("unirl_join_sync", kwargs, timeout_s + 30.0)
+
+    def receive_sync(self, policy_version: int, *, alongside, timeout_s: float):
+        """Serve the version the trainer broadcasts now as ``policy_version``: drain requests, let the worker take
+        the broadcast into the served model (on a thread, while ``alongside()`` runs on this one: the caller's
+        own rank of the same broadcast), drop the prefix cache, label, resume. Returns ``alongside()``'s result;
+        raises when either side failed (the version is not served then)."""
+        t0 = time.perf_counter()
+        version = int(policy_version)
+        with self._lock:
+            self.client.post("/pause?mode=wait")
+            try:
+                box: dict = {}
+
+                def worker() -> None:
+                    try:
+                        box["out"] = self._rpc("unirl_receive_sync", {}, timeout_s + 30.0)
+                    except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                        box["error"] = e
+
+                thread = threading.Thread(target=worker, name="vllm-receive-sync", daemon=True)
+                thread.start()
+                try:
+                    result = alongside()
+                finally:
+                    thread.join()
+                if "error" in box:
+                    raise box["error"]
+                got = box["out"].get("version")
+                if got != version:
+                    raise field_error(EngineError, "vllm unirl_receive_sync version", got, str(version),
+                                      "the trainer broadcast another version; reload it from the store")
+                self.client.post("/reset_prefix_cache")
+                self._label(version)
+                self.policy_version = version
+            finally:
+                self.client.post("/resume")
+        self.last_sync_s = time.perf_counter() - t0
+        logger.info("vllm serves policy v%d from the trainer's broadcast (%.2f s)", version, self.last_sync_s)
+        return result
+
+    def close_sync(self) -> None:
+        """The worker leaves the publish group (best effort: a dead group or server is not an error here)."""
+        try:
+            self._rpc("unirl_close_sync", {}, 30.0)
+        except EngineError as e:
+            logger.warning("vllm: leaving the publish group: %s", e)
+
     def _label(self, version: int) -> None:
         self.client.post("/update_weight_version", {"new_version": str(version)})
 

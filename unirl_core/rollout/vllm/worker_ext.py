@@ -2,7 +2,13 @@
 
 Started with ``--worker-extension-cls unirl_core.rollout.vllm.worker_ext.WeightSyncExtension``,
 vLLM mixes this class into its worker, and ``POST /collective_rpc {"method":
-"unirl_reload_weights"}`` calls it on every worker. Only torch and vLLM are imported here.
+"unirl_reload_weights"}`` calls it on every worker. Only torch, safetensors, vLLM and this package's light
+modules are imported here.
+
+Two ways a version arrives: ``unirl_reload_weights`` reads a staged folder; ``unirl_join_sync`` +
+``unirl_receive_sync`` take it from the trainer's broadcast (``pool.publish: collective``): the worker joins the
+pool's publish group as one more rank (NCCL on GPUs, gloo on CPU) and streams the buckets into the same
+in-place reload, no file in between (``unirl_core.train.weight_stream``).
 
 Why not vLLM's plain ``reload_weights``: its layer-wise in-place reload (vLLM 0.32) loads the
 checkpoint layer by layer and puts the OLD kernel tensors back on any layer that received no
@@ -38,6 +44,22 @@ def _refresh_tied_lm_head(model) -> bool:
     return True
 
 
+def checkpoint_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of every ``*.safetensors`` file in ``folder`` (headers only, no weights read)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                out[k] = tuple(st.get_slice(k).get_shape())
+    if not out:
+        raise RuntimeError(f"no safetensors weights in {folder}: the server's model folder")
+    return out
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -46,3 +68,50 @@ class WeightSyncExtension:
         self.reload_weights(weights_path=weights_path)
         model = self.model_runner.get_model()
         return {"refreshed_tied_lm_head": _refresh_tied_lm_head(model)}
+
+    # ------------------------------------------------------------------ the trainer's broadcast
+    def unirl_join_sync(self, master_addr: str, master_port: int, rank: int, num_engines: int,
+                        timeout_s: float, bucket_mb: float) -> dict:
+        """Join the pool's publish group as ``rank``; blocks until every rank joined. The names and shapes a
+        sync must bring are the served checkpoint's (plus the LM head when it is tied to the embedding)."""
+        from unirl_core.train.weight_stream import StreamReceiver
+        from unirl_core.train.weight_sync import WeightSyncConfig
+
+        self.unirl_close_sync()
+        expected = checkpoint_shapes(self.model_config.model)
+        config = getattr(self.model_config, "hf_config", None)
+        text_config = getattr(config, "get_text_config", lambda: config)()
+        optional = {}
+        embed = expected.get("model.embed_tokens.weight")
+        if getattr(text_config, "tie_word_embeddings", False) and embed is not None:
+            optional["lm_head.weight"] = embed
+        model = self.model_runner.get_model()
+        device = next(model.parameters()).device
+        cfg = WeightSyncConfig(master_addr=master_addr, master_port=int(master_port), num_engines=int(num_engines),
+                               timeout_s=float(timeout_s), bucket_mb=float(bucket_mb))
+        self._unirl_receiver = StreamReceiver(cfg, expected=expected, optional=optional, rank=int(rank),
+                                              device=device)
+        return {"rank": int(rank), "tensors": len(expected), "device": str(device)}
+
+    def unirl_receive_sync(self) -> dict:
+        """Receive the next broadcast version into the served model (vLLM's in-place reload, fed bucket by
+        bucket); keep a tied head tied. Raises when no group was joined or the load failed (the trainer's
+        send fails with it)."""
+        receiver = getattr(self, "_unirl_receiver", None)
+        if receiver is None:
+            raise RuntimeError("unirl_receive_sync before unirl_join_sync: no publish group on this worker")
+        stats = receiver.receive(lambda tensors: self.reload_weights(weights_iterator=tensors))
+        if stats is None:
+            self.unirl_close_sync()
+            return {"closed": True}
+        refreshed = _refresh_tied_lm_head(self.model_runner.get_model())
+        return {"version": stats.version, "bytes": stats.bytes, "buckets": stats.num_buckets,
+                "seconds": stats.seconds, "refreshed_tied_lm_head": refreshed}
+
+    def unirl_close_sync(self) -> dict:
+        """Leave the publish group (a no-op when not in one)."""
+        receiver = getattr(self, "_unirl_receiver", None)
+        self._unirl_receiver = None
+        if receiver is not None:
+            receiver.close()
+        return {"closed": receiver is not None}

@@ -27,8 +27,8 @@ lives for the run, so the server does too (started on the first rollout or publi
 
 from __future__ import annotations
 
-import threading
 import time
+from contextlib import contextmanager
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.errors import EngineError
@@ -36,6 +36,7 @@ from unirl_core.loop import build
 from unirl_core.pool.actors import EngineActor, _device, _scope, _version
 from unirl_core.train.weight_sync import WeightReceiver
 from unirl_core.pool.config import Emit
+from unirl_core.rollout.vllm.engine import beside
 from unirl_core.rollout.weights import stage_state_dict
 from unirl_core.types import SampleBatch
 
@@ -94,44 +95,39 @@ class VLLMEngineActor(EngineActor):
         self.close_sync()
         slot = self._engine(what)
         p = self.cfg.pool
-        box: dict = {}
+        module = self.policy.module
 
-        def server() -> None:
-            try:
-                box["out"] = slot.engine.join_sync(master_addr=addr, master_port=port, rank=rank + 1,
-                                                   num_engines=num_engines, timeout_s=p.sync_timeout_s,
-                                                   bucket_mb=p.sync_bucket_mb)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                box["error"] = e
-
-        thread = threading.Thread(target=server, name="vllm-join-sync", daemon=True)
-        thread.start()
-        try:
-            module = self.policy.module
+        def bundle() -> None:
             self._peer = WeightReceiver(self._sync_config(addr, port, num_engines), module, rank=rank,
                                         scope=_scope(self.cfg), device=_device(module))
-        finally:
-            thread.join()
-        if "error" in box:
-            self.close_sync()
-            error = box["error"]
-            raise self._error(error, what) if isinstance(error, EngineError) else error
+
+        with self._leaving_group_on_error(what):
+            beside(lambda: slot.engine.join_sync(master_addr=addr, master_port=port, rank=rank + 1,
+                                                 num_engines=num_engines, timeout_s=p.sync_timeout_s,
+                                                 bucket_mb=p.sync_bucket_mb), bundle, name="vllm-join-sync")
         self.sync_token = token
 
-    def receive_weights(self, ckpt: CheckpointRef) -> dict[str, float]:
-        """Version ``ckpt`` from the trainer's broadcast into the bundle and, at once, into the server."""
-        what = f"publish v{ckpt.policy_version} (collective)"
-        slot = self._engine(what)
-        self.served = None
+    @contextmanager
+    def _leaving_group_on_error(self, what: str):
+        """A failure inside leaves the publish group (the next publish opens a new one) and, when it is an
+        ``EngineError``, is raised naming this actor."""
         try:
-            out = slot.engine.receive_sync(ckpt.policy_version, timeout_s=self.cfg.pool.sync_timeout_s,
-                                           alongside=lambda: EngineActor.receive_weights(self, ckpt))
+            yield
         except EngineError as e:
             self.close_sync()
             raise self._error(e, what) from e
         except BaseException:
             self.close_sync()
             raise
+
+    def receive_weights(self, ckpt: CheckpointRef) -> dict[str, float]:
+        """Version ``ckpt`` from the trainer's broadcast into the bundle and, at once, into the server."""
+        what = f"publish v{ckpt.policy_version} (collective)"
+        slot = self._engine(what)
+        self.served = None
+        with self._leaving_group_on_error(what):
+            out = slot.engine.receive_sync(ckpt.policy_version, timeout_s=self.cfg.pool.sync_timeout_s,
+                                           alongside=lambda: EngineActor.receive_weights(self, ckpt))
         slot.served_uri = ckpt.uri
         self.served = _version(ckpt)
         return out

@@ -122,6 +122,29 @@ def parse_completion(resp: object, where: str) -> Completion:
                       finish_reason=to_finish_reason(choice.get("finish_reason"), f"{where}.finish_reason"))
 
 
+def beside(background, foreground, *, name: str):
+    """Run ``background()`` on a thread while ``foreground()`` runs on this one (two ranks of one collective that
+    both block until the other arrives); returns (background's result, foreground's). A foreground error is
+    raised first (after the thread ended); then a background one."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["out"] = background()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    try:
+        result = foreground()
+    finally:
+        thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["out"], result
+
+
 class VLLMEngine:
     """``RolloutEngine`` over a vLLM server; fills AR Parts and stamps the version the server reports."""
 
@@ -264,23 +287,9 @@ class VLLMEngine:
         with self._lock:
             self.client.post("/pause?mode=wait")
             try:
-                box: dict = {}
-
-                def worker() -> None:
-                    try:
-                        box["out"] = self._rpc("unirl_receive_sync", {}, timeout_s + 30.0)
-                    except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-                        box["error"] = e
-
-                thread = threading.Thread(target=worker, name="vllm-receive-sync", daemon=True)
-                thread.start()
-                try:
-                    result = alongside()
-                finally:
-                    thread.join()
-                if "error" in box:
-                    raise box["error"]
-                got = box["out"].get("version")
+                out, result = beside(lambda: self._rpc("unirl_receive_sync", {}, timeout_s + 30.0), alongside,
+                                     name="vllm-receive-sync")
+                got = out.get("version")
                 if got != version:
                     raise field_error(EngineError, "vllm unirl_receive_sync version", got, str(version),
                                       "the trainer broadcast another version; reload it from the store")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import os
 import subprocess
 import sys
 import time
@@ -38,14 +37,15 @@ def run_one(recipe: str, seed: int, root: str, overrides: list[str], out: str, m
                                *overrides])
 
     def on_step(metrics: dict, _batch) -> None:
+        row = {"step": metrics.get("step"), metric: metrics.get(metric), "time/step": metrics.get("time/step")}
         with open(out, "a") as f:
-            f.write(json.dumps({"step": metrics.get("step"), metric: metrics.get(metric), "time/step": metrics.get("time/step")})
-                    + "\n")
+            f.write(json.dumps(row) + "\n")
 
     run_local(cfg, resume_from="never", on_step=on_step, progress=False)
 
 
 def main() -> None:
+    from benchmarks.first_run_climb import single_thread_env
     from unirl_core.loop.climb import climb_stats
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,8 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = single_thread_env()
     procs = []
     for i, spec in enumerate(args.run):
         recipe, *overrides = shlex.split(spec)

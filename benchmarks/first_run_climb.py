@@ -57,11 +57,16 @@ def train_sft(name: str, root: str, overrides: list[str] = ()) -> float:
     return time.perf_counter() - t0
 
 
+def single_thread_env() -> dict[str, str]:
+    """The environment of a run's subprocess: one thread, the repo importable."""
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def _run_seeds(recipe: str, seeds: list[int], root: str, overrides: list[str], jobs: int, timeout: float) -> dict:
     """``run_seed`` for every seed, each in its own single-threaded subprocess, ``jobs`` of them at a time;
     returns each seed's output record."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = single_thread_env()
     outs = {}
     for i in range(0, len(seeds), jobs):
         procs = []

@@ -22,6 +22,7 @@ for spec in "$@"; do
   IFS=',' read -ra kv <<< "$ovr"
   for o in "${kv[@]}"; do [ -n "$o" ] && args+=(--override "$o"); done
   echo "$name: ${args[*]}" > "$OUT/$name.log"
+  printf '%s\n' "${args[@]}" > "$WORK/$name.args"  # the same arguments, for the export of a cut run
   $PY -m unirl_core.sft --recipe sft-shapes "${args[@]}" >> "$OUT/$name.log" 2>&1 &
   pids+=($!); names+=("$name")
 done
@@ -42,11 +43,9 @@ for i in "${!names[@]}"; do
     step=$($PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["step"])' "$run/LATEST" 2>/dev/null)
     echo "$name: cut at published step ${step:-none}; exporting that version" | tee -a "$OUT/$name.log"
     [ -z "$step" ] && continue
-    spec=$(head -1 "$OUT/$name.log")
     # a resume with loop.total_steps = the published step trains nothing and exports that version
-    ovr=${spec#*: }
-    # shellcheck disable=SC2086
-    $PY -m unirl_core.sft --recipe sft-shapes $ovr --override "loop.total_steps=$step" >> "$OUT/$name.log" 2>&1
+    mapfile -t args < "$WORK/$name.args"
+    $PY -m unirl_core.sft --recipe sft-shapes "${args[@]}" --override "loop.total_steps=$step" >> "$OUT/$name.log" 2>&1
   fi
   $PY -m unirl_core.models.diffusion_shapes "$run/export" "$OUT/$name.safetensors" >> "$OUT/$name.log" 2>&1
   $PY -m unirl_core.sft.shapes_eval --source "$run/export" --max-sequence-length 32 --prompts 128 \

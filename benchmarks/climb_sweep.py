@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -66,6 +67,7 @@ def main() -> None:
             name = f"r{i}-s{seed}"
             out = root / f"{name}.jsonl"
             out.unlink(missing_ok=True)
+            shutil.rmtree(root / name, ignore_errors=True)  # an earlier sweep's run of the same name under this root
             code = (f"from benchmarks.climb_sweep import run_one; run_one({recipe!r}, {seed}, {str(root)!r}, "
                     f"{[*overrides, f'name={name}']!r}, {str(out)!r}, {args.metric!r})")
             log = open(root / f"{name}.log", "w")

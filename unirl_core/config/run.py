@@ -11,7 +11,7 @@ from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo import GRPOConfig
 from unirl_core.algorithms.registry import AlgorithmChoice
 from unirl_core.config.deployment_checks import check_lm_deployment
-from unirl_core.data.prompts import PromptDataConfig
+from unirl_core.data.prompts import PromptDataConfig, check_prompts_per_step
 from unirl_core.data.shapes import ShapesPromptsConfig
 from unirl_core.data.toy import ToyArithmeticConfig
 from unirl_core.errors import ConfigError, field_error
@@ -173,7 +173,9 @@ class DataConfig:
     shapes: ShapesPromptsConfig = field(default_factory=ShapesPromptsConfig)
     """Shapes-world prompt set (``source='shapes'``): ``num_prompts``, ``seed``, ``world``."""
     prompts_per_step: int = 4
-    """Distinct prompts (groups) per step."""
+    """Distinct prompts (groups) per step; at most the number of prompts of the source. Each step takes the next
+    ``prompts_per_step`` of a stream of per-epoch shuffles; a step spanning two epochs still draws no prompt
+    twice (``PromptDataset.epoch_order``)."""
     samples_per_prompt: int = 4
     """Siblings per prompt (the GRPO group size)."""
     seed: int = 0
@@ -190,6 +192,13 @@ class DataConfig:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise field_error(ConfigError, f"data.{name}", v, "an integer >= 1", "use e.g. 4")
+        # The prompt count of these sources is known here; a file's is checked where it is read
+        # (``unirl_core.loop.build``).
+        known = {"inline": (len(self.prompts), "data.prompts"),
+                 "toy_arithmetic": (self.toy.num_prompts, "data.toy.num_prompts"),
+                 "shapes": (self.shapes.num_prompts, "data.shapes.num_prompts")}.get(self.source)
+        if known is not None:
+            check_prompts_per_step(self.prompts_per_step, *known)
 
     @property
     def samples_per_step(self) -> int:

@@ -28,7 +28,7 @@ from unirl_core.algorithms.registry import build_algorithm
 from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_weights
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
-from unirl_core.data.prompts import PromptDataset, load_prompts
+from unirl_core.data.prompts import PromptDataset, check_prompts_per_step, load_prompts
 from unirl_core.data.shapes import shapes_prompts
 from unirl_core.data.toy import toy_arithmetic_prompts
 from unirl_core.errors import CheckpointError, ConfigError, field_error
@@ -113,7 +113,9 @@ def _build_dataset(cfg: RunConfig) -> PromptDataset:
         return PromptDataset(toy_arithmetic_prompts(d.toy), seed=d.seed)
     if d.source == "shapes":
         return PromptDataset(shapes_prompts(d.shapes), seed=d.seed)
-    return load_prompts(d.file)
+    ds = load_prompts(d.file)
+    check_prompts_per_step(d.prompts_per_step, len(ds), f"data.file.path={d.file.path!r}")
+    return ds
 
 
 def dataset(cfg: RunConfig) -> PromptDataset:

@@ -30,6 +30,8 @@ def test_recipe_loads_and_derives_one_run_config_per_stack(tmp_path):
     ("grouping.images_per_enhancement=1", "grouping.images_per_enhancement=1"),
     ("grouping.image_groups=sample", "grouping.image_groups"),
     ("data.samples_per_prompt=8", "data.samples_per_prompt=8"),
+    ("data.shapes.num_prompts=1", "data.prompts_per_step=2: expected at most the number of prompts (1 in "
+                                  "data.shapes.num_prompts)"),
     ("advantage.drop_zero_std_groups=true", "advantage.drop_zero_std_groups=True"),
     ("enhancer.lm.algorithm.beta=0.1", "enhancer.lm.algorithm.beta=0.1"),
     ("enhancer.warm_start.lr=-1", "enhancer.warm_start.lr=-1"),

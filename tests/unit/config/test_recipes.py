@@ -29,11 +29,32 @@ def test_overrides_are_typed_and_applied():
     (["train.micro_batch_size=8"], r"equal to lm.engine.forward_batch_size \(16\)"),
     (["lm.algorithm.loss_agg=dapo", "advantage.drop_zero_std_groups=true"], r"drop_zero_std_groups"),
     (["loop.rollout_shards=3"], r"loop.rollout_shards=3: expected a divisor of data.prompts_per_step=4"),
+    (["data.toy.num_prompts=3"],
+     r"data.prompts_per_step=4: expected at most the number of prompts \(3 in data.toy.num_prompts\)"),
     (["train.lr"], r"override='train.lr': expected 'dotted.key=value'"),
 ])
 def test_bad_recipe_values_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         load_recipe("tiny-grpo", override)
+
+
+def test_inline_prompts_must_number_at_least_prompts_per_step():
+    # shapes-count-climb lists 4 inline prompts: 5 per step would repeat a prompt in every step. Refused at load.
+    with pytest.raises(ConfigError) as info:
+        load_recipe("shapes-count-climb", ["data.prompts_per_step=5", "train.micro_batch_size=8"])
+    msg = str(info.value)
+    assert msg.startswith("data.prompts_per_step=5: expected at most the number of prompts (4 in data.prompts)")
+    assert "set data.prompts_per_step to at most 4, or add prompts to data.prompts" in msg
+    # 3 of 4: the steps spanning two epochs of the shuffled stream draw no prompt twice (PromptDataset.epoch_order).
+    assert load_recipe("shapes-count-climb", ["data.prompts_per_step=3",
+                                              "train.micro_batch_size=8"]).data.prompts_per_step == 3
+
+
+def test_shapes_prompt_count_is_checked_at_load():
+    with pytest.raises(ConfigError, match=r"data.prompts_per_step=4: expected at most the number of prompts "
+                                          r"\(3 in data.shapes.num_prompts\)"):
+        load_recipe("shapes-nft", ["data.shapes.num_prompts=3"])
+    assert load_recipe("shapes-nft", ["data.shapes.num_prompts=6"]).data.shapes.num_prompts == 6
 
 
 def test_missing_section_and_unknown_recipe():

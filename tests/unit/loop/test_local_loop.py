@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import safetensors.torch
 import torch
 
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
+from unirl_core.loop import build
 from unirl_core.loop.local import run_local
+from unirl_core.loop.phases import step_prompts
 
 
 def _weights(root, run, step):
@@ -44,3 +47,20 @@ def test_tiny_grpo_learns_the_toy_task(tmp_path):
     first = sum(h["reward/mean"] for h in hist[:6]) / 6
     last = sum(h["reward/mean"] for h in hist[-6:]) / 6
     assert last > first + 0.1, (first, last)
+
+
+@pytest.mark.slow
+def test_prompts_per_step_not_dividing_the_prompt_count_runs(tmp_path):
+    # The bug report: 4 inline prompts at 3 per step. With plain per-epoch shuffles step 3 (stream positions 6-8,
+    # across the boundary at 8) drew "two red circles" twice and its sample ids collided (InvariantError).
+    cfg = load_recipe("shapes-count-climb", ["data.prompts_per_step=3", "data.samples_per_prompt=2",
+                                             "train.micro_batch_size=6",
+                                             f"checkpoint.root={tmp_path}", "loop.total_steps=5", "eval=null",
+                                             "report.tensorboard=false"])
+    ds = build.dataset(cfg)
+    assert [ds.records[ds._order(k // 4)[k % 4]].prompt for k in range(6, 9)] == \
+        ["three yellow circles", "two red circles", "two red circles"]
+    for step in range(1, 6):
+        assert len({r.prompt_id for r in step_prompts(cfg, step)}) == 3
+    hist = run_local(cfg, resume_from="never", progress=False)
+    assert [h["step"] for h in hist] == [1.0, 2.0, 3.0, 4.0, 5.0]

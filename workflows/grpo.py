@@ -1,6 +1,6 @@
 """The GRPO loop as a Flyte workflow: rollout -> reward -> advantage -> train -> publish, step after step.
 
-    pyflyte run workflows/grpo.py grpo                                   # shapes-count-climb, local, CPU
+    pyflyte run workflows/grpo.py grpo                                   # shapes-flow-grpo-count, local, CPU
     pyflyte run workflows/grpo.py grpo --recipe tiny-grpo --overrides '["loop.total_steps=2"]'
     pyflyte run --remote workflows/grpo.py grpo --recipe sd35m-pickscore  # a cluster with GPUs
 
@@ -97,7 +97,7 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
 
 
 @workflow
-def grpo(recipe: str = "shapes-count-climb", overrides: list[str] = [],  # noqa: B006 (flytekit copies defaults)
+def grpo(recipe: str = "shapes-flow-grpo-count", overrides: list[str] = [],  # noqa: B006 (flytekit copies defaults)
          resume: str = "latest", max_steps: int = 0, fork_as: str = "") -> CheckpointRef:
     """Train ``recipe`` (a shipped recipe name or a YAML path) with ``a.b=value`` overrides.
 

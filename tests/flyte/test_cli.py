@@ -27,11 +27,12 @@ def test_pyflyte_run_grpo_prints_progress(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    # The default recipe (shapes-count-climb, DiffusionNFT) has no ratio; it evaluates at the end of the run.
+    # The default recipe (shapes-flow-grpo-count, Flow-GRPO) prints its ratio, exactly 1 (one on-policy update a
+    # batch, pi_old = the log-probs stored at rollout), and evaluates at the end of the run.
     lines = re.findall(r"INFO unirl\.progress: (step \d+/\d+ \| reward \S+ \| (?:ratio \S+ \| )?(?:eval \S+ \| )?"
                        r"step \S+ \| ETA \S+)", out)
     assert [ln.split(" |")[0] for ln in lines] == ["step 1/2", "step 2/2"], out[-4000:]
-    assert "eval " in lines[-1] and "ratio" not in lines[-1]
+    assert all("| ratio 1.0000 |" in ln for ln in lines) and "eval " in lines[-1], lines
     assert "step-00000002" in out and (tmp_path / name / "report" / "index.html").is_file()
 
 

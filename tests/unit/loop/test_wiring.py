@@ -77,3 +77,24 @@ def test_lm_rollout_logs_the_decode_rescore_gap(tmp_path):
     hist = run_local(cfg)
     gap = hist[0]["rollout/decode_rescore_absdiff_max"]
     assert 0.0 <= gap < 1e-3  # fp32: KV-cache decode vs full forward differ only in reduction order
+
+
+def test_default_recipe_samples_one_x_t_per_group_and_trains_the_first_steps(tmp_path):
+    # shapes-flow-grpo-count's climb rests on these two settings: siblings start from one x_T (their rewards differ
+    # only through the SDE steps the loss trains) and the 3 SDE steps start at denoising step 0 or 1.
+    cfg = load_recipe("shapes-flow-grpo-count", [f"checkpoint.root={tmp_path}", "loop.total_steps=1", "eval=null",
+                                                 "data.prompts_per_step=2", "data.samples_per_prompt=3",
+                                                 "train.micro_batch_size=6", "diffusion.engine.forward_batch_size=6"])
+    batch, _ = phases.rollout_phase(cfg, phases.init_run(cfg), step=1)
+    groups: dict[str, list] = {}
+    for p in batch.generated:
+        groups.setdefault(p.group_id, []).append(p.segment)
+    assert len(groups) == 2 and all(len(g) == 3 for g in groups.values())
+    a, b = groups.values()
+    assert not torch.equal(a[0].latents[0], b[0].latents[0])  # one x_T per group, not one per batch
+    for segs in groups.values():
+        assert all(torch.equal(s.latents[0], segs[0].latents[0]) for s in segs)
+        assert not torch.equal(segs[0].latents[-1], segs[1].latents[-1])  # the SDE noise differs per sibling
+        for s in segs:
+            trained = s.sde_mask.nonzero().flatten().tolist()
+            assert len(trained) == 3 and trained[0] in (0, 1) and trained == list(range(trained[0], trained[0] + 3))

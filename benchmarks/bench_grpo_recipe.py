@@ -16,8 +16,9 @@ Sides:
 - ``trl``: TRL ``GRPOTrainer`` with matched settings: per_device_train_batch_size = micro-batch,
   gradient_accumulation_steps = steps_per_generation = samples / micro-batch (one generation of all samples,
   then the same micro-batches and one optimizer step), num_generations = group, num_iterations = 1,
-  temperature 1, top_p 1, top_k 0, beta 0, the preset's loss_type / epsilons, constant lr, adamw_torch,
-  max_grad_norm 1, gradient checkpointing as ours, bf16 = the model dtype on CUDA. TRL keeps bf16 weights and
+  temperature 1, top_p 1, top_k 0, beta 0, the preset's loss_type / epsilons, constant lr, TRL's default
+  optimizer (``--trl-optim`` to pick one; runs before 2026-12-02 forced ``adamw_torch``), max_grad_norm 1,
+  gradient checkpointing as ours, bf16 = the model dtype on CUDA. TRL keeps bf16 weights and
   optimizer state (ours: fp32 master weights + fp32 AdamW state) and does not rescore (ours records exact
   log-probs with one extra no-grad forward so the first ratio is exactly 1).
 
@@ -168,6 +169,8 @@ def run_config(a, texts: list[str], root: str):
         over.append(f"train.micro_batch_tokens={a.micro_batch_tokens}")
     if a.master_weights:  # model: bf16 weights + AdamW state like TRL's (ours only)
         over.append(f"train.master_weights={a.master_weights}")
+    if a.optimizer_impl:  # AdamW kernel (default auto: fused on CUDA, foreach on CPU)
+        over.append(f"train.optimizer_impl={a.optimizer_impl}")
     if a.rollout_with_trainer:  # the loop samples with the trainer's module: one copy of the weights (ours only)
         over.append("loop.rollout_with_trainer=true")
     if a.cuda_graphs:  # the lean decoder's token step replayed as a CUDA graph (ours only)
@@ -323,17 +326,18 @@ def trl_side(a, texts: list[str]) -> dict:
         gradient_accumulation_steps=n // a.micro_batch, steps_per_generation=n // a.micro_batch, num_iterations=1,
         max_completion_length=a.new_tokens, temperature=1.0, top_p=1.0, top_k=0, loss_type=a.loss, beta=0.0,
         epsilon=0.2, epsilon_high=0.28 if a.loss == "dapo" else 0.2, scale_rewards="group", learning_rate=a.lr,
-        lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0,
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         gradient_checkpointing=a.grad_ckpt, use_cpu=not cuda, bf16=cuda and a.dtype == "bfloat16",
         logging_steps=1, report_to="none", save_strategy="no", max_steps=a.warmup + a.steps, seed=0,
-        disable_dropout=True, log_completions=False, dataloader_num_workers=0)
+        disable_dropout=True, log_completions=False, dataloader_num_workers=0,
+        **({"optim": a.trl_optim} if a.trl_optim else {}))  # default: TrainingArguments' own (fused AdamW on torch >= 2.8)
     timer = Timer()
     trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
                               callbacks=[timer])
     trainer.train()
     del trainer
     return {"times": timer.times[a.warmup:], "lengths": timer.lengths[a.warmup:], "rewards": timer.rewards,
-            "phases": {}, "trl": trl.__version__, "ratio_max_dev": None}
+            "phases": {}, "trl": trl.__version__, "optim": str(getattr(cfg.optim, "value", cfg.optim)), "ratio_max_dev": None}
 
 
 # ----------------------------------------------------------------------------- worker / driver
@@ -389,7 +393,7 @@ def run_side(a, side: str) -> dict:
     argv = [sys.executable, __file__, "--worker", side, "--out", out]
     for k in ("shape", "dtype", "device", "prompts", "group", "new_tokens", "prompt_len", "micro_batch",
               "decode_batch", "micro_batch_tokens", "loss", "lr", "steps", "warmup", "checkpoint_root",
-              "master_weights", "full_state_every", "logprob_chunk"):
+              "master_weights", "full_state_every", "logprob_chunk", "optimizer_impl", "trl_optim"):
         if getattr(a, k) is not None:
             argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.grad_ckpt:
@@ -428,6 +432,11 @@ def main() -> None:
                     help="loop side: loop.rollout_with_trainer=true (no rollout bundle: one copy of the weights)")
     ap.add_argument("--cuda-graphs", action="store_true", default=None,
                     help="ours: lm.engine.cuda_graphs=true (the decode step replayed as a CUDA graph)")
+    ap.add_argument("--optimizer-impl", choices=("auto", "foreach", "fused"), default=None,
+                    help="ours: train.optimizer_impl (default auto: fused AdamW on CUDA, foreach on CPU)")
+    ap.add_argument("--trl-optim", default=None,
+                    help="TRL: TrainingArguments.optim (default: its own default; transformers 5 on torch >= 2.8: "
+                         "adamw_torch_fused; the runs before 2026-12-02 forced adamw_torch)")
     ap.add_argument("--lr", type=float)
     ap.add_argument("--grad-ckpt", action="store_true", default=None)
     ap.add_argument("--sides", help="comma list of loop, backend, trl (default: the preset's)")
@@ -537,6 +546,8 @@ def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> 
     tag += f"_chunk-{a.logprob_chunk}" if a.logprob_chunk else ""
     tag += "_with-trainer" if a.rollout_with_trainer else ""
     tag += "_graphs" if a.cuda_graphs else ""
+    tag += f"_opt-{a.optimizer_impl}" if a.optimizer_impl else ""
+    tag += f"_trl-{a.trl_optim}" if a.trl_optim else ""
     tag += f"_{a.name}" if a.name else ""
     path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}{tag}.json"
     # Folders of this machine stay out of the record (results dir, checkpoint root): only whether one was given.

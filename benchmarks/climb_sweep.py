@@ -1,7 +1,8 @@
 """Many climb runs side by side within a time budget (a hyperparameter sweep for ``first_run_climb.py``'s bar).
 
-Each run is ``recipe [overrides]`` for one seed through ``run_local`` in its own single-threaded process; every
-step's metric is appended to a file as it lands, so a run the budget cuts still reports the steps it trained.
+Each run is ``recipe [overrides]`` for one seed through ``run_local`` (a composed recipe such as
+``shapes-enhance-joint``: ``run_compose_local``, also recording the enhancer's reward and greedy evaluations) in its
+own single-threaded process; every step's metric is appended to a file as it lands, so a run the budget cuts still reports the steps it trained.
 
     python benchmarks/climb_sweep.py --budget 480 --seeds 0 1 \
         --run "shapes-flow-grpo-climb" --run "shapes-flow-grpo-climb train.lr=2e-4"
@@ -26,23 +27,33 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+EXTRA = ("enhancer/reward/mean", "eval/reward/mean", "eval/copy_reward/mean")
+"""Metrics a composed run also records per step when present (the enhancer's reward, its greedy evaluation)."""
+
+
 def run_one(recipe: str, seed: int, root: str, overrides: list[str], out: str, metric: str) -> None:
-    """One run in this process, appending ``{"step", metric, "time/step"}`` per step to ``out`` (JSON lines)."""
+    """One run in this process, appending ``{"step", metric, "time/step"}`` per step to ``out`` (JSON lines).
+    A composed recipe (``unirl_core.compose``: prompt enhancer + image model) runs through ``run_compose_local``."""
     import torch
 
     torch.set_num_threads(1)
+    from unirl_core.compose import compose_recipe_names, load_compose_recipe
+    from unirl_core.compose.local import run_compose_local
     from unirl_core.config.recipes import load_recipe
     from unirl_core.loop.local import run_local
 
-    cfg = load_recipe(recipe, [f"checkpoint.root={root}", f"loop.seed={seed}", "report.tensorboard=false",
-                               *overrides])
+    over = [f"checkpoint.root={root}", f"loop.seed={seed}", "report.tensorboard=false", *overrides]
 
     def on_step(metrics: dict, _batch) -> None:
-        row = {"step": metrics.get("step"), metric: metrics.get(metric), "time/step": metrics.get("time/step")}
+        row = {"step": metrics.get("step"), metric: metrics.get(metric), "time/step": metrics.get("time/step"),
+               **{k: metrics[k] for k in EXTRA if k in metrics}}
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    run_local(cfg, resume_from="never", on_step=on_step, progress=False)
+    if recipe in compose_recipe_names():
+        run_compose_local(load_compose_recipe(recipe, over), resume_from="never", on_step=on_step, progress=False)
+    else:
+        run_local(load_recipe(recipe, over), resume_from="never", on_step=on_step, progress=False)
 
 
 def main() -> None:
@@ -91,12 +102,23 @@ def main() -> None:
             st = climb_stats(curve)
             row.update(thirds=[round(v, 3) for v in st.thirds], z=round(st.z, 2), rho=round(st.spearman, 2),
                        climbs=not st.failures())
+            enhancer = [x["enhancer/reward/mean"] for x in lines if "enhancer/reward/mean" in x]
+            if len(enhancer) >= 9:
+                se = climb_stats(enhancer)
+                row["enhancer"] = {"thirds": [round(v, 3) for v in se.thirds], "z": round(se.z, 2)}
+        evals = [(x["step"], round(x["eval/reward/mean"], 3), round(x.get("eval/copy_reward/mean", float("nan")), 3))
+                 for x in lines if "eval/reward/mean" in x]
+        if evals:
+            row["evals"] = evals  # (step, greedy eval, copy baseline) of a composed run; step 0's is not a step
         if p.returncode not in (0, None) and not cut:
             row["error"] = (root / f"{name}.log").read_text()[-1500:]
         rows.append(row)
         print(f"{spec} | seed {seed} | {len(curve)} steps{' (cut)' if cut else ''} | thirds "
               f"{' / '.join(f'{v:.3f}' for v in row.get('thirds', []))} | z {row.get('z')} | rho {row.get('rho')} | "
-              f"{'CLIMBS' if row.get('climbs') else 'no'}" + (f" | ERROR {row['error'][-300:]}" if 'error' in row
+              f"{'CLIMBS' if row.get('climbs') else 'no'}"
+              + (f" | enhancer thirds {row['enhancer']['thirds']} z {row['enhancer']['z']}" if "enhancer" in row else "")
+              + (f" | evals {row['evals']}" if "evals" in row else "")
+              + (f" | ERROR {row['error'][-300:]}" if 'error' in row
                                                               else ""), flush=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -14,6 +14,7 @@ LRSchedule = Literal["constant", "cosine", "linear"]
 ShardMode = Literal["auto", "never", "always"]
 WeightsScope = Literal["trainable", "full"]
 MasterWeights = Literal["fp32", "model"]
+OptimizerImpl = Literal["auto", "foreach", "fused"]
 
 _SCHEDULES = ("constant", "cosine", "linear")
 _OLD_LOGP = ("rollout", "replay")
@@ -82,6 +83,12 @@ class TrainConfig:
     dtype and so does the AdamW state (bf16: 8 bytes per parameter, TRL's ``bf16=True`` footprint). The forward
     is the same either way, so the first update stays exact; with ``model`` in bf16 an update smaller than half
     a bf16 step of a weight is lost (keep fp32 for small learning rates on large weights)."""
+    optimizer_impl: OptimizerImpl = "auto"
+    """AdamW kernel: ``foreach`` (a few multi-tensor kernels; its update allocates a temporary the size of the
+    optimizer state's second moment), ``fused`` (one kernel, no temporary: on a full fine-tune the optimizer step
+    peaks one copy of the trainable weights lower) or ``auto``: ``fused`` when every trainable parameter is on a
+    CUDA device, else ``foreach`` (CPU runs keep their trajectories). The choice changes the update's last-bit
+    rounding, never the forward, so the first update stays exact."""
     weights_scope: WeightsScope = "trainable"
     """What a checkpoint stores: ``trainable`` parameters only (a LoRA adapter) or the ``full`` state dict."""
     seed: int = 0
@@ -107,6 +114,9 @@ class TrainConfig:
         if self.master_weights not in ("fp32", "model"):
             raise field_error(ConfigError, "train.master_weights", self.master_weights, "'fp32' or 'model'",
                               "use 'fp32' (default), or 'model' to keep weights and AdamW state in the model dtype")
+        if self.optimizer_impl not in ("auto", "foreach", "fused"):
+            raise field_error(ConfigError, "train.optimizer_impl", self.optimizer_impl, "'auto', 'foreach' or 'fused'",
+                              "use 'auto' (fused AdamW on CUDA, foreach elsewhere)")
         if self.weights_scope not in ("trainable", "full"):
             raise field_error(ConfigError, "train.weights_scope", self.weights_scope, "'trainable' or 'full'",
                               "use 'trainable' for LoRA, 'full' for full fine-tuning")

@@ -40,10 +40,18 @@ def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return named
 
 
+def optimizer_impl(params: list[nn.Parameter], cfg: TrainConfig) -> str:
+    """``train.optimizer_impl`` resolved for these parameters: ``auto`` is ``fused`` when all are on CUDA."""
+    if cfg.optimizer_impl != "auto":
+        return cfg.optimizer_impl
+    return "fused" if params and all(p.device.type == "cuda" for p in params) else "foreach"
+
+
 def build_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with the config's hyper-parameters; ``foreach`` keeps the update a few fused kernels."""
+    """AdamW with the config's hyper-parameters, its kernel as :func:`optimizer_impl` picks it."""
+    fused = optimizer_impl(params, cfg) == "fused"
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             foreach=True)
+                             foreach=None if fused else True, fused=True if fused else None)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:

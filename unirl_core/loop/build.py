@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -76,7 +77,9 @@ def trainer(cfg: RunConfig) -> TrainBackend:
     every step: it holds whatever the last train phase left."""
     key = f"{cfg.family}:{_key(cfg.section.model)}:{_key(cfg.train)}:{_key(cfg.section.algorithm)}"
     if key not in _TRAINERS:
-        _TRAINERS.clear()  # one trainer per process: a model copy plus optimizer state each
+        if _TRAINERS:
+            _TRAINERS.clear()  # one trainer per process: a model copy plus optimizer state each
+            gc.collect()  # the old one sits in reference cycles: free its device memory before building the new
         _TRAINERS[key] = TrainBackend(fresh_bundle(cfg), algorithm(cfg), cfg.train)
     return _TRAINERS[key]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import time
@@ -95,13 +96,20 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None
             # The run began without it (e.g. trainside); the engine syncs ref's weights before its first
             # rollout anyway, so the step-0 weights of a fresh build serve as its start folder.
             build.export_initial_policy(cfg, build.fresh_bundle(cfg))
+            gc.collect()  # that bundle's model, now garbage (see below)
         return ref
     # a fresh build: the cached bundle may carry another run's trained weights
     fresh = build.fresh_bundle(cfg)
     if build.needs_initial_policy(cfg):
         build.export_initial_policy(cfg, fresh)  # as built, before the backend makes fp32 master weights
     backend = TrainBackend(fresh, build.algorithm(cfg), cfg.train)
-    return save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra={}, publish=True)
+    ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra={}, publish=True)
+    # The model and backend built for step 0 sit in reference cycles: without a collection now, their device
+    # memory (a whole copy of the weights) stays allocated until Python's next full collection, which can come
+    # after the first train step's peak (measured on an H200: +3.2 GiB at qwen3-math's shape).
+    del backend, fresh
+    gc.collect()
+    return ref
 
 
 def _resume_point(cfg: RunConfig, resume_from: str, *, forking: bool = False) -> CheckpointRef | None:

@@ -330,14 +330,16 @@ def trl_side(a, texts: list[str]) -> dict:
         gradient_checkpointing=a.grad_ckpt, use_cpu=not cuda, bf16=cuda and a.dtype == "bfloat16",
         logging_steps=1, report_to="none", save_strategy="no", max_steps=a.warmup + a.steps, seed=0,
         disable_dropout=True, log_completions=False, dataloader_num_workers=0,
-        **({"optim": a.trl_optim} if a.trl_optim else {}))  # default: TrainingArguments' own (fused AdamW on torch >= 2.8)
+        # default: TrainingArguments' own optimizer (fused AdamW on torch >= 2.8)
+        **({"optim": a.trl_optim} if a.trl_optim else {}))
     timer = Timer()
     trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
                               callbacks=[timer])
     trainer.train()
     del trainer
     return {"times": timer.times[a.warmup:], "lengths": timer.lengths[a.warmup:], "rewards": timer.rewards,
-            "phases": {}, "trl": trl.__version__, "optim": str(getattr(cfg.optim, "value", cfg.optim)), "ratio_max_dev": None}
+            "phases": {}, "trl": trl.__version__, "optim": str(getattr(cfg.optim, "value", cfg.optim)),
+            "ratio_max_dev": None}
 
 
 # ----------------------------------------------------------------------------- worker / driver

@@ -2,7 +2,8 @@
 
 Each run is ``recipe [overrides]`` for one seed through ``run_local`` (a composed recipe such as
 ``shapes-enhance-joint``: ``run_compose_local``, also recording the enhancer's reward and greedy evaluations) in its
-own single-threaded process; every step's metric is appended to a file as it lands, so a run the budget cuts still reports the steps it trained.
+own single-threaded process; every step's metric is appended to a file as it lands, so a run the budget cuts still
+reports the steps it trained.
 
     python benchmarks/climb_sweep.py --budget 480 --seeds 0 1 \
         --run "shapes-flow-grpo-climb" --run "shapes-flow-grpo-climb train.lr=2e-4"
@@ -116,7 +117,8 @@ def main() -> None:
         print(f"{spec} | seed {seed} | {len(curve)} steps{' (cut)' if cut else ''} | thirds "
               f"{' / '.join(f'{v:.3f}' for v in row.get('thirds', []))} | z {row.get('z')} | rho {row.get('rho')} | "
               f"{'CLIMBS' if row.get('climbs') else 'no'}"
-              + (f" | enhancer thirds {row['enhancer']['thirds']} z {row['enhancer']['z']}" if "enhancer" in row else "")
+              + (f" | enhancer thirds {row['enhancer']['thirds']} z {row['enhancer']['z']}"
+                 if "enhancer" in row else "")
               + (f" | evals {row['evals']}" if "evals" in row else "")
               + (f" | ERROR {row['error'][-300:]}" if 'error' in row
                                                               else ""), flush=True)

@@ -104,9 +104,11 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None
         build.export_initial_policy(cfg, fresh)  # as built, before the backend makes fp32 master weights
     backend = TrainBackend(fresh, build.algorithm(cfg), cfg.train)
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra={}, publish=True)
-    # The model and backend built for step 0 sit in reference cycles: without a collection now, their device
-    # memory (a whole copy of the weights) stays allocated until Python's next full collection, which can come
-    # after the first train step's peak (measured on an H200: +3.2 GiB at qwen3-math's shape).
+    # The model built for step 0 is pinned by a reference cycle: the first build of a process runs transformers'
+    # lazy imports, whose frames (kept by a traceback in a cycle) chain back through f_back to the building
+    # function's frame and its ``model`` local. Without a collection now its device memory (a whole copy of the
+    # weights) stays allocated until Python's next full collection, possibly past the first train step's peak
+    # (inferred, not re-measured: qwen3-math's H200 peak was exactly one bf16 copy of the weights too high).
     del backend, fresh
     gc.collect()
     return ref

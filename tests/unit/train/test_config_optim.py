@@ -10,7 +10,8 @@ from unirl_core.train import TrainConfig, lr_factor
     {"lr": 0.0}, {"lr": float("nan")}, {"betas": (0.9, 1.0)}, {"weight_decay": -1.0}, {"micro_batch_size": 0},
     {"num_updates_per_batch": 0}, {"old_logp_source": "cache"},
     {"ema_decay": 1.0}, {"schedule": "cosine"}, {"schedule": "linear", "total_steps": 5, "warmup_steps": 5},
-    {"max_grad_norm": 0.0}, {"shard": "sometimes"}, {"optimizer_impl": "apex"}, {"weights_scope": "lora"}, {"min_lr_ratio": 2.0},
+    {"max_grad_norm": 0.0}, {"shard": "sometimes"}, {"optimizer_impl": "apex"}, {"weights_scope": "lora"},
+    {"min_lr_ratio": 2.0},
 ])
 def test_config_rejects_bad_fields(bad):
     with pytest.raises(ConfigError) as e:

@@ -38,6 +38,10 @@ Presets (``--preset``; every field can be overridden by its flag):
     python benchmarks/bench_grpo_recipe.py --preset 0.6b --device cuda
     python benchmarks/bench_grpo_recipe.py --preset math --device cuda --checkpoint-root /dev/shm/unirl-bench
     python benchmarks/bench_grpo_recipe.py --preset 4b --device cuda
+
+``--memory-report DIR`` (CUDA) records the caching allocator's history in each side and writes
+``DIR/<side>_peak.txt``: the allocations alive at that side's peak, by the code that made them
+(``benchmarks/cuda_peak.py``); a diagnostic run, not a timing run.
 """
 
 from __future__ import annotations
@@ -371,6 +375,10 @@ def worker(a) -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if a.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+        if a.memory_report:
+            from benchmarks import cuda_peak
+
+            cuda_peak.start()
     texts = prompt_texts(a, tokenizer(a.shape))
     if a.checkpoint_root:
         os.makedirs(a.checkpoint_root, exist_ok=True)
@@ -386,6 +394,11 @@ def worker(a) -> None:
         shutil.rmtree(root, ignore_errors=True)
     # the backend side resets the peak between its phases (``phase_peak_mib``): the run's peak is their max
     out["peak_mib"] = max([_peak_mib(a.device), *out.get("phase_peak_mib", {}).values()])
+    if a.memory_report and a.device.startswith("cuda"):
+        from benchmarks import cuda_peak
+
+        os.makedirs(a.memory_report, exist_ok=True)
+        cuda_peak.report(Path(a.memory_report) / f"{a.worker}_peak.txt")
     Path(a.out).write_text(json.dumps(out))
 
 
@@ -395,7 +408,8 @@ def run_side(a, side: str) -> dict:
     argv = [sys.executable, __file__, "--worker", side, "--out", out]
     for k in ("shape", "dtype", "device", "prompts", "group", "new_tokens", "prompt_len", "micro_batch",
               "decode_batch", "micro_batch_tokens", "loss", "lr", "steps", "warmup", "checkpoint_root",
-              "master_weights", "full_state_every", "logprob_chunk", "optimizer_impl", "trl_optim"):
+              "master_weights", "full_state_every", "logprob_chunk", "optimizer_impl", "trl_optim",
+              "memory_report"):
         if getattr(a, k) is not None:
             argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.grad_ckpt:
@@ -449,6 +463,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per side and round")
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--name", default="", help="suffix of the results file (e.g. the shape when not the preset's)")
+    ap.add_argument("--memory-report", default=None,
+                    help="CUDA: write DIR/<side>_peak.txt, the allocations alive at each side's peak "
+                         "(benchmarks/cuda_peak.py; slows allocation, so not a timing run)")
     ap.add_argument("--worker", choices=("loop", "backend", "trl"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -553,7 +570,7 @@ def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> 
     tag += f"_{a.name}" if a.name else ""
     path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}{tag}.json"
     # Folders of this machine stay out of the record (results dir, checkpoint root): only whether one was given.
-    args = {k: (("<set>" if v else v) if k in ("results", "checkpoint_root") else v)
+    args = {k: (("<set>" if v else v) if k in ("results", "checkpoint_root", "memory_report") else v)
             for k, v in vars(a).items() if k not in ("worker", "out")}
     path.write_text(json.dumps({"setup": args, "hardware": hardware, "rows": rows, "runs": runs}, indent=2))
     return path

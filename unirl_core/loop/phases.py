@@ -106,9 +106,9 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra={}, publish=True)
     # The model built for step 0 is pinned by a reference cycle: the first build of a process runs transformers'
     # lazy imports, whose frames (kept by a traceback in a cycle) chain back through f_back to the building
-    # function's frame and its ``model`` local. Without a collection now its device memory (a whole copy of the
-    # weights) stays allocated until Python's next full collection, possibly past the first train step's peak
-    # (inferred, not re-measured: qwen3-math's H200 peak was exactly one bf16 copy of the weights too high).
+    # function's frame and its ``model`` local. Without a collection now its memory (a whole copy of the weights)
+    # stays allocated until Python's next full collection. (On the H200 this was not qwen3-math's peak: that
+    # was the step-1 restore's zero-gradient optimizer step, see TrainBackend._positional_optimizer_state.)
     del backend, fresh
     gc.collect()
     return ref

@@ -9,7 +9,6 @@ AdamW -> schedule (-> EMA). The same code runs at world size 1 (plain module) an
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -465,11 +464,10 @@ class TrainBackend:
                         self.world_size)
             seed_everything(self.cfg.seed + self.rank + 1_000_003 * self.step_count)
 
-    def _named_param_groups(self) -> list[dict[str, object]]:
-        """The optimizer's param groups with parameter names (FQNs) for parameters, as torch's helper keys them."""
+    def _param_group_names(self) -> list[list[str]]:
+        """The names (FQNs) of each optimizer param group's parameters, in order, as torch's helper keys them."""
         name_of = {id(p): n for n, p in zip(self.param_names, self.params)}
-        return [{**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
-                 "params": [name_of[id(p)] for p in g["params"]]} for g in self.optimizer.param_groups]
+        return [[name_of[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
 
     def _positional_optimizer_state(self, saved: dict) -> dict | None:
         """``saved`` (FQN-keyed, full) keyed by position for ``Optimizer.load_state_dict``, or None when torch's
@@ -483,8 +481,7 @@ class TrainBackend:
         position allocates only the loaded state, and ends in the same ``Optimizer.load_state_dict`` call.
         """
         groups = saved["param_groups"]
-        live = self._named_param_groups()
-        if [g["params"] for g in groups] != [g["params"] for g in live]:
+        if [g["params"] for g in groups] != self._param_group_names():
             return None
         if saved["state"] and self.sharded:
             return None

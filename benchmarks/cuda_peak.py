@@ -42,6 +42,8 @@ def _owner(frames: list[dict], depth: int = 3) -> str:
             if marker in name:
                 name = marker.strip("/") + "/" + name.split(marker, 1)[1]
                 break
+        else:  # no folder of the machine in the report: the file's last three path parts
+            name = "/".join(name.split("/")[-3:])
         out.append(f"{name}:{f.get('line', '?')} {f.get('name', '?')}")
     return " <- ".join(out) or "?"
 

@@ -113,7 +113,7 @@ def test_background_weights_version_holds_the_weights_at_save(tmp_path, scope):
 def _no_step_while(be, fn):
     """Run ``fn`` with the backend's optimizer refusing to step: loading must not run one."""
     def refuse(*_a, **_k):
-        raise AssertionError("the optimizer stepped while a checkpoint was written or loaded")
+        raise AssertionError("the optimizer stepped while a checkpoint was loaded")
     real = be.optimizer.step
     be.optimizer.step = refuse
     try:

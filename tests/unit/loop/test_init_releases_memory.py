@@ -1,6 +1,6 @@
 """A fresh run's step-0 model (built only to write version 0) is freed when ``init_run`` returns, not at Python's
-next full collection: it holds a whole copy of the weights (3.2 GiB at qwen3-math's shape; that H200 peak was
-exactly one such copy too high, which this is the likely cause of)."""
+next full collection: it holds a whole copy of the weights (3.2 GiB at qwen3-math's shape). (qwen3-math's H200 peak
+turned out to be another transient: the step-1 restore's zero-gradient optimizer step, tests/unit/checkpoint.)"""
 
 import gc
 import weakref

@@ -8,7 +8,7 @@
 #   RESULTS=out bash benchmarks/gpu_suite.sh pool [gpu_pool_loop.py args]   # the pool loop (two GPUs)
 #   RESULTS=out bash benchmarks/gpu_suite.sh step-cost  # bench_step_cost at the GPU shapes
 #   RESULTS=out bash benchmarks/gpu_suite.sh graphs     # lm.engine.cuda_graphs: decode throughput, GRPO vs TRL
-#   RESULTS=out bash benchmarks/gpu_suite.sh graphs-math  # the same at the qwen3-math shape, loop + TRL (~6 min)
+#   RESULTS=out bash benchmarks/gpu_suite.sh graphs-math  # the same at the qwen3-math shape, loop + TRL in one call (~6.5 min)
 #   RESULTS=out bash benchmarks/gpu_suite.sh rollout-cfg  # SD3.5-M rollout with cfg_batch joint vs split (~3 min)
 #   RESULTS=out bash benchmarks/gpu_suite.sh flowstep   # Flow-GRPO step vs the reference loop, cfg_batch joint + split
 #
@@ -77,7 +77,7 @@ case "$PART" in
     root="$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)"
     CUDA_VISIBLE_DEVICES=0 bench grpomathg "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset math \
       --device cuda --master-weights model --full-state-every 10 --logprob-chunk 256 --rollout-with-trainer \
-      --cuda-graphs --sides loop,trl --rounds 1 --steps 3 --warmup 1 --timeout 250 --checkpoint-root "$root"
+      --cuda-graphs --sides loop,trl --rounds 1 --steps 2 --warmup 1 --timeout 270 --checkpoint-root "$root" --name same-call
     rm -rf "$root" ;;
   rollout-cfg)
     # the rollout's cost of cfg_batch split vs joint (each against the plain diffusers loop, batch 8)

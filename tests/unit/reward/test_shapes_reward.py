@@ -190,3 +190,29 @@ def test_denoising_helps_strong_noise_and_blur_at_32_px():
     assert raw["all"] < smoothed["all"] - 0.1, (raw, smoothed)
     with pytest.raises(RewardError, match="denoise_sigma"):
         ShapesDetectorConfig(denoise_sigma=-1.0)
+
+
+def test_one_reward_config_detects_each_image_once_and_scores_as_without_the_cache(monkeypatch):
+    import unirl_core.reward.scorers.shapes as shapes
+
+    rng = np.random.default_rng(3)
+    items = [_item(c, _degrade(im, rng)) for c, im in _sampled(12, 21, 32)]
+    names = ["shapes_compositional", *(f"shapes_{k}" for k in KINDS)]
+    shapes._SCENES.clear()
+    uncached = {}
+    for n in names:  # the reference: every scorer detects every image itself
+        shapes._SCENES.clear()
+        uncached[n] = build_scorer(n)(items)
+    calls = []
+    real = shapes.detect
+    monkeypatch.setattr(shapes, "detect", lambda img, cfg=None: calls.append(1) or real(img, cfg))
+    shapes._SCENES.clear()
+    assert {n: build_scorer(n)(items) for n in names} == uncached
+    assert len(calls) == len(items)  # five scorers, one detection per image
+    # another detector config is another key: its scenes are detected again, not taken from the first config's
+    build_scorer("shapes_count", denoise_sigma=0.0)(items)
+    assert len(calls) == 2 * len(items)
+    # the cache is bounded: old entries go first
+    monkeypatch.setattr(shapes, "_SCENES_MAX", 5)
+    build_scorer("shapes_count", min_iou=0.5)(items)
+    assert len(shapes._SCENES) == 5

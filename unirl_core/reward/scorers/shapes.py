@@ -14,8 +14,11 @@ each, for zero-weight components whose means the RewardService records as metric
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -268,10 +271,34 @@ def _prompt(item: ScoreItem) -> ShapesPrompt:
                           "score prompts from unirl_core.data.shapes (data.source: shapes)") from e
 
 
+_SCENES: OrderedDict[tuple[bytes, ShapesDetectorConfig], Scene] = OrderedDict()
+_SCENES_MAX = 512
+_SCENES_LOCK = threading.Lock()
+"""Scenes of recently scored images, by (digest of the media bytes, detector config): the compositional scorer and
+the zero-weight per-kind scorers of one reward config detect the same image once, not five times (detection is
+deterministic, so a hit returns exactly what ``detect`` would)."""
+
+
+def _scene(item: ScoreItem, cfg: ShapesDetectorConfig | None) -> Scene:
+    cfg = cfg or ShapesDetectorConfig()
+    key = (hashlib.blake2b(item.media or b"", digest_size=16).digest(), cfg)
+    with _SCENES_LOCK:
+        scene = _SCENES.get(key)
+        if scene is not None:
+            _SCENES.move_to_end(key)
+            return scene
+    scene = detect(_image(item), cfg)
+    with _SCENES_LOCK:
+        _SCENES[key] = scene
+        while len(_SCENES) > _SCENES_MAX:
+            _SCENES.popitem(last=False)
+    return scene
+
+
 def constraint_results(item: ScoreItem, cfg: ShapesDetectorConfig | None = None) -> list[tuple[str, bool]]:
     """(constraint kind, satisfied) for every constraint of the item's prompt, in prompt order."""
     prompt = _prompt(item)
-    return [(c.kind, ok) for c, ok in evaluate(prompt, detect(_image(item), cfg)).items()]
+    return [(c.kind, ok) for c, ok in evaluate(prompt, _scene(item, cfg)).items()]
 
 
 class ShapesCompositional:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything, start the services the integration tests need, run the whole test suite.
 # Usage: scripts/test.sh [pytest args...]   (e.g. scripts/test.sh -m "not integration" for unit tests only)
+# With no args (CI) it runs the whole suite as three sessions, the climb tests beside the unit tests (see the end).
 # The services (vLLM venv, Chromium, Ceph S3) are set up only when the selection holds an `integration`
 # test: pytest collects once with the same args and counts them. With no args (.ci/run) that is always so.
 set -euo pipefail
@@ -59,8 +60,39 @@ else
   fi
 fi
 set +e
-.venv/bin/python -m pytest -q "$@"
-rc=$?
+if [ $# -gt 0 ]; then
+  .venv/bin/python -m pytest -q "$@"
+  rc=$?
+  set -e
+  [ $rc -eq 5 ] && { echo "pytest collected no tests"; exit 1; }
+  exit $rc
+fi
+
+# The whole suite (CI) as three disjoint pytest sessions, two of them side by side, so the two cores stay busy:
+#   1. the climb tests (tests/integration/test_first_run_learns.py: two single-threaded seed processes, ~21 min on
+#      2 cores), in the background, beside
+#   2. the unit tests (-m "not integration", one process, no time limits; ~17 min);
+#   3. then the other integration tests alone: their services and Ray clusters keep their hang guards' headroom.
+# Their union is the whole suite; each session's summary and --durations list go to the log.
+CLIMB=tests/integration/test_first_run_learns.py
+climb_log=$(mktemp)
+climb_tmp=$(mktemp -d)
+.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$climb_tmp/t" --durations=10 "$CLIMB" \
+  >"$climb_log" 2>&1 &
+climb_pid=$!
+.venv/bin/python -m pytest -q -m "not integration" --durations=30 tests
+rc_unit=$?
+wait $climb_pid
+rc_climb=$?
+echo "=== the climb tests ($CLIMB), run beside the unit tests ==="
+cat "$climb_log"
+rm -rf "$climb_log" "$climb_tmp"
+.venv/bin/python -m pytest -q -m integration --durations=30 --ignore="$CLIMB" tests
+rc_int=$?
 set -e
-[ $rc -eq 5 ] && { echo "pytest collected no tests"; exit 1; }
-exit $rc
+echo "test.sh: unit rc $rc_unit, climb rc $rc_climb, other integration rc $rc_int"
+for rc in $rc_unit $rc_climb $rc_int; do
+  [ $rc -eq 5 ] && { echo "pytest collected no tests"; exit 1; }
+  [ $rc -ne 0 ] && exit $rc
+done
+exit 0

@@ -9,6 +9,7 @@ AdamW -> schedule (-> EMA). The same code runs at world size 1 (plain module) an
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -413,12 +414,16 @@ class TrainBackend:
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        # Known deviation (README, "The numerics contract"): on an optimizer without state (a step-0 version)
-        # torch's helper first runs one zero-gradient step of the live optimizer, so AdamW's step counter is 1
-        # before the first real update, which then bias-corrects as the second (~0.74x its size). Kept for now:
-        # the shipped recipes' measured climbs ran so, and the default's seed 0 missed the climb bar without it.
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        optim = get_optimizer_state_dict(self.policy.module, self.optimizer, options=opts)
+        if self.optimizer.state:
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            optim = get_optimizer_state_dict(self.policy.module, self.optimizer, options=opts)
+        else:
+            # No update yet (a step-0 version). torch's helper would first run one zero-gradient step of the live
+            # optimizer to create AdamW's state (step 1, zero moments): written into the version and left in the
+            # optimizer, it made the first real update bias-correct as AdamW's second (~0.74x its size).
+            optim = {"state": {}, "param_groups": [
+                {**copy.deepcopy({k: v for k, v in g.items() if k != "params"}), "params": names}
+                for g, names in zip(self.optimizer.param_groups, self._param_group_names())]}
         ema = None
         if self.ema is not None:
             ema = {n: D.full_tensor(t).detach().cpu().contiguous() for n, t in self.ema.state_dict().items()}

@@ -122,6 +122,44 @@ def _no_step_while(be, fn):
         be.optimizer.step = real
 
 
+def test_step0_version_holds_a_fresh_optimizer_and_the_first_update_is_adamws_first(tmp_path):
+    """A version written before any update holds no optimizer state, writing it leaves the live optimizer
+    fresh, and restoring it does not step: the first update bias-corrects with step 1, as plain AdamW
+    (torch's get_optimizer_state_dict would run one zero-gradient step first: the first update ~0.74x)."""
+    cfg = dataclasses.replace(CFG, num_updates_per_batch=1, warmup_steps=0, schedule="constant", ema_decay=None,
+                              max_grad_norm=None, weight_decay=0.0)
+    data = batches()[0]
+    store = CheckpointStore(str(tmp_path), "run")
+    p0, be0 = backend(cfg)
+    ref = _no_step_while(be0, lambda: save_train_checkpoint(store, be0, config=cfg, extra={}))
+    assert not be0.optimizer.state
+    p1, be1 = backend(cfg)
+    _no_step_while(be1, lambda: restore_train_checkpoint(be1, ref))
+    assert not be1.optimizer.state
+
+    # the same update by a plain torch AdamW on the gradients the backend's optimizer saw
+    seen = {}
+    real = be1.optimizer.step
+
+    def record_then_step(*a, **k):
+        for n, p in zip(be1.param_names, be1.params):
+            seen[n] = (p.detach().clone(), None if p.grad is None else p.grad.detach().clone())
+        return real(*a, **k)
+
+    be1.optimizer.step = record_then_step
+    be1.step(data)
+    assert all(float(s["step"]) == 1.0 for s in be1.optimizer.state.values())
+    ref_params = {}
+    for n, (w, g) in seen.items():
+        ref_params[n] = w.clone().requires_grad_(True)
+        ref_params[n].grad = g
+    assert any(g is not None and g.abs().sum() > 0 for _, g in seen.values())
+    opt = torch.optim.AdamW(list(ref_params.values()), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=0.0)
+    opt.step()
+    for n, p in zip(be1.param_names, be1.params):
+        assert torch.equal(p.detach(), ref_params[n].detach()), n
+
+
 def test_restore_of_a_trained_state_loads_it_without_stepping(tmp_path):
     """Restoring a non-empty state into a fresh backend loads the saved moments bitwise, with no zero-gradient
     step first (torch's set_optimizer_state_dict takes one on a fresh optimizer: a transient copy of the

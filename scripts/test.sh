@@ -69,9 +69,9 @@ if [ $# -gt 0 ]; then
 fi
 
 # The whole suite (CI) as three disjoint pytest sessions, two of them side by side, so the two cores stay busy:
-#   1. the climb tests (tests/integration/test_first_run_learns.py: two single-threaded seed processes, ~21 min on
-#      2 cores), in the background, beside
-#   2. the unit tests (-m "not integration", one process, no time limits; ~17 min);
+#   1. the climb tests (tests/integration/test_first_run_learns.py: two single-threaded seed processes), in the
+#      background, beside
+#   2. the unit tests (-m "not integration", one process, no time limits): ~26 and ~24 min side by side on 2 cores;
 #   3. then the other integration tests alone: their services and Ray clusters keep their hang guards' headroom.
 # Their union is the whole suite; each session's summary and --durations list go to the log.
 CLIMB=tests/integration/test_first_run_learns.py

@@ -272,11 +272,11 @@ def _prompt(item: ScoreItem) -> ShapesPrompt:
 
 
 _SCENES: OrderedDict[tuple[bytes, ShapesDetectorConfig], Scene] = OrderedDict()
-_SCENES_MAX = 512
-_SCENES_LOCK = threading.Lock()
 """Scenes of recently scored images, by (digest of the media bytes, detector config): the compositional scorer and
 the zero-weight per-kind scorers of one reward config detect the same image once, not five times (detection is
 deterministic, so a hit returns exactly what ``detect`` would)."""
+_SCENES_MAX = 512
+_SCENES_LOCK = threading.Lock()
 
 
 def _scene(item: ScoreItem, cfg: ShapesDetectorConfig | None) -> Scene:

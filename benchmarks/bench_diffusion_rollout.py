@@ -51,12 +51,12 @@ PRESETS = {
 
 
 def build(preset: str, device: str, dtype: str, layers: int | None = None, finetune: str = "full",
-          lora_rank: int = 8, lora_fused: bool = False) -> DiffusionBundle:
+          lora_rank: int = 8) -> DiffusionBundle:
     from unirl_core.models.diffusion import LoRASpec
 
     cfg = DiffusionModelConfig(source="tiny-sd3" if preset == "tiny" else "sd35m-shaped", dtype=dtype, device=device,
                                finetune=finetune, reference_copy=False,
-                               lora=LoRASpec(rank=lora_rank, alpha=2.0 * lora_rank, fused=lora_fused))
+                               lora=LoRASpec(rank=lora_rank, alpha=2.0 * lora_rank))
     if preset == "tiny":
         return DiffusionBundle.build(cfg)
     from diffusers import SD3Transformer2DModel

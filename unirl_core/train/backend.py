@@ -139,6 +139,9 @@ class TrainBackend:
         self.sharded = D.is_sharded(module)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        attach = getattr(policy, "attach_trainer", None)
+        if callable(attach):  # e.g. a diffusion bundle building its CUDA graphs over these masters
+            attach(named, sharded=self.sharded)
         self.optimizer = build_optimizer(self.params, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.compute_dtype == torch.float16)

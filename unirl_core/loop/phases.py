@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import time
@@ -21,7 +20,6 @@ from unirl_core.advantage.tracker import PerPromptStatTracker
 from unirl_core.algorithms.overlong import apply_overlong_penalty
 from unirl_core.checkpoint import (
     CheckpointRef,
-    load_checkpoint,
     load_manifest,
     load_version_json,
     restore_train_checkpoint,
@@ -32,8 +30,9 @@ from unirl_core.checkpoint.writer import VersionWriter
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
-from unirl_core.loop import build, resume
+from unirl_core.loop import build
 from unirl_core.loop.dynamic_sampling import MAX_ROUNDS, fill_groups
+from unirl_core.loop.run_init import init_run  # noqa: F401  (the setup phase, beside the others)
 from unirl_core.rollout.agentic import AgenticEngine
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
@@ -52,134 +51,6 @@ EMA_POLICY_VERSION = -2
 """Policy version stamped on Parts sampled with EMA weights: no trainer version ever equals it."""
 REFILL_STREAM = 1 << 24
 """Prompt-stream batch index where dynamic sampling's extra rounds start (far past any run's steps)."""
-
-
-def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None = None) -> CheckpointRef:
-    """The checkpoint the loop starts from.
-
-    ``resume_from``: ``latest`` resumes the run's published version (or writes a fresh step-0
-    version when the run has none), ``never`` requires an empty run, any other value names a version
-    folder of this run (its URI, or a local path; relative paths are resolved against the current
-    directory). A version older than the published one is refused: resuming there would retrain and
-    overwrite the newer versions (fork it instead).
-
-    The run's config is compared with the version's ``config.json`` (rules: ``unirl_core.loop.resume``):
-    safe changes (``train.lr``, ``loop.total_steps``, ...) apply from the next step and are logged and
-    recorded in ``<run>/history.json``; changes of the trajectory layout are refused unless forking;
-    changes of the model are refused. A version at or past ``loop.total_steps`` is returned with a
-    WARNING saying how to extend the run.
-
-    ``fork_as``: copy the version into the new run ``fork_as`` (its ``extra.json`` records the lineage:
-    parent run, version URI and step, changed settings) and return the copy; the original run is not
-    touched. The loop then runs with ``resume.forked_config(cfg, fork_as)``. Calling it again with the
-    same version continues the existing fork.
-
-    A vLLM run without ``lm.vllm.model`` also gets its step-0 policy exported as a HF folder
-    (``build.export_initial_policy``) for the engine to start from.
-    """
-    if fork_as:
-        resume.check_fork_name(cfg, fork_as, resume_from)
-    ref = _resume_point(cfg, resume_from, forking=bool(fork_as))
-    if fork_as:
-        if ref is None:
-            raise field_error(ConfigError, "fork_as", fork_as, f"a version of run {cfg.name!r} to fork from",
-                              f"{build.store(cfg).uri} holds none; train the run first, or fork another run "
-                              "(name=<that run>)")
-        cfg = resume.forked_config(cfg, fork_as)
-        ref = _fork(cfg, ref)
-    elif ref is not None:
-        _apply_config_changes(cfg, ref)
-    if ref is not None:
-        if (note := resume.finished_message(cfg, ref)) is not None:
-            resume.tell(note)
-        if build.needs_initial_policy(cfg) and not build.initial_policy_exported(cfg):
-            # The run began without it (e.g. trainside); the engine syncs ref's weights before its first
-            # rollout anyway, so the step-0 weights of a fresh build serve as its start folder.
-            build.export_initial_policy(cfg, build.fresh_bundle(cfg))
-            gc.collect()  # that bundle's model, now garbage (see below)
-        return ref
-    # a fresh build: the cached bundle may carry another run's trained weights
-    fresh = build.fresh_bundle(cfg)
-    if build.needs_initial_policy(cfg):
-        build.export_initial_policy(cfg, fresh)  # as built, before the backend makes fp32 master weights
-    backend = TrainBackend(fresh, build.algorithm(cfg), cfg.train)
-    ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra={}, publish=True)
-    # The model built for step 0 is pinned by a reference cycle: the first build of a process runs transformers'
-    # lazy imports, whose frames (kept by a traceback in a cycle) chain back through f_back to the building
-    # function's frame and its ``model`` local. Without a collection now its memory (a whole copy of the weights)
-    # stays allocated until Python's next full collection. (On the H200 this was not qwen3-math's peak: that
-    # was the step-1 restore's zero-gradient optimizer step, see TrainBackend._positional_optimizer_state.)
-    del backend, fresh
-    gc.collect()
-    return ref
-
-
-def _resume_point(cfg: RunConfig, resume_from: str, *, forking: bool = False) -> CheckpointRef | None:
-    """The version ``resume_from`` names, or None when the run is empty and may start fresh. Unless
-    ``forking``, a version the run has moved past is refused (``resume.check_no_newer``)."""
-    store = build.store(cfg)
-    if resume_from not in ("latest", "never"):
-        ref = resume.find_version(store, resume_from, cfg.name)
-    else:
-        ref = store.latest()
-        if ref is not None and resume_from == "never":
-            raise field_error(ConfigError, "resume_from", "never", f"an empty run, but {store.uri} has step "
-                              f"{ref.step}", "pass resume_from='latest' or choose another run name")
-    if ref is not None:
-        if not forking:
-            resume.check_no_newer(store, ref, resume_from)
-        log.info("%s run %s from step %d (%s)", "forking" if forking else "resuming", cfg.name, ref.step, ref.uri)
-    return ref
-
-
-def _apply_config_changes(cfg: RunConfig, ref: CheckpointRef) -> None:
-    """Compare ``cfg`` with ``ref``'s config: raise for refused changes, log and record the applied ones."""
-    stored = resume.stored_config(ref, cfg.checkpoint.storage_options)
-    if stored is None:
-        return
-    applied = resume.check_changes(resume.config_changes(stored, resume.config_json(cfg)), ref=ref, forking=False)
-    if not applied:
-        return
-    resume.tell(f"run {cfg.name!r} resumes from step {ref.step} with changed settings, applied from step "
-                f"{ref.step + 1} on: {'; '.join(str(c) for c in applied)} (recorded in {build.store(cfg).uri}/"
-                "history.json; the next version's config.json holds the new values)")
-    build.store(cfg).record({"event": "resume", "utc": resume.utc_now(), "from": ref.uri, "step": ref.step,
-                             "changes": {c.key: [c.old, c.new] for c in applied}})
-
-
-def _fork(cfg: RunConfig, parent: CheckpointRef) -> CheckpointRef:
-    """Copy ``parent`` (a version of another run) into run ``cfg.name`` at the same step, with its lineage;
-    an existing fork of the same version is continued instead."""
-    store = build.store(cfg)
-    existing = store.latest()
-    if existing is not None:
-        recorded = resume.fork_parent(existing, cfg.checkpoint.storage_options)
-        if recorded is None or resume.normalize_uri(recorded) != resume.normalize_uri(parent.uri):
-            raise field_error(ConfigError, "fork_as", cfg.name, f"a new run name, but run {cfg.name!r} already has "
-                              f"step {existing.step} ({store.uri}) and is not a fork of {parent.uri}",
-                              f"pick another fork name, or resume that run with name={cfg.name}")
-        log.info("run %s is already a fork of %s; continuing it", cfg.name, parent.uri)
-        ref = _resume_point(cfg, "latest")
-        _apply_config_changes(cfg, ref)
-        return ref
-    stored = resume.stored_config(parent, cfg.checkpoint.storage_options)
-    changes = resume.config_changes(stored, resume.config_json(cfg)) if stored is not None else []
-    applied = resume.check_changes(changes, ref=parent, forking=True)
-    loaded = load_checkpoint(parent, storage_options=cfg.checkpoint.storage_options)
-    if loaded.train_state is None:
-        raise field_error(CheckpointError, parent.uri, "no train_state.pt", "a training checkpoint to fork",
-                          "fork a version written by the loop (it holds the optimizer state)")
-    lineage = resume.lineage_record(parent, applied, loaded.extra)
-    ref = store.save(parent.step, weights=loaded.weights, ema_weights=loaded.ema_weights,
-                     train_state=loaded.train_state, config=to_dict(cfg), extra={**loaded.extra, "lineage": lineage},
-                     policy_version=parent.policy_version, meta=dict(loaded.manifest.meta), publish=True)
-    store.record({"event": "fork", "utc": lineage["forked_utc"], "from": parent.uri, "step": parent.step,
-                  "changes": lineage["changes"]})
-    changed = f" with changed settings: {'; '.join(str(c) for c in applied)}" if applied else ""
-    resume.tell(f"forked run {parent.run!r} at step {parent.step} ({parent.uri}) into run {cfg.name!r} ({ref.uri})"
-                f"{changed}; run {parent.run!r} is untouched. Later sessions continue the fork with name={cfg.name} "
-                "(resume 'latest').")
-    return ref
 
 
 def step_prompts(cfg: RunConfig, step: int, shard: int = 0, num_shards: int = 1,

@@ -21,7 +21,12 @@ What is graphed and what is not:
   replay; frozen weights are read where they live, and a replay refuses to run if one was moved (it
   recaptures instead);
 - one graph per distinct set of input shapes (at most ``max_shapes``; further shapes run eager). Each holds
-  a private memory pool with one forward's activations for as long as the trainer lives.
+  a private memory pool with one forward's activations for as long as the trainer lives;
+- at most one forward per graph awaits its backward: a second forward of the same shape before the first
+  one's backward (two CFG branches with gradient as separate forwards, Flux's or ``cfg_batch: split`` with
+  ``cfg_grad: both``) runs eager, since a replay would overwrite the activations the pending backward reads.
+  Forwards and log-probs stay exact then, but the two branches' gradients reach the masters as two fp32
+  sums instead of one sum at the shared bf16 cast, so the update is not eager's bit for bit (it rounds less).
 
 Not with FSDP sharding (hooks all-gather per forward) or activation checkpointing (recomputation reads the RNG
 state, which a capture forbids); the owner checks that before building one.
@@ -30,7 +35,8 @@ state, which a capture forbids); the owner checks that before building one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -43,15 +49,18 @@ class TrainGraphs:
     """Graphed ``module(**tensors, **static)`` forwards with autograd, keyed by the tensors' shapes."""
 
     def __init__(self, module: nn.Module, named_masters: Sequence[tuple[str, nn.Parameter]], *,
-                 compute_dtype: torch.dtype, max_shapes: int = 2) -> None:
+                 compute_dtype: torch.dtype, max_shapes: int = 2,
+                 make_graphed: Callable = torch.cuda.make_graphed_callables) -> None:
         self.module = module
         self.names = [n for n, _ in named_masters]
         self.masters = [p for _, p in named_masters]
         self.compute_dtype = compute_dtype
         self.max_shapes = max_shapes
+        self._make_graphed = make_graphed  # a CPU test passes a stand-in to check the bookkeeping around it
         self._graphs: dict[tuple, object] = {}
-        self._frozen: list[tuple[Tensor, int]] = []
-        self._warned = False
+        self._pending: dict[tuple, weakref.ref] = {}  # per graph: the output whose backward has not run yet
+        self._frozen: list[tuple] = []
+        self._warned: set[str] = set()
         self.captures = 0
         self.replays = 0
         self.eager_calls = 0
@@ -64,23 +73,39 @@ class TrainGraphs:
             logger.info("cuda graphs: a frozen weight was replaced or moved since capture; recapturing")
             self.reset()
         keys = tuple(tensors)
-        key = (keys, *((t.shape, t.dtype, t.requires_grad) for t in tensors.values()))
+        key = _key(keys, static, tensors)
         graphed = self._graphs.get(key)
+        pending = self._pending.get(key)
+        if pending is not None and pending() is not None:
+            # A second forward of this graph before the first one's backward (e.g. two CFG branches with
+            # gradient, as separate forwards): a replay would overwrite the activations that backward reads.
+            return self._eager(static, tensors, "a forward before the previous one's backward")
         if graphed is None:
             if len(self._graphs) >= self.max_shapes:
-                if not self._warned:
-                    logger.warning("cuda graphs: more than %d input shapes; this one runs eager", self.max_shapes)
-                    self._warned = True
-                self.eager_calls += 1
-                return self._forward(keys, static, *tensors.values(), *self.masters)
-            graphed = self._capture(keys, static, tensors)
+                return self._eager(static, tensors, f"more than {self.max_shapes} input shapes")
+            graphed = self._capture(keys, static, tensors, key)
         self.replays += 1
-        # The graph's output lives in its static buffer, rewritten by the next replay: hand out a copy.
-        return graphed(*tensors.values(), *self.masters).clone()
+        out = graphed(*tensors.values(), *self.masters)
+        if not out.requires_grad:
+            return out.clone()
+        # The graph's output lives in its static buffer, rewritten by the next replay: hand out a copy, through a
+        # node that holds this forward's token until its backward starts or its autograd graph is freed.
+        token = _Token(self._pending, key)
+        self._pending[key] = weakref.ref(token)
+        return _CopyUntilBackward.apply(out, token)
+
+    def _eager(self, static: dict[str, object], tensors: dict[str, Tensor], why: str) -> Tensor:
+        if why not in self._warned:
+            logger.warning("cuda graphs: %s; such forwards run eager", why)
+            self._warned.add(why)
+        self.eager_calls += 1
+        out = self.module(**tensors, **static)  # exactly the eager forward: the compute context's casts
+        return out[0] if isinstance(out, (tuple, list)) else out
 
     def reset(self) -> None:
         """Drop every captured graph (their memory pools go with them)."""
         self._graphs.clear()
+        self._pending.clear()
         self._frozen = []
 
     # -- capture ------------------------------------------------------------------------------
@@ -90,7 +115,7 @@ class TrainGraphs:
         out = functional_call(self.module, casts, (), {**dict(zip(keys, inputs)), **static})
         return out[0] if isinstance(out, (tuple, list)) else out
 
-    def _capture(self, keys: tuple[str, ...], static: dict[str, object], tensors: dict[str, Tensor]):
+    def _capture(self, keys: tuple[str, ...], static: dict[str, object], tensors: dict[str, Tensor], key: tuple):
         # Sample inputs become the graph's static input buffers: own copies, not the caller's tensors. The
         # masters enter as fresh leaves over their storage (a replay then copies nothing for them and reads
         # what the optimizer wrote): the masters' own gradient accumulators may be alive on the default stream
@@ -101,8 +126,7 @@ class TrainGraphs:
         def forward(*args: Tensor) -> Tensor:
             return self._forward(keys, static, *args)
 
-        graphed = torch.cuda.make_graphed_callables(forward, (*sample, *aliases), num_warmup_iters=3,
-                                                    allow_unused_input=True)
+        graphed = self._make_graphed(forward, (*sample, *aliases), num_warmup_iters=3, allow_unused_input=True)
         # Frozen weights where the graph read them (inside a compute context ``_parameters`` also holds casts of
         # the masters made outside the graph, which the graph does not read: only real Parameters and buffers).
         master_ids = {id(p) for p in self.masters}
@@ -110,11 +134,41 @@ class TrainGraphs:
                         for store in ("_parameters", "_buffers") for name, t in getattr(sub, store).items()
                         if t is not None and id(t) not in master_ids
                         and (store == "_buffers" or isinstance(t, nn.Parameter))]
-        self._graphs[(keys, *((t.shape, t.dtype, t.requires_grad) for t in tensors.values()))] = graphed
+        self._graphs[key] = graphed
         self.captures += 1
         logger.info("cuda graphs: captured the train forward+backward for shapes %s",
                     {k: tuple(t.shape) for k, t in tensors.items()})
         return graphed
+
+
+class _Token:
+    """Marks one graph's forward as awaiting its backward, for as long as its autograd node holds it."""
+
+    def __init__(self, pending: dict[tuple, weakref.ref], key: tuple) -> None:
+        self.pending, self.key = pending, key
+
+    def backward_started(self) -> None:
+        ref = self.pending.get(self.key)
+        if ref is not None and ref() is self:
+            del self.pending[self.key]
+
+
+class _CopyUntilBackward(torch.autograd.Function):
+    """``x.clone()`` whose node keeps ``token`` (freed with the graph) and releases it when backward reaches it."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, token: _Token) -> Tensor:
+        ctx.token = token
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        ctx.token.backward_started()
+        return grad, None
+
+
+def _key(keys: tuple[str, ...], static: dict[str, object], tensors: dict[str, Tensor]) -> tuple:
+    return (keys, tuple(sorted(static.items())), *((t.shape, t.dtype, t.requires_grad) for t in tensors.values()))
 
 
 def graph_pool_bytes(device: torch.device | str | None = None) -> int:

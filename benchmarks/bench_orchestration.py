@@ -10,6 +10,7 @@ overhead per task execution in ms. Rounds alternate baseline and flyte; medians 
 uses a fresh run name, so the flytekit cache never hits.
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_orchestration [--steps 6] [--rounds 3] [--recipes tiny-grpo]
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_orchestration --execution pool --pool-override pool.placement=shared
 
 ``--execution pool``: the same comparison with ``pool.execution: pool`` at steady state (a local Ray head started
 once by this process; its start and each run's actor start are reported apart, not in the per-step times):
@@ -80,11 +81,11 @@ def _phase_means(records: list[dict]) -> dict[str, float]:
     return {p: statistics.mean(r.get(f"time/{p}", 0.0) for r in records) for p in PHASES}
 
 
-def _pool_plain(recipe: str, root: str, warmup: int, steps: int, pool: bool) -> dict:
+def _pool_plain(recipe: str, root: str, warmup: int, steps: int, pool: bool, pool_extra: list[str] = ()) -> dict:
     from unirl_core.config import load_recipe
     from unirl_core.loop.local import run_local
 
-    extra = ["pool.execution=pool"] if pool else []
+    extra = ["pool.execution=pool", *pool_extra] if pool else []
     cfg = load_recipe(recipe, [*_overrides(root, f"p-{uuid.uuid4().hex[:8]}", warmup + steps, warmup + steps), *extra])
     ends: list[float] = []  # wall clock at each step's end, after the loop's own per-step bookkeeping
     t0 = time.perf_counter()
@@ -102,11 +103,11 @@ def _between_ends(ends: list[float]) -> float:
     return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
-def _pool_flyte(recipe: str, root: str, warmup: int, steps: int) -> dict:
+def _pool_flyte(recipe: str, root: str, warmup: int, steps: int, pool_extra: list[str] = ()) -> dict:
     from workflows.grpo import grpo
 
     name = f"f-{uuid.uuid4().hex[:8]}"
-    overrides = [*_overrides(root, name, warmup + steps, 3), "pool.execution=pool"]
+    overrides = [*_overrides(root, name, warmup + steps, 3), "pool.execution=pool", *pool_extra]
     t0 = time.perf_counter()
     grpo(recipe=recipe, overrides=overrides, max_steps=warmup)  # starts the actors (a new config: a new pool)
     t1 = time.perf_counter()
@@ -144,8 +145,8 @@ def pool_main(args) -> None:
             runs = {"plain": [], "plain-pool": [], "flyte-pool": []}
             for _ in range(args.rounds):  # alternating, so load drifts hit every side alike
                 runs["plain"].append(_pool_plain(recipe, root, args.warmup, args.steps, False))
-                runs["plain-pool"].append(_pool_plain(recipe, root, args.warmup, args.steps, True))
-                runs["flyte-pool"].append(_pool_flyte(recipe, root, args.warmup, args.steps))
+                runs["plain-pool"].append(_pool_plain(recipe, root, args.warmup, args.steps, True, args.pool_override))
+                runs["flyte-pool"].append(_pool_flyte(recipe, root, args.warmup, args.steps, args.pool_override))
             med = {side: statistics.median(r["step_s"] for r in rs) for side, rs in runs.items()}
             ratio = lambda a, b: statistics.median(x["step_s"] / y["step_s"] for x, y in zip(runs[a], runs[b]))  # noqa: E731
             phases = {side: {p: statistics.median(r["phases"][p] for r in rs) for p in PHASES}
@@ -154,6 +155,7 @@ def pool_main(args) -> None:
             per_execution = statistics.median(r["execution_s_per_step"] for r in runs["flyte-pool"])
             plain_compute = statistics.median(r["compute_s"] for r in runs["plain"])
             data[recipe] = {"warmup_steps": args.warmup, "steps": args.steps, "rounds": args.rounds,
+                            "pool_overrides": list(args.pool_override),
                             "step_s": med, "flyte_pool_vs_plain": ratio("flyte-pool", "plain"),
                             "plain_pool_vs_plain": ratio("plain-pool", "plain"),
                             "flyte_pool_vs_plain_pool": ratio("flyte-pool", "plain-pool"),
@@ -183,8 +185,11 @@ def pool_main(args) -> None:
              "decks, report; setup + init tasks once per execution). One-off, not in the steps: Ray head start "
              f"{ray_start:.1f} s; 'first execution' = actor start + the warm-up step(s) through flytekit. "
              "Engine and trainer actors reserve one CPU each on a 2-core machine shared with other jobs; "
-             "OMP_NUM_THREADS=1.")
-    report("bench_orchestration_pool", "Local Flyte run in pool mode vs run_local, steady state", header, rows, data,
+             "OMP_NUM_THREADS=1." + (f" Pool overrides on both pool sides: {' '.join(args.pool_override)}."
+                                     if args.pool_override else ""))
+    suffix = "".join("_" + o.split("=")[-1] for o in args.pool_override)
+    report("bench_orchestration_pool" + suffix, "Local Flyte run in pool mode vs run_local, steady state", header, rows,
+           data,
            notes)
 
 
@@ -196,6 +201,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--execution", choices=["pods", "pool"], default="pods")
     ap.add_argument("--warmup", type=int, default=2, help="pool: steps before the measured ones")
+    ap.add_argument("--pool-override", action="append", default=[],
+                    help="pool: an extra override for both pool sides, e.g. pool.placement=shared (repeatable; the "
+                         "results file is named after the values)")
     args = ap.parse_args()
     pin_threads(1)
     logging.getLogger("unirl.progress").disabled = True

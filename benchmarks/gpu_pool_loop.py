@@ -3,7 +3,10 @@ executions of the same steps: ``warm`` (one process, in-process phases, one GPU)
 pool: trainer actor on one GPU, engine actor on another, every version published over NCCL from the trainer's
 tensors) and ``pool-colocate`` (trainer and engine actors sharing one GPU; publication through the object
 store: NCCL refuses two ranks on one device) and ``pool-shared`` (``pool.placement: shared``, one GPU: one actor
-process is trainer and engine, sampling with the trainer's module; one copy of the weights, no publish transfer).
+process is trainer and engine, sampling with the trainer's module; one copy of the weights, no publish transfer),
+and ``flyte-pool-shared`` / ``flyte-pool-colocate``: the workflow users run (``workflows/grpo.py::grpo``) executed
+locally by flytekit, every phase a typed task handing its step to the pool (flytekit and Ray on a GPU machine
+without them: ``gpu_carry_bundle.sh``).
 
 Per mode: the first step (model build, actor start, NCCL group set-up) and the median of the steady steps after
 it, per phase; the pool's publication metrics (``pool/publish_send_s``, ``pool/publish_bytes``,
@@ -38,12 +41,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-MODES = ("warm", "pool-separate", "pool-colocate", "pool-separate-lag1", "pool-shared")
+MODES = ("warm", "pool-separate", "pool-colocate", "pool-separate-lag1", "pool-shared", "flyte-pool-shared",
+         "flyte-pool-colocate")
 KEEP = ("time/", "pool/", "async/", "train/ratio", "train/logp", "train/absdiff", "rollout/logp", "reward/mean",
         "checkpoint/", "rollout/load_weights", "rollout/seconds", "rollout/tokens_per_s", "train/time_")
 
 
 def _pool_overrides(mode: str, gpus: bool, cpus: float) -> list[str]:
+    mode = mode.removeprefix("flyte-")
     sep, shared = mode.startswith("pool-separate"), mode == "pool-shared"
     g = ("1" if sep else "0.5") if gpus else "0"
     eg, tg = ("0", "1" if gpus else "0") if shared else (g, g)  # shared: the trainer's GPU is the engine's
@@ -84,6 +89,26 @@ class GpuMemory:
         self._t.join()
 
 
+def _flyte_worker(mode: str, cfg_overrides: list[str], spec: dict, steps: int) -> tuple[list[float], list[dict]]:
+    """``flyte-pool-*``: the workflow users run (``workflows/grpo.py::grpo``), executed locally by flytekit in this
+    process (every phase a flytekit task: typed inputs and outputs, Arrow batches, decks, the report), each task a
+    thin client of the pool's actors. Step walls from the report's per-step records (written by each step's last
+    task, at the step's end); the first from the execution's start (setup, init, the actors, step 1)."""
+    import tasks.setup
+    from workflows.grpo import grpo
+
+    tasks.setup.preflight = lambda _cfg: []  # as for run_local: the shaped model is neither on the hub nor on disk
+    root = Path(next(o.split("=", 1)[1] for o in cfg_overrides if o.startswith("checkpoint.root=")))
+    t0 = time.time()
+    out = grpo(recipe=spec["recipe"], overrides=cfg_overrides, max_steps=0)
+    if out.step != steps:
+        raise RuntimeError(f"{mode} ran to step {out.step}, expected {steps}")
+    recs = [json.loads(f.read_text()) for f in sorted((root / "poolloop" / "report").glob("step-*/metrics.json"))]
+    ends = [t0] + [r["time"] for r in recs]
+    return [b - a for a, b in zip(ends, ends[1:], strict=False)], [
+        {k: float(v) for k, v in r["metrics"].items() if k.startswith(KEEP)} for r in recs]
+
+
 def worker(mode: str, state: Path, steps: int) -> dict:
     """One mode in this (fresh) process: init the run, then ``run_local`` for ``steps`` steps."""
     import logging
@@ -109,6 +134,14 @@ def worker(mode: str, state: Path, steps: int) -> dict:
     overrides = [*spec["overrides"], f"checkpoint.root={state / mode}", f"loop.total_steps={steps}"]
     if mode != "warm":
         overrides += _pool_overrides(mode, spec["device"] == "cuda", spec["actor_cpus"]) + spec["pool_overrides"]
+    if mode.startswith("flyte-"):
+        walls, records = _flyte_worker(mode, overrides, spec, steps)
+        from unirl_core.pool.cluster import close_pool
+
+        close_pool()
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        return {"mode": mode, "init_s": 0.0, "step_wall_s": walls, "metrics": records,
+                "driver_peak_allocated_gib": peak}
     cfg = load_recipe(spec["recipe"], overrides)
     t0 = time.perf_counter()
     phases.init_run(cfg, resume_from="never")
@@ -205,7 +238,7 @@ def run_preset(preset: str, args) -> dict:
                                                                      os.environ.get("PYTHONPATH")])))
     results = []
     for mode in args.modes:
-        one_gpu = mode in ("warm", "pool-colocate", "pool-shared") and device == "cuda"
+        one_gpu = not mode.startswith("pool-separate") and device == "cuda"
         m_env = dict(env, CUDA_VISIBLE_DEVICES="0") if one_gpu else env
         res = _summary(_spawn(mode, state, args.steps, m_env))
         results.append(res)
@@ -246,8 +279,10 @@ def _table(out: dict) -> None:
                  "steps after the first; warm = run_local in one process on GPU 0; pool-separate = trainer and "
                  "engine actors on their own GPUs, NCCL publish; pool-colocate = both on GPU 0, object-store "
                  "publish; pool-shared = one actor on GPU 0 is trainer and engine (no publish transfer); -lag1 = "
-                 "async_training.max_policy_lag 1 (rollout n+1 beside train n). Peak = nvidia-smi memory.used (all "
-                 "processes on that GPU).")
+                 "async_training.max_policy_lag 1 (rollout n+1 beside train n); flyte-pool-* = the same pool under the "
+                 "Flyte workflow (flytekit local execution; step walls from the report's per-step records, the "
+                 "last one including the end of the run). Peak = nvidia-smi memory.used (all processes on that "
+                 "GPU).")
 
 
 def main() -> None:

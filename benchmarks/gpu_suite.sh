@@ -6,6 +6,8 @@
 #   RESULTS=out bash benchmarks/gpu_suite.sh singles    # GPU 0: diffusion algorithms then the Flow-GRPO step;
 #                                                       # GPU 1: GRPO vs TRL at 0.6B (master weights = model) and math
 #   RESULTS=out bash benchmarks/gpu_suite.sh pool [gpu_pool_loop.py args]   # the pool loop (two GPUs)
+#     ... pool --preset sd35m-lora --modes warm flyte-pool-shared   # the Flyte workflow in pool mode (one GPU;
+#     flytekit and Ray carried as the tarball of benchmarks/gpu_carry_bundle.sh, unpacked onto PYTHONPATH)
 #   RESULTS=out bash benchmarks/gpu_suite.sh step-cost  # bench_step_cost at the GPU shapes
 #   RESULTS=out bash benchmarks/gpu_suite.sh graphs     # lm.engine.cuda_graphs: decode throughput, GRPO vs TRL
 #   RESULTS=out bash benchmarks/gpu_suite.sh graphs-math  # the same at the qwen3-math shape, loop + TRL in one call (~6.5 min)

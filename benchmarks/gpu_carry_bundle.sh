@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # flytekit + Ray for a GPU machine that has torch, transformers, pyarrow, grpcio and protobuf but neither of these
-# and no package index, as one .tar.xz of an unpacked site directory (the two as wheels are ~100 MB; this is ~35):
+# and no package index, as one .tar.xz of an unpacked site directory (the two as wheels are ~100 MB; this is 30-35 MB):
 # Ray without its Java jars, dashboard front end, RLlib / Serve / Data / LLM libraries (the pool uses core Ray:
 # actors, placement groups, the object store), flytekit's dependency closure without the Azure / GCS file systems
 # (the S3 one stays) and botocore's service models other than S3 / STS / SSO.

@@ -89,7 +89,8 @@ class GpuMemory:
         self._t.join()
 
 
-def _flyte_worker(mode: str, cfg_overrides: list[str], spec: dict, steps: int) -> tuple[list[float], list[dict]]:
+def _flyte_worker(mode: str, cfg_overrides: list[str], spec: dict, steps: int,
+                  report_dir: Path) -> tuple[list[float], list[dict]]:
     """``flyte-pool-*``: the workflow users run (``workflows/grpo.py::grpo``), executed locally by flytekit in this
     process (every phase a flytekit task: typed inputs and outputs, Arrow batches, decks, the report), each task a
     thin client of the pool's actors. Step walls from the report's per-step records (written by each step's last
@@ -98,12 +99,11 @@ def _flyte_worker(mode: str, cfg_overrides: list[str], spec: dict, steps: int) -
     from workflows.grpo import grpo
 
     tasks.setup.preflight = lambda _cfg: []  # as for run_local: the shaped model is neither on the hub nor on disk
-    root = Path(next(o.split("=", 1)[1] for o in cfg_overrides if o.startswith("checkpoint.root=")))
     t0 = time.time()
     out = grpo(recipe=spec["recipe"], overrides=cfg_overrides, max_steps=0)
     if out.step != steps:
         raise RuntimeError(f"{mode} ran to step {out.step}, expected {steps}")
-    recs = [json.loads(f.read_text()) for f in sorted((root / "poolloop" / "report").glob("step-*/metrics.json"))]
+    recs = [json.loads(f.read_text()) for f in sorted(report_dir.glob("step-*/metrics.json"))]
     ends = [t0] + [r["time"] for r in recs]
     return [b - a for a, b in zip(ends, ends[1:], strict=False)], [
         {k: float(v) for k, v in r["metrics"].items() if k.startswith(KEEP)} for r in recs]
@@ -134,15 +134,15 @@ def worker(mode: str, state: Path, steps: int) -> dict:
     overrides = [*spec["overrides"], f"checkpoint.root={state / mode}", f"loop.total_steps={steps}"]
     if mode != "warm":
         overrides += _pool_overrides(mode, spec["device"] == "cuda", spec["actor_cpus"]) + spec["pool_overrides"]
+    cfg = load_recipe(spec["recipe"], overrides)
     if mode.startswith("flyte-"):
-        walls, records = _flyte_worker(mode, overrides, spec, steps)
+        walls, records = _flyte_worker(mode, overrides, spec, steps, Path(cfg.checkpoint.root) / cfg.name / "report")
         from unirl_core.pool.cluster import close_pool
 
         close_pool()
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         return {"mode": mode, "init_s": 0.0, "step_wall_s": walls, "metrics": records,
                 "driver_peak_allocated_gib": peak}
-    cfg = load_recipe(spec["recipe"], overrides)
     t0 = time.perf_counter()
     phases.init_run(cfg, resume_from="never")
     init_s = time.perf_counter() - t0

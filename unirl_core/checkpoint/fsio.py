@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -18,20 +19,72 @@ CHUNK = 8 << 20
 Piece = bytes | memoryview
 
 
+HASH_AHEAD = 1 << 20
+"""Pieces at least this big are hashed on a helper thread while the caller writes them."""
+
+
+class StreamHash:
+    """sha256 and size of a file's pieces, fed in file order just before each piece is written.
+
+    A big piece is hashed on a helper thread while the caller writes that same piece (hashlib and file writes
+    both release the GIL for large buffers), so a large file costs about max(hash, write) instead of their sum;
+    the next ``feed`` waits for the previous piece's hash, so the digest is the file's in order.
+    """
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._pending: Future | None = None
+        self.size = 0
+
+    def feed(self, piece: Piece) -> None:
+        self._join()
+        self.size += len(piece)
+        if len(piece) >= HASH_AHEAD:
+            self._pending = _hash_pool().submit(self._h.update, piece)
+        else:
+            self._h.update(piece)
+
+    def hexdigest(self) -> str:
+        self._join()
+        return self._h.hexdigest()
+
+    def _join(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+
+_HASH_POOL: ThreadPoolExecutor | None = None
+_HASH_POOL_LOCK = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Long-lived hashing threads (no thread start per file); several, so concurrent writers (a version and a
+    sharded state) do not queue behind each other's hashes."""
+    global _HASH_POOL
+    with _HASH_POOL_LOCK:
+        if _HASH_POOL is None:
+            _HASH_POOL = ThreadPoolExecutor(4, thread_name_prefix="unirl-sha256")
+        return _HASH_POOL
+
+
 def write_local(path: str, pieces: Iterable[Piece], *, sync: bool = True) -> tuple[str, int]:
-    """Write pieces to ``path`` hashing them on the way; fsync (unless ``sync=False``: the caller fsyncs it with
-    ``sync_local`` before anything that depends on it) so a manifest never reaches the disk before the bytes it
-    describes. A kill mid-way leaves a short file, which size + sha256 catch. Returns (sha256, size)."""
-    h, size = hashlib.sha256(), 0
-    with open(path, "wb") as f:
-        for piece in pieces:
-            f.write(piece)
-            h.update(piece)
-            size += len(piece)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
-    return h.hexdigest(), size
+    """Write pieces to ``path`` hashing them on the way (``StreamHash``: beside the write); fsync (unless
+    ``sync=False``: the caller fsyncs it with ``sync_local`` before anything that depends on it) so a manifest
+    never reaches the disk before the bytes it describes. A kill mid-way leaves a short file, which size +
+    sha256 catch. Returns (sha256, size)."""
+    h = StreamHash()
+    try:
+        with open(path, "wb") as f:
+            for piece in pieces:
+                h.feed(piece)
+                f.write(piece)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+    finally:
+        digest = h.hexdigest()  # also when the write failed: no hash left running over the caller's memory
+    return digest, h.size
 
 
 def _fsync_path(path: str) -> None:
@@ -98,13 +151,15 @@ class Folder:
         if len(pieces) == 1:
             self.fs.pipe_file(path, bytes(pieces[0]))
             return hashlib.sha256(pieces[0]).hexdigest(), len(pieces[0])
-        h, size = hashlib.sha256(), 0
-        with self.fs.open(path, "wb") as f:
-            for piece in pieces:
-                f.write(piece)
-                h.update(piece)
-                size += len(piece)
-        return h.hexdigest(), size
+        h = StreamHash()
+        try:
+            with self.fs.open(path, "wb") as f:
+                for piece in pieces:
+                    h.feed(piece)
+                    f.write(piece)
+        finally:
+            digest = h.hexdigest()
+        return digest, h.size
 
     def sync(self, names: list[str]) -> None:
         """Make files written with ``sync=False`` durable (local: concurrent fsyncs); object stores hold an

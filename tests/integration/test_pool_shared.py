@@ -139,9 +139,15 @@ def test_flyte_workflow_with_the_shared_placement(tmp_path):
     from workflows.grpo import grpo
 
     recipe, name = "tiny-grpo", "t-pool-shared-wf"
-    out = grpo(recipe=recipe, overrides=[*tiny_overrides(recipe, str(tmp_path / "pool"), name), *SHARED])
+    out = grpo(recipe=recipe, overrides=[*tiny_overrides(recipe, str(tmp_path / "pool"), name), *SHARED,
+                                         "checkpoint.keep_last=1"])
     assert out.step == 2
     assert cluster.current_pool().live == ["reward-0", "shared"]
+    # the publish task moved LATEST and left retention to the actor's writer thread: done once that is waited for
+    cluster.current_pool().call("shared", "wait_version", what="test")
+    store = CheckpointStore(str(tmp_path / "pool"), name)
+    assert store.latest().step == 2 and [r.step for r in store.versions()] == [2]
+    assert sorted(p.name for p in (tmp_path / "pool" / name).glob("step-*")) == ["step-00000002"]
     ref = run_local(load_recipe(recipe, tiny_overrides(recipe, str(tmp_path / "local"), name)), progress=False)
     assert _same_weights(_weights(tmp_path / "pool", name, 2), _weights(tmp_path / "local", name, 2))
     metrics = json.loads((tmp_path / "pool" / name / "report" / "step-00000002" / "metrics.json").read_text())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import posixpath
+import queue
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,38 +21,48 @@ Piece = bytes | memoryview
 
 
 HASH_AHEAD = 1 << 20
-"""Pieces at least this big are hashed on a helper thread while the caller writes them."""
+"""From the first piece at least this big on, a file's pieces are hashed on a helper thread (``StreamHash``)."""
 
 
 class StreamHash:
-    """sha256 and size of a file's pieces, fed in file order just before each piece is written.
+    """sha256 and size of a file's pieces, fed in file order as they are written.
 
-    A big piece is hashed on a helper thread while the caller writes that same piece (hashlib and file writes
-    both release the GIL for large buffers), so a large file costs about max(hash, write) instead of their sum;
-    the next ``feed`` waits for the previous piece's hash, so the digest is the file's in order.
+    From the first big piece on, pieces are queued to a helper thread that hashes them in order while the caller
+    goes on writing (hashlib and file writes both release the GIL for large buffers): the writer is not held to
+    the hash's speed, so its page-cache writes and fsync overlap the hashing and a large file costs about
+    max(sha256, write + fsync) instead of their sum. The queue holds views of the caller's pieces, no copies;
+    ``hexdigest`` waits for the last one.
     """
 
     def __init__(self) -> None:
         self._h = hashlib.sha256()
-        self._pending: Future | None = None
+        self._queue: queue.SimpleQueue | None = None
+        self._worker: Future | None = None
         self.size = 0
 
     def feed(self, piece: Piece) -> None:
-        self._join()
         self.size += len(piece)
-        if len(piece) >= HASH_AHEAD:
-            self._pending = _hash_pool().submit(self._h.update, piece)
-        else:
-            self._h.update(piece)
+        if self._queue is None:
+            if len(piece) < HASH_AHEAD:
+                self._h.update(piece)
+                return
+            self._queue = queue.SimpleQueue()
+            self._worker = _hash_pool().submit(self._drain, self._queue)
+        self._queue.put(piece)
 
     def hexdigest(self) -> str:
         self._join()
         return self._h.hexdigest()
 
+    def _drain(self, pieces: queue.SimpleQueue) -> None:
+        while (piece := pieces.get()) is not None:
+            self._h.update(piece)
+
     def _join(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        if self._queue is not None:
+            self._queue.put(None)
+            worker, self._queue, self._worker = self._worker, None, None
+            worker.result()
 
 
 _HASH_POOL: ThreadPoolExecutor | None = None
@@ -60,11 +71,12 @@ _HASH_POOL_LOCK = threading.Lock()
 
 def _hash_pool() -> ThreadPoolExecutor:
     """Long-lived hashing threads (no thread start per file); several, so concurrent writers (a version and a
-    sharded state) do not queue behind each other's hashes."""
+    sharded state) do not queue behind each other's hashes (a queued one only starts later: each writer ends its
+    queue before it waits)."""
     global _HASH_POOL
     with _HASH_POOL_LOCK:
         if _HASH_POOL is None:
-            _HASH_POOL = ThreadPoolExecutor(4, thread_name_prefix="unirl-sha256")
+            _HASH_POOL = ThreadPoolExecutor(8, thread_name_prefix="unirl-sha256")
         return _HASH_POOL
 
 

@@ -137,8 +137,9 @@ class CheckpointStore:
             out[EXTRA] = [_to_json(extra, "extra")]
         return out
 
-    def publish(self, ref: CheckpointRef) -> None:
-        """Point ``LATEST`` at ``ref`` (atomically), then apply retention."""
+    def publish(self, ref: CheckpointRef, *, retention: bool = True) -> None:
+        """Point ``LATEST`` at ``ref`` (atomically), then apply retention (``retention=False``: the caller runs
+        ``apply_retention`` later, e.g. on a writer thread off the step's path)."""
         if ref.run != self.run:
             raise field_error(CheckpointError, "ref.run", ref.run, f"{self.run!r}", "publish with the run's store")
         if self._read_manifest(self._version(ref.step)) is None:
@@ -146,7 +147,8 @@ class CheckpointStore:
                               "save the version before publishing it")
         body = json.dumps({"step": ref.step, "policy_version": ref.policy_version, "dir": step_dirname(ref.step)})
         self._run.write(LATEST, body.encode(), atomic=True)
-        self.apply_retention()
+        if retention:
+            self.apply_retention()
 
     def apply_retention(self) -> list[int]:
         """Delete versions outside keep_last / keep_every (never the published one) and stale partial folders.

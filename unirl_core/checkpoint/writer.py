@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -116,6 +116,7 @@ class VersionWriter:
         self._pool: ThreadPoolExecutor | None = None
         self._write: _Write | None = None
         self._last: _Write | None = None
+        self._chore: Future | None = None
         self.last_seconds = 0.0
         """Seconds the last finished write took on its thread (save, manifest read-back, publish)."""
         self.staging = HostStaging()
@@ -153,6 +154,27 @@ class VersionWriter:
         self.wait()
         write.store.publish(ref)
         return True
+
+    def later(self, chore: Callable[[], object], what: str) -> None:
+        """Run ``chore`` on the writer's thread after the writes queued so far (a version's retention, off the
+        step's path). Best effort: a failure is logged (naming ``what``), not raised; ``wait_chores`` waits."""
+        self.wait_chores()
+
+        def run() -> None:
+            try:
+                chore()
+            except Exception as e:  # noqa: BLE001 - a chore (retention) is retried by the next one
+                log.warning("%s failed in the background: %s: %s", what, type(e).__name__, e)
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-checkpoint")
+        self._chore = self._pool.submit(run)
+
+    def wait_chores(self) -> None:
+        """Block until the chore in flight (``later``) is done."""
+        chore, self._chore = self._chore, None
+        if chore is not None:
+            chore.result()
 
     def last_written(self) -> tuple[CheckpointRef, dict[str, dict[str, object]]] | None:
         """(ref, manifest files) of the last write that ``wait`` saw succeed, else None."""

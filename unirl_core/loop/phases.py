@@ -476,16 +476,18 @@ def publish_phase(cfg: RunConfig, ckpt: CheckpointRef, *, asynchronous: bool = F
     finish_writes()
     store = build.store(cfg)
     rank, world = current_world()
+    pool = cfg.pool.execution == "pool"
     if rank == 0:
-        store.publish(ckpt)
+        store.publish(ckpt, retention=not pool)  # pool: the trainer actor deletes old versions off the step's path
     if world > 1:
         torch.distributed.barrier()
     manifest = load_manifest(ckpt, storage_options=cfg.checkpoint.storage_options)  # no weights read
     published = {"uri": ckpt.uri, "step": ckpt.step, "policy_version": ckpt.policy_version,
                  "files": {name: dict(info) for name, info in manifest.files.items()},
                  "bytes": sum(int(info["bytes"]) for info in manifest.files.values())}
-    if cfg.pool.execution == "pool":
+    if pool:
         from unirl_core.pool import phases as pool_phases
 
         published.update(pool_phases.publish_weights(cfg, ckpt))
+        pool_phases.prune_versions(cfg)
     return published

@@ -288,9 +288,17 @@ class TrainerActor(_Actor):
         when ``ckpt`` is not this actor's background write (the caller publishes it from the store)."""
         return self._writer.publish(ckpt)
 
+    def prune_versions(self) -> None:
+        """Apply the store's retention (``checkpoint.keep_last`` / ``keep_every``) on the writer's thread, after
+        the writes queued so far: deleting a GB-sized version stays off the next step's path. Best effort (a
+        failure is logged; the next publish's retention deletes what this one left)."""
+        self._writer.later(build.store(self.cfg).apply_retention, f"{self.name}: retention of run {self.cfg.name!r}")
+
     def wait_version(self) -> None:
-        """Wait for the background version write (and its publish); raises its failure (``CheckpointError``)."""
+        """Wait for the background version write (and its publish), then for a retention queued behind it
+        (``prune_versions``); raises the write's failure (``CheckpointError``)."""
         self._writer.wait()
+        self._writer.wait_chores()
 
     def shutdown(self) -> None:
         """Before the pool kills this actor: finish the background version write and the sharded state write, so
@@ -300,7 +308,7 @@ class TrainerActor(_Actor):
     def _finish_writes(self, report) -> None:
         """Wait for the background version write, then the sharded state write; a failed one is ``report``ed
         (that version / state is not in the store), not raised."""
-        for wait in (self._writer.wait, self.wait_state):
+        for wait in (self._writer.wait, self.wait_state, self._writer.wait_chores):
             try:
                 wait()
             except CheckpointError as e:

@@ -123,6 +123,17 @@ def publish_when_written(cfg: RunConfig, ckpt: CheckpointRef) -> bool:
     return bool(pool.call(group.rank0(pool), "publish_version", ckpt, what=f"publish v{ckpt.policy_version}"))
 
 
+def prune_versions(cfg: RunConfig) -> None:
+    """The store's retention after a publish, on the trainer actor's writer thread (off the step's path); a pool
+    without a live trainer applies it here."""
+    pool = Pool.get(cfg)
+    try:
+        pool.call(group.rank0(pool), "prune_versions", what="retention")
+    except PoolActorDied as e:
+        log.warning("pool: retention in the trainer skipped (%s); applying it here", e)
+        build.store(cfg).apply_retention()
+
+
 def wait_written(cfg: RunConfig, ckpt: CheckpointRef) -> None:
     """Wait for the trainer's background write of ``ckpt`` (and its publish); raises its failure. A trainer that
     died meanwhile took the write with it: ``CheckpointError`` naming the version (``LATEST`` names the one

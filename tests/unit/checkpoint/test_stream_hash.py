@@ -1,4 +1,4 @@
-"""StreamHash / write_local: big pieces hashed on a helper thread beside their write, digest still the file's."""
+"""StreamHash / write_local: pieces hashed on a helper thread while the file is written, digest still the file's."""
 
 import hashlib
 import os
@@ -15,8 +15,8 @@ def _pieces(sizes: list[int]) -> list[bytes]:
 @pytest.mark.parametrize("sizes", [
     [],
     [5],
-    [fsio.HASH_AHEAD - 1, fsio.HASH_AHEAD, fsio.HASH_AHEAD + 1],  # inline, helper, helper
-    [3, 2 * fsio.HASH_AHEAD, 7, fsio.HASH_AHEAD, 0, 11],  # alternating: each waits for the previous hash
+    [fsio.HASH_AHEAD - 1, fsio.HASH_AHEAD, fsio.HASH_AHEAD + 1],  # inline, then the helper thread
+    [3, 2 * fsio.HASH_AHEAD, 7, fsio.HASH_AHEAD, 0, 11],  # small pieces after the first big one queue too
 ])
 def test_write_local_digest_and_bytes_are_the_files(tmp_path, sizes):
     pieces = _pieces(sizes)
@@ -53,7 +53,8 @@ def test_a_failed_write_raises_and_leaves_no_hash_running(tmp_path, monkeypatch)
     with pytest.raises(OSError, match="disk full"):
         fsio.write_local(str(tmp_path / "f"), Broken())
     # the first piece's hash was joined before the error left write_local: nothing reads the caller's memory later
-    assert len(made) == 1 and made[0]._pending is None and made[0].size == 2 * fsio.HASH_AHEAD
+    assert len(made) == 1 and made[0]._queue is None and made[0]._worker is None
+    assert made[0].size == 2 * fsio.HASH_AHEAD
 
 
 def test_stream_hash_matches_hashlib_for_many_pieces():

@@ -130,3 +130,27 @@ def test_kill_during_a_background_write_leaves_latest_on_the_previous_version(tm
     store = CheckpointStore(str(tmp_path), "r")
     assert store.latest().step == 1 and [r.step for r in store.versions()] == [1]
     assert torch.equal(store.load().weights["w"], torch.full((1 << 18,), 1.0))
+
+
+def test_a_chore_runs_after_the_queued_write_and_its_failure_is_logged(tmp_path, caplog):
+    store, writer = CheckpointStore(str(tmp_path), "r", keep_last=1), VersionWriter()
+    for step in (1, 2):
+        store.save(step, weights={"w": torch.ones(3)}, policy_version=step, publish=False)
+    ref = writer.save(store, 3, policy_version=3, live=[], weights={"w": torch.ones(3)})
+    seen = []
+    writer.later(lambda: seen.append([r.step for r in store.versions()]), "look")  # queued behind version 3's write
+    writer.wait_chores()
+    assert seen == [[1, 2, 3]]
+    writer.wait()
+    store.publish(ref, retention=False)  # the pointer moves; old versions stay until a retention runs
+    assert store.latest() == ref and [r.step for r in store.versions()] == [1, 2, 3]
+    writer.later(store.apply_retention, "retention")
+    writer.wait_chores()
+    assert [r.step for r in store.versions()] == [3]
+
+    def broken():
+        raise OSError("read-only file system")
+
+    writer.later(broken, "retention of run 'r'")
+    writer.wait_chores()  # best effort: logged, not raised
+    assert "retention of run 'r' failed in the background: OSError: read-only file system" in caplog.text

@@ -133,9 +133,7 @@ class VersionWriter:
         shared = storages(live)
         data = {k: snapshot(v, shared) for k, v in kwargs.items()}
         self._write = _Write(store, ref, data, self.staging.fence())
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-checkpoint")
-        self._pool.submit(self._write.run)
+        self._thread().submit(self._write.run)
         return ref
 
     def pending(self, ref: CheckpointRef) -> bool:
@@ -158,7 +156,6 @@ class VersionWriter:
     def later(self, chore: Callable[[], object], what: str) -> None:
         """Run ``chore`` on the writer's thread after the writes queued so far (a version's retention, off the
         step's path). Best effort: a failure is logged (naming ``what``), not raised; ``wait_chores`` waits."""
-        self.wait_chores()
 
         def run() -> None:
             try:
@@ -166,15 +163,19 @@ class VersionWriter:
             except Exception as e:  # noqa: BLE001 - a chore (retention) is retried by the next one
                 log.warning("%s failed in the background: %s: %s", what, type(e).__name__, e)
 
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-checkpoint")
-        self._chore = self._pool.submit(run)
+        self._chore = self._thread().submit(run)
 
     def wait_chores(self) -> None:
-        """Block until the chore in flight (``later``) is done."""
+        """Block until every chore queued so far (``later``) is done: the thread runs them in order, so the last."""
         chore, self._chore = self._chore, None
         if chore is not None:
             chore.result()
+
+    def _thread(self) -> ThreadPoolExecutor:
+        """The writer's one thread (writes and chores run on it in submission order), started on first use."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-checkpoint")
+        return self._pool
 
     def last_written(self) -> tuple[CheckpointRef, dict[str, dict[str, object]]] | None:
         """(ref, manifest files) of the last write that ``wait`` saw succeed, else None."""

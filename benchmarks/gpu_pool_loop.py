@@ -6,7 +6,8 @@ store: NCCL refuses two ranks on one device) and ``pool-shared`` (``pool.placeme
 process is trainer and engine, sampling with the trainer's module; one copy of the weights, no publish transfer),
 and ``flyte-pool-shared`` / ``flyte-pool-colocate``: the workflow users run (``workflows/grpo.py::grpo``) executed
 locally by flytekit, every phase a typed task handing its step to the pool (flytekit and Ray on a GPU machine
-without them: ``gpu_carry_bundle.sh``).
+without them: ``gpu_carry_bundle.sh``). ``warm-quiet`` is a diagnostic of ``warm``: after each step the loop waits
+for that step's background version write (``time/quiet_wait``), so no write runs beside the next rollout.
 
 Per mode: the first step (model build, actor start, NCCL group set-up) and the median of the steady steps after
 it, per phase; the pool's publication metrics (``pool/publish_send_s``, ``pool/publish_bytes``,
@@ -41,8 +42,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-MODES = ("warm", "pool-separate", "pool-colocate", "pool-separate-lag1", "pool-shared", "flyte-pool-shared",
-         "flyte-pool-colocate")
+MODES = ("warm", "warm-quiet", "pool-separate", "pool-colocate", "pool-separate-lag1", "pool-shared",
+         "flyte-pool-shared", "flyte-pool-colocate")
 KEEP = ("time/", "pool/", "async/", "train/ratio", "train/logp", "train/absdiff", "rollout/logp", "reward/mean",
         "checkpoint/", "rollout/load_weights", "rollout/seconds", "rollout/tokens_per_s", "train/time_")
 
@@ -132,7 +133,7 @@ def worker(mode: str, state: Path, steps: int) -> dict:
     local.preflight = lambda _cfg: []
 
     overrides = [*spec["overrides"], f"checkpoint.root={state / mode}", f"loop.total_steps={steps}"]
-    if mode != "warm":
+    if not mode.startswith("warm"):
         overrides += _pool_overrides(mode, spec["device"] == "cuda", spec["actor_cpus"]) + spec["pool_overrides"]
     cfg = load_recipe(spec["recipe"], overrides)
     if mode.startswith("flyte-"):
@@ -152,13 +153,17 @@ def worker(mode: str, state: Path, steps: int) -> dict:
     stamps = [time.perf_counter()]
 
     def on_step(metrics, _batch):
+        if mode == "warm-quiet":  # the step's version written before the next rollout starts (a diagnostic)
+            tq = time.perf_counter()
+            phases.finish_writes()
+            metrics["time/quiet_wait"] = time.perf_counter() - tq
         stamps.append(time.perf_counter())
         records.append({k: float(v) for k, v in metrics.items() if k.startswith(KEEP)})
 
     run_local(cfg, on_step=on_step, progress=False)
     walls = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    if mode != "warm":
+    if not mode.startswith("warm"):
         from unirl_core.pool.cluster import close_pool
 
         close_pool()

@@ -265,29 +265,41 @@ def _table(out: dict) -> None:
         warm = next((m for m in pr["modes"] if m["mode"] == "warm" and "error" not in m), None)
         for m in pr["modes"]:
             if "error" in m:
-                rows.append([pr["preset"], m["mode"], m["error"], "", "", "", "", "", ""])
+                rows.append([pr["preset"], m["mode"], m["error"], "", "", "", "", "", "", ""])
                 continue
             ratio = f"{m['steady_step_s'] / warm['steady_step_s']:.3f}x" if warm else "-"
+            equal = _rollout_equalised(m, warm)
             serving = m["pool"].get("pool/engines_serving")
             send = m["pool"].get("pool/publish_send_s")
             peak = ", ".join(f"{i}: {v / 1024:.1f}" for i, v in sorted(m["gpu_peak_mib"].items())) or "-"
             idle = m["pool"].get("async/engine_idle_frac")
             rows.append([pr["preset"], m["mode"], f"{m['first_step_s']:.2f}", f"{m['steady_step_s']:.2f}", ratio,
+                         f"{equal:.3f}x" if equal is not None else "-",
                          f"{statistics.median(idle[1:] or idle):.2f}" if idle else "-",
                          f"{statistics.median(send):.3f}" if send else "-",
                          f"{min(serving):.0f}/{len(serving)} steps" if serving else "-", peak])
     name = "gpu_pool_loop_smoke" if out["smoke"] else "gpu_pool_loop"
     report(name, "The shipped loop in pool mode vs in-process, recipe shapes" + (" (SMOKE: CPU plumbing only)"
            if out["smoke"] else ""), ["preset", "mode", "first step s", "steady step s", "vs warm",
-           "engine idle frac", "publish send s", "engines serving (min)", "peak GiB per GPU"], rows, out,
+           "vs warm, warm's rollout", "engine idle frac", "publish send s", "engines serving (min)", "peak GiB per GPU"], rows, out,
            notes=f"{out['presets'][0]['steps']} steps per mode, each mode a fresh process; steady = median of the "
                  "steps after the first; warm = run_local in one process on GPU 0; pool-separate = trainer and "
                  "engine actors on their own GPUs, NCCL publish; pool-colocate = both on GPU 0, object-store "
                  "publish; pool-shared = one actor on GPU 0 is trainer and engine (no publish transfer); -lag1 = "
                  "async_training.max_policy_lag 1 (rollout n+1 beside train n); flyte-pool-* = the same pool under the "
                  "Flyte workflow (flytekit local execution; step walls from the report's per-step records, the "
-                 "last one including the end of the run). Peak = nvidia-smi memory.used (all processes on that "
-                 "GPU).")
+                 "last one including the end of the run). \"vs warm, warm's rollout\": the mode's steady step with its "
+                 "median rollout replaced by warm's (the eager decode's speed moves ~1.6x from step to step on the "
+                 "host, whatever runs beside it: warm-quiet), the ratio of the rest of the step. Peak = nvidia-smi "
+                 "memory.used (all processes on that GPU).")
+
+
+def _rollout_equalised(m: dict, warm: dict | None) -> float | None:
+    """``m``'s steady step over warm's with ``m``'s median rollout replaced by warm's (None without a warm run or
+    a rollout time)."""
+    if warm is None or "rollout" not in m["phases_s"] or "rollout" not in warm["phases_s"]:
+        return None
+    return (m["steady_step_s"] - m["phases_s"]["rollout"] + warm["phases_s"]["rollout"]) / warm["steady_step_s"]
 
 
 def main() -> None:

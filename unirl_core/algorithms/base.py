@@ -77,3 +77,15 @@ class SteppedAlgorithm(Algorithm, Protocol):
                    first_update: bool = False) -> Generator[Tensor, None, LossOutput]:
         """Yield scalar terms that add up to ``loss(...)``; return its ``LossOutput`` (detached loss, metrics)."""
         ...
+
+
+def summed_loss(terms: Generator[Tensor, None, LossOutput]) -> LossOutput:
+    """``loss(...)`` of a stepped algorithm: the sum of its ``loss_terms`` as one graph (every term's graph alive
+    until backward) with the metrics the generator returns."""
+    total = None
+    while True:
+        try:
+            term = next(terms)
+        except StopIteration as stop:
+            return LossOutput(loss=total, metrics=stop.value.metrics)
+        total = term if total is None else total + term

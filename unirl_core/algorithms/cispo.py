@@ -21,10 +21,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from unirl_core.algorithms.grpo import GRPO, LMLossConfig, LossAgg, aggregate, apply_behaviour_weights
-from unirl_core.algorithms.kl import kl_penalty
+from unirl_core.algorithms.grpo import GRPO, LMLossConfig, LossAgg, finish_token_loss
 from unirl_core.algorithms.registry import register_algorithm
-from unirl_core.errors import ConfigError, InvariantError, field_error
+from unirl_core.errors import ConfigError, field_error
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,18 +63,9 @@ def cispo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: T
     weight = ratio.clamp(min=low, max=1.0 + cfg.epsilon_high)
     adv = advantages.to(logp.dtype)[:, None]
     per_token = -weight * adv * logp
-    per_token, tis, is_masked, is_truncated = apply_behaviour_weights(per_token, old_logp, rollout_logp, mask, cfg)
-    kl = None
-    if cfg.beta > 0:
-        if ref_logp is None:
-            raise field_error(InvariantError, "ref_logp", None, "reference log-probs when beta > 0",
-                              "replay the reference policy (policy.reference()) or set beta=0")
-        kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
-        per_token = per_token + cfg.beta * kl
-    loss = aggregate(per_token, mask, cfg.loss_agg, cfg.max_response_tokens)
-    stats = {"ratio": ratio, "clipped": (weight != ratio) & mask, "tis": tis.detach(),
-             "kl": None if kl is None else kl.detach(), "is_masked": is_masked, "is_truncated": is_truncated}
-    return loss, stats
+    loss, stats = finish_token_loss(per_token, logp, old_logp, mask, cfg, ref_logp=ref_logp,
+                                    rollout_logp=rollout_logp)
+    return loss, {"ratio": ratio, "clipped": (weight != ratio) & mask, **stats}
 
 
 class CISPO(GRPO):

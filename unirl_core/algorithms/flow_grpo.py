@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from unirl_core.algorithms.base import LossOutput, OldLogpSource, Policy
+from unirl_core.algorithms.base import LossOutput, OldLogpSource, Policy, summed_loss
 from unirl_core.algorithms.off_policy import behaviour_weights, check_is_config, fresh_rows, staleness_metrics
 from unirl_core.algorithms.registry import register_algorithm
 from unirl_core.errors import ConfigError, InvariantError, NumericsError, field_error
@@ -170,14 +170,8 @@ class FlowGRPO:
              first_update: bool = False) -> LossOutput:
         """The micro-batch loss as one graph (every trained step's graph alive until backward). The train
         backend calls ``loss_terms`` instead and back-propagates one step at a time."""
-        terms = self.loss_terms(policy, micro_batch, old_log_probs=old_log_probs, first_update=first_update)
-        total = None
-        while True:
-            try:
-                term = next(terms)
-            except StopIteration as stop:
-                return LossOutput(loss=total, metrics=stop.value.metrics)
-            total = term if total is None else total + term
+        return summed_loss(self.loss_terms(policy, micro_batch, old_log_probs=old_log_probs,
+                                           first_update=first_update))
 
     def num_loss_terms(self, micro_batch: SampleBatch) -> int:
         """How many terms ``loss_terms`` yields for this micro-batch: replay slices x trained steps."""

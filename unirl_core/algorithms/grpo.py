@@ -167,6 +167,16 @@ def grpo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     clipped_ratio = ratio.clamp(1.0 - cfg.epsilon, 1.0 + cfg.eps_high)
     per_token = -torch.minimum(unclipped, clipped_ratio * adv)
     is_clipped = ((ratio < 1.0 - cfg.epsilon) & (adv < 0)) | ((ratio > 1.0 + cfg.eps_high) & (adv > 0))
+    loss, stats = finish_token_loss(per_token, logp, old_logp, mask, cfg, ref_logp=ref_logp,
+                                    rollout_logp=rollout_logp)
+    return loss, {"ratio": ratio.detach(), "clipped": is_clipped & mask, **stats}
+
+
+def finish_token_loss(per_token: Tensor, logp: Tensor, old_logp: Tensor, mask: Tensor, cfg: LMLossConfig, *,
+                      ref_logp: Tensor | None, rollout_logp: Tensor | None) -> tuple[Tensor, dict]:
+    """The tail every GRPO-family token loss shares: the behaviour-policy weights (TIS / MIS), the KL term
+    (``cfg.beta``) and the aggregation (``cfg.loss_agg``). Returns ``(loss, stats)`` with the detached ``tis``,
+    ``kl`` (or None), ``is_masked`` and ``is_truncated``."""
     per_token, tis, is_masked, is_truncated = apply_behaviour_weights(per_token, old_logp, rollout_logp, mask, cfg)
     kl = None
     if cfg.beta > 0:
@@ -176,9 +186,8 @@ def grpo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
         kl = kl_penalty(logp, ref_logp.detach(), cfg.kl_estimator)
         per_token = per_token + cfg.beta * kl
     loss = aggregate(per_token, mask, cfg.loss_agg, cfg.max_response_tokens)
-    stats = {"ratio": ratio.detach(), "clipped": is_clipped & mask, "tis": tis.detach(),
-             "kl": None if kl is None else kl.detach(), "is_masked": is_masked, "is_truncated": is_truncated}
-    return loss, stats
+    return loss, {"tis": tis.detach(), "kl": None if kl is None else kl.detach(), "is_masked": is_masked,
+                  "is_truncated": is_truncated}
 
 
 def apply_behaviour_weights(per_token: Tensor, old_logp: Tensor, rollout_logp: Tensor | None, mask: Tensor,

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from unirl_core.algorithms.base import LossOutput, Policy
+from unirl_core.algorithms.base import LossOutput, Policy, summed_loss
 from unirl_core.algorithms.flow_grpo import _advantages, _diffusion_parts
 from unirl_core.algorithms.registry import register_algorithm
 from unirl_core.errors import ConfigError, InvariantError, field_error
@@ -152,14 +152,8 @@ class DiffusionNFT:
     def loss(self, policy: Policy, micro_batch: SampleBatch, *, old_log_probs: Tensor | None,
              first_update: bool = False) -> LossOutput:
         """The micro-batch loss as one graph; the backend calls ``loss_terms`` instead."""
-        terms = self.loss_terms(policy, micro_batch, old_log_probs=old_log_probs, first_update=first_update)
-        total = None
-        while True:
-            try:
-                term = next(terms)
-            except StopIteration as stop:
-                return LossOutput(loss=total, metrics=stop.value.metrics)
-            total = term if total is None else total + term
+        return summed_loss(self.loss_terms(policy, micro_batch, old_log_probs=old_log_probs,
+                                           first_update=first_update))
 
     def num_loss_terms(self, micro_batch: SampleBatch) -> int:
         _, segs, _ = _diffusion_parts(micro_batch)

@@ -9,6 +9,13 @@ score, the empty prompt's and the selected rewrites' (the "oracle" a perfect cap
     python benchmarks/compose_enhance_headroom.py            # shapes-enhance as shipped
 
 Writes ``benchmarks/results/compose_enhance_headroom.json``.
+
+``--forms`` asks another question of the image model: what does it follow? Every caption is rendered as is and
+in altered forms (words reversed, words shuffled, the colour dropped, the shape alone, empty), each scored against
+the caption on the evaluation's noise. A form that scores well below the caption is one an enhancer could repair
+(the user writes it, the enhancer rewrites it into the caption); a form that scores as well says the model does
+not read what the form changed. Writes ``compose_enhance_forms[_<name>].json``; ``--override`` changes the
+recipe (e.g. another image model: ``image.diffusion.model.source=<export dir>``).
 """
 
 from __future__ import annotations
@@ -34,11 +41,32 @@ def candidates(colors: list[str]) -> list[str]:
     return [""] + [f"{words[n]} {c} {s}{'s' if n > 1 else ''}" for n in (1, 2, 3) for c in colors for s in SHAPES]
 
 
+def forms(caption: str, colours: frozenset[str]) -> dict[str, str]:
+    """Altered forms of a caption (``--forms``): the shuffle is a fixed permutation per caption (seeded by its
+    text) that differs from the caption."""
+    import random
+    import zlib
+
+    words = caption.split()
+    shuffled = list(words)
+    rng = random.Random(zlib.crc32(caption.encode()))
+    for _ in range(20):
+        rng.shuffle(shuffled)
+        if shuffled != words:
+            break
+    return {"caption": caption, "reversed": " ".join(reversed(words)), "shuffled": " ".join(shuffled),
+            "no colour": " ".join(w for w in words if w not in colours), "shape only": words[-1], "empty": ""}
+
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="shapes-enhance")
     ap.add_argument("--images", type=int, default=8, help="images per caption and text, per noise set")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--forms", action="store_true", help="score altered forms of each caption (see above)")
+    ap.add_argument("--override", action="append", default=[], help="a recipe override a.b=value")
+    ap.add_argument("--name", default="", help="results file suffix")
     args = ap.parse_args()
     pin_threads(1)
     from unirl_core.compose import load_compose_recipe
@@ -49,7 +77,7 @@ def main() -> None:
     from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
     from unirl_core.types import PromptRecord
 
-    cfg = load_compose_recipe(args.recipe)
+    cfg = load_compose_recipe(args.recipe, args.override)
     subs = stack_configs(cfg)
     img_sub = subs["image"]
     seen: dict[str, PromptRecord] = {}
@@ -68,6 +96,23 @@ def main() -> None:
         return [statistics.fmean(r[k * n:(k + 1) * n]) for k in range(len(records))]
 
     t0 = time.perf_counter()
+    if args.forms:
+        from unirl_core.data.shapes import PALETTE
+
+        alt = {r.prompt_id: forms(r.prompt, frozenset(PALETTE)) for r in evals}
+        names = list(alt[evals[0].prompt_id])
+        per = {f: score(evals, {pid: a[f] for pid, a in alt.items()}) for f in names}
+        res = {"recipe": args.recipe, "overrides": args.override, "images_per_caption": n, "captions": len(evals),
+               "mean": {f: statistics.fmean(v) for f, v in per.items()},
+               "per_caption": [{f: {"text": alt[r.prompt_id][f], "score": per[f][k]} for f in names}
+                               for k, r in enumerate(evals)],
+               "seconds": time.perf_counter() - t0, "environment": environment()}
+        for f in names:
+            print(f"{f:>10}: {res['mean'][f]:.3f}   e.g. {alt[evals[0].prompt_id][f]!r}")
+        suffix = f"_{args.name}" if args.name else ""
+        (Path(args.results) / f"compose_enhance_forms{suffix}.json").write_text(json.dumps(res, indent=1,
+                                                                                           default=str))
+        return
     texts = candidates(list(DEFAULT_COLORS))
     on_select = {t: score(select, {r.prompt_id: t for r in select}) for t in texts}
     on_select["<caption>"] = score(select, {r.prompt_id: r.prompt for r in select})

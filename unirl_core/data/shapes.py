@@ -224,10 +224,30 @@ class ShapesPromptsConfig:
     """Seed of the draw; prompt i depends only on (seed, i)."""
     world: ShapesWorldConfig = field(default_factory=ShapesWorldConfig)
     """Colours, shapes and complexity of the prompts."""
+    omit: tuple[Literal["colour"], ...] = ()
+    """Words left out of the prompt text the policy sees (``colour``: "two red circles" is prompted as "two
+    circles"). The full caption stays the reward's target (``targets['caption']``, which the shapes scorers read
+    before the prompt): what the user did not say, the reward still wants (prompt enhancement: the enhancer learns
+    to add it)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.num_prompts, int) and self.num_prompts >= 1):
             raise field_error(ConfigError, "shapes.num_prompts", self.num_prompts, "an integer >= 1", "use e.g. 256")
+        object.__setattr__(self, "omit", tuple(self.omit))
+        bad = [w for w in self.omit if w not in OMITTABLE]
+        if bad or len(set(self.omit)) != len(self.omit):
+            raise field_error(ConfigError, "shapes.omit", list(self.omit), f"distinct names from {list(OMITTABLE)}",
+                              "list the words to leave out of the prompts, e.g. [colour], or leave it empty")
+
+
+OMITTABLE = ("colour",)
+"""What ``ShapesPromptsConfig.omit`` may leave out of a prompt."""
+
+
+def omit_words(text: str, omit: tuple[str, ...]) -> str:
+    """``text`` without the kinds of words in ``omit`` ("two red circles" without colour: "two circles")."""
+    drop = set(PALETTE) if "colour" in omit else set()
+    return " ".join(w for w in text.split() if w not in drop)
 
 
 def _uniform(rng: random.Random | np.random.Generator, lo: float, hi: float) -> float:
@@ -395,10 +415,14 @@ def prompt_list(n: int, *, seed: int, config: ShapesWorldConfig | None = None) -
 
 
 def shapes_prompts(cfg: ShapesPromptsConfig | None = None) -> list[PromptRecord]:
-    """RL prompt records ``shapes-00000``... (no targets: the shapes scorers parse the prompt text)."""
+    """RL prompt records ``shapes-00000``... (no targets: the shapes scorers parse the prompt text; with
+    ``cfg.omit`` the prompt leaves words out and ``targets['caption']`` holds the full caption)."""
     cfg = cfg or ShapesPromptsConfig()
     texts = prompt_list(cfg.num_prompts, seed=cfg.seed, config=cfg.world)
-    return [PromptRecord(prompt_id=f"shapes-{i:05d}", prompt=t) for i, t in enumerate(texts)]
+    if not cfg.omit:
+        return [PromptRecord(prompt_id=f"shapes-{i:05d}", prompt=t) for i, t in enumerate(texts)]
+    return [PromptRecord(prompt_id=f"shapes-{i:05d}", prompt=omit_words(t, cfg.omit), targets={"caption": t})
+            for i, t in enumerate(texts)]
 
 
 def evaluate(prompt: ShapesPrompt, scene: Scene) -> dict[Constraint, bool]:

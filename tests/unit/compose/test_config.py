@@ -58,3 +58,14 @@ def test_one_image_per_enhancement_with_prompt_groups_is_allowed(tmp_path):
 def test_unknown_key_names_the_dotted_path():
     with pytest.raises(ConfigError, match="grouping.images_per_prompt"):
         load_compose_recipe("shapes-enhance", ["grouping.images_per_prompt=3"])
+
+
+def test_colour_recipe_prompts_leave_the_colour_to_the_enhancer():
+    """shapes-enhance-colour: the enhancer sees "two circles", the reward wants "two blue circles"."""
+    from unirl_core.loop import build
+
+    cfg = load_compose_recipe("shapes-enhance-colour")
+    assert "shapes-enhance-colour" in compose_recipe_names() and cfg.trained == ("enhancer",)
+    records = build.dataset(stack_configs(cfg)["enhancer"]).records
+    assert records and all(r.targets["caption"].split() == [*r.prompt.split()[:1], "blue", *r.prompt.split()[1:]]
+                           for r in records)

@@ -159,3 +159,22 @@ def test_data_source_shapes_builds_a_prompt_dataset():
     assert all(len(parse_caption(r.prompt).groups) == 1 for r in ds.records)
     with pytest.raises(ConfigError, match="max_count"):
         from_dict(DataConfig, {"source": "shapes", "shapes": {"world": {"max_count": 5}}})
+
+
+def test_omit_colour_prompts_leave_the_colour_out_and_keep_the_caption_as_target():
+    from unirl_core.data.shapes import ShapesPromptsConfig
+
+    full = shapes_prompts(ShapesPromptsConfig(num_prompts=40, seed=3, world=ShapesWorldConfig(max_groups=3)))
+    hidden = shapes_prompts(ShapesPromptsConfig(num_prompts=40, seed=3, world=ShapesWorldConfig(max_groups=3),
+                                                omit=("colour",)))
+    assert [r.prompt_id for r in hidden] == [r.prompt_id for r in full]
+    for f, h in zip(full, hidden):
+        assert h.targets == {"caption": f.prompt} and f.targets == {}
+        assert h.prompt == " ".join(w for w in f.prompt.split() if w not in PALETTE)
+        assert h.prompt != f.prompt
+    data = from_dict(DataConfig, {"source": "shapes", "shapes": {"omit": ["colour"]}})
+    assert data.shapes.omit == ("colour",)
+    with pytest.raises(ConfigError, match="omit"):
+        from_dict(DataConfig, {"source": "shapes", "shapes": {"omit": ["size"]}})
+    with pytest.raises(ConfigError, match="shapes.omit"):
+        ShapesPromptsConfig(omit=("colour", "colour"))

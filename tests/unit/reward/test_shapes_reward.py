@@ -216,3 +216,16 @@ def test_one_reward_config_detects_each_image_once_and_scores_as_without_the_cac
     monkeypatch.setattr(shapes, "_SCENES_MAX", 5)
     build_scorer("shapes_count", min_iou=0.5)(items)
     assert len(shapes._SCENES) == 5
+
+
+def test_a_target_caption_is_what_the_image_is_scored_against():
+    """A prompt that leaves the colour out (data.shapes.omit) is scored against ``targets['caption']``."""
+    blue = render(Scene((ShapeObject("circle", "blue", 0.5, 0.5, 0.3),)), 64)
+    red = render(Scene((ShapeObject("circle", "red", 0.5, 0.5, 0.3),)), 64)
+    png = {c: to_png(Image.fromarray(im)) for c, im in (("blue", blue), ("red", red))}
+    score = build_scorer("shapes_compositional")
+    hidden = [ScoreItem(prompt="a circle", media=png[c], targets={"caption": "a blue circle"}) for c in ("blue", "red")]
+    assert score(hidden) == [1.0, 2 / 3]  # the red circle misses the colour the caption asks for
+    assert score([ScoreItem(prompt="a red circle", media=png["red"])]) == [1.0]  # no target: the prompt itself
+    with pytest.raises(RewardError, match=r"targets\['caption'\] 'a circle'"):
+        score([ScoreItem(prompt="a blue circle", media=png["blue"], targets={"caption": "a circle"})])

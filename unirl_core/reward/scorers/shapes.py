@@ -264,10 +264,14 @@ def _image(item: ScoreItem) -> np.ndarray:
 
 
 def _prompt(item: ScoreItem) -> ShapesPrompt:
+    """What the image should show: ``targets['caption']`` when the data set gave one (a prompt that leaves words
+    out, ``data.shapes.omit``), else the prompt itself."""
+    text = item.targets.get("caption", item.prompt)
     try:
-        return parse_caption(item.prompt)
+        return parse_caption(text)
     except CaptionError as e:
-        raise RewardError(f"prompt {item.prompt!r} is not a shapes-world caption ({e}); the shapes scorers only "
+        where = "targets['caption']" if "caption" in item.targets else "prompt"
+        raise RewardError(f"{where} {text!r} is not a shapes-world caption ({e}); the shapes scorers only "
                           "score prompts from unirl_core.data.shapes (data.source: shapes)") from e
 
 

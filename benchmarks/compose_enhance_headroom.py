@@ -99,7 +99,8 @@ def main() -> None:
     if args.forms:
         from unirl_core.data.shapes import PALETTE
 
-        alt = {r.prompt_id: forms(r.prompt, frozenset(PALETTE)) for r in evals}
+        # the caption the reward wants (a recipe whose prompts leave words out keeps it in targets['caption'])
+        alt = {r.prompt_id: forms(r.targets.get("caption", r.prompt), frozenset(PALETTE)) for r in evals}
         names = list(alt[evals[0].prompt_id])
         per = {f: score(evals, {pid: a[f] for pid, a in alt.items()}) for f in names}
         res = {"recipe": args.recipe, "overrides": args.override, "images_per_caption": n, "captions": len(evals),

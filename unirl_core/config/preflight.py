@@ -29,7 +29,8 @@ LOCAL_ROOT_FIX = "pass --overrides '[\"checkpoint.root=runs\"]' for a local run"
 # what shipped cluster recipes carry until a user names their bucket
 PLACEHOLDER_ROOTS = ("s3://my-bucket/",)
 
-_TINY_DIFFUSION = ("tiny-sd3", "tiny-flux", "tiny-flux-guidance", "shapes-sd3-init", "shapes-sd3")
+_TINY_DIFFUSION = ("tiny-sd3", "tiny-flux", "tiny-flux-guidance", "shapes-sd3-init", "shapes-sd3",
+                   "shapes-sd3-long")
 _TINY_LM = ("tiny",)
 _TINY_TOKENIZERS = ("tiny", "qwen2.5")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 DiffusionFamily = Literal["sd3", "flux"]
 FAMILIES: tuple[str, ...] = ("sd3", "flux")
 TINY_PRESETS = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-flux-guidance": "flux", "shapes-sd3-init": "sd3",
-                "shapes-sd3": "sd3"}
+                "shapes-sd3": "sd3", "shapes-sd3-long": "sd3"}
 """Presets built in code (no download); their T5 context is 32 tokens."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -428,11 +428,11 @@ def _load_pipeline(config: DiffusionModelConfig):
 
     if config.source == "tiny-sd3":
         return diffusion_tiny.tiny_sd3_pipeline(seed=config.seed), "sd3"
-    if config.source in ("shapes-sd3-init", "shapes-sd3"):
+    if config.source in ("shapes-sd3-init", "shapes-sd3", "shapes-sd3-long"):
         from unirl_core.models import diffusion_shapes
 
-        if config.source == "shapes-sd3":
-            return diffusion_shapes.shipped_shapes_pipeline(), "sd3"
+        if config.source in diffusion_shapes.SHIPPED:
+            return diffusion_shapes.shipped_shapes_pipeline(config.source), "sd3"
         return diffusion_shapes.shapes_sd3_pipeline(seed=config.seed), "sd3"
     if config.source in ("tiny-flux", "tiny-flux-guidance"):
         return diffusion_tiny.tiny_flux_pipeline(seed=config.seed,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from unirl_core.data.shapes import make_dataset
@@ -84,23 +85,27 @@ def test_pack_weights_round_trips_a_pipeline_folder(tmp_path, monkeypatch):
     pipe = ds.shapes_sd3_pipeline(seed=3)
     pipe.save_pretrained(tmp_path / "export")
     out = ds.pack_weights(str(tmp_path / "export"), tmp_path / "w.safetensors")
-    monkeypatch.setattr(ds, "WEIGHTS_FILE", out)
+    monkeypatch.setitem(ds.SHIPPED, "shapes-sd3", out)
     loaded = ds.pipeline_state(ds.shipped_shapes_pipeline())
     want = ds.pipeline_state(pipe)
     assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], want[k]) for k in want)
-    monkeypatch.setattr(ds, "WEIGHTS_FILE", tmp_path / "missing.safetensors")
-    import pytest
-
+    monkeypatch.setitem(ds.SHIPPED, "shapes-sd3", tmp_path / "missing.safetensors")
     from unirl_core.errors import ConfigError
     with pytest.raises(ConfigError, match="model.source='shapes-sd3'"):
         ds.shipped_shapes_pipeline()
 
 
-def test_shipped_weights_draw_gradable_shapes():
+@pytest.mark.parametrize("source", ["shapes-sd3", "shapes-sd3-long"])
+def test_shipped_weights_draw_gradable_shapes(source):
     """The shipped shapes-sd3 scores 0.150 on these 16 held-out prompts (random init: 0.0); the bound leaves room
-    for CPU-dependent rounding in the 20 ODE steps."""
+    for CPU-dependent rounding in the 20 ODE steps. shapes-sd3-long is its own weights, not a copy."""
+    from unirl_core.models import diffusion_shapes as ds
     from unirl_core.sft.shapes_eval import evaluate_model
 
-    bundle = DiffusionBundle.build(DiffusionModelConfig(source="shapes-sd3", finetune="full", reference_copy=False))
+    bundle = DiffusionBundle.build(DiffusionModelConfig(source=source, finetune="full", reference_copy=False))
     metrics, _, pngs = evaluate_model(bundle, num_prompts=16)
     assert len(pngs) == 16 and metrics["reward_mean"] > 0.07, metrics
+    if source != "shapes-sd3":
+        base = ds.pipeline_state(ds.shipped_shapes_pipeline())
+        own = ds.pipeline_state(ds.shipped_shapes_pipeline(source))
+        assert own.keys() == base.keys() and not all(torch.equal(own[k], base[k]) for k in base)

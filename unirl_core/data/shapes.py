@@ -227,8 +227,8 @@ class ShapesPromptsConfig:
     omit: tuple[Literal["colour"], ...] = ()
     """Words left out of the prompt text the policy sees (``colour``: "two red circles" is prompted as "two
     circles"). The full caption stays the reward's target (``targets['caption']``, which the shapes scorers read
-    before the prompt): what the user did not say, the reward still wants (prompt enhancement: the enhancer learns
-    to add it)."""
+    before the prompt): what the user did not say, the reward still wants (prompt enhancement: an enhancer can
+    add it back; ``shapes-enhance-colour``)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.num_prompts, int) and self.num_prompts >= 1):

@@ -58,7 +58,6 @@ def forms(caption: str, colours: frozenset[str]) -> dict[str, str]:
             "no colour": " ".join(w for w in words if w not in colours), "shape only": words[-1], "empty": ""}
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default="shapes-enhance")

@@ -31,8 +31,8 @@ from unirl_core.errors import ConfigError, field_error
 
 SHAPES_SIZE = 32
 """Image side the preset is sized for (pixels)."""
-WEIGHTS_FILE = Path(__file__).resolve().parent / "weights" / "shapes-sd3.safetensors"
-SHIPPED = {"shapes-sd3": WEIGHTS_FILE, "shapes-sd3-long": WEIGHTS_FILE.with_name("shapes-sd3-long.safetensors")}
+SHIPPED = {name: Path(__file__).resolve().parent / "weights" / f"{name}.safetensors"
+           for name in ("shapes-sd3", "shapes-sd3-long")}
 """The presets with shipped weights: ``shapes-sd3`` (1,500 SFT steps of batch 32 on a CPU; held-out
 ``shapes_compositional`` 0.235) and ``shapes-sd3-long`` (2,500 steps of batch 128 on one H200,
 ``scripts/gpu_build_shapes.sh``; 0.360 on 128 held-out prompts; it reads the colour and shape words more
@@ -169,7 +169,7 @@ def shapes_sd3_pipeline(*, seed: int = 0, spec: ShapesModelSpec = SHAPES_SPEC):
 
 
 def pipeline_state(pipe) -> dict[str, torch.Tensor]:
-    """Every component's state dict under ``<component>.<name>`` (what ``WEIGHTS_FILE`` holds)."""
+    """Every component's state dict under ``<component>.<name>`` (what a ``SHIPPED`` weights file holds)."""
     # cloned: tied tensors (T5 shared / embed_tokens) would share memory, which safetensors refuses to save
     return {f"{c}.{k}": v.detach().cpu().clone().contiguous() for c in COMPONENTS
             for k, v in getattr(pipe, c).state_dict().items()}

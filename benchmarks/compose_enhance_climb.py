@@ -69,18 +69,21 @@ def _image_rewards(batch) -> dict[str, list[float]]:
 
 
 def _rewrites(batch) -> dict[str, float]:
-    """What the step's sampled rewrites are (one per enhancement, not per image): exact copies of the caption, empty
+    """What the step's sampled rewrites are (one per enhancement, not per image): exact copies of the caption, the
+    reward's target caption (``targets['caption']`` of a prompt that leaves words out; the prompt otherwise), empty
     rewrites, mean words, distinct texts per caption."""
-    seen: dict[str, tuple[str, str]] = {}
+    seen: dict[str, tuple[str, str, str]] = {}
     for s in batch:
-        seen.setdefault(enhancement_id(s), (s.parts[0].prompt, (s.parts[0].text or "").strip()))
+        target = s.parts[0].targets.get("caption", s.parts[0].prompt)
+        seen.setdefault(enhancement_id(s), (s.parts[0].prompt, (s.parts[0].text or "").strip(), target))
     pairs = list(seen.values())
     per_caption: dict[str, set[str]] = {}
-    for prompt, text in pairs:
+    for prompt, text, _ in pairs:
         per_caption.setdefault(prompt, set()).add(text)
-    return {"exact_copy": statistics.fmean(text == prompt for prompt, text in pairs),
-            "empty": statistics.fmean(text == "" for _, text in pairs),
-            "words": statistics.fmean(len(text.split()) for _, text in pairs),
+    return {"exact_copy": statistics.fmean(text == prompt for prompt, text, _ in pairs),
+            "target_caption": statistics.fmean(text == target for _, text, target in pairs),
+            "empty": statistics.fmean(text == "" for _, text, _ in pairs),
+            "words": statistics.fmean(len(text.split()) for _, text, _ in pairs),
             "distinct_per_caption": statistics.fmean(len(v) for v in per_caption.values())}
 
 

@@ -11,7 +11,8 @@ score, the empty prompt's and the selected rewrites' (the "oracle" a perfect cap
 Writes ``benchmarks/results/compose_enhance_headroom.json``.
 
 ``--forms`` asks another question of the image model: what does it follow? Every caption is rendered as is and
-in altered forms (words reversed, words shuffled, the colour dropped, the shape alone, empty), each scored against
+in altered forms (words reversed, words shuffled, the colour dropped, every colour word replaced by another colour
+(the first of red / green / blue / yellow the caption does not name), the shape alone, empty), each scored against
 the caption on the evaluation's noise. A form that scores well below the caption is one an enhancer could repair
 (the user writes it, the enhancer rewrites it into the caption); a form that scores as well says the model does
 not read what the form changed. Writes ``compose_enhance_forms[_<name>].json``; ``--override`` changes the
@@ -54,8 +55,12 @@ def forms(caption: str, colours: frozenset[str]) -> dict[str, str]:
         rng.shuffle(shuffled)
         if shuffled != words:
             break
+    present = [w for w in words if w in colours]
+    other = next((c for c in ("red", "green", "blue", "yellow") if c not in present), None)
     return {"caption": caption, "reversed": " ".join(reversed(words)), "shuffled": " ".join(shuffled),
-            "no colour": " ".join(w for w in words if w not in colours), "shape only": words[-1], "empty": ""}
+            "no colour": " ".join(w for w in words if w not in colours),
+            "other colour": " ".join(other if w in colours else w for w in words),
+            "shape only": words[-1], "empty": ""}
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from unirl_core.train.config import TrainConfig
 
 ImageGroups = Literal["enhancement", "prompt"]
 ImageNoise = Literal["independent", "paired"]
+WarmStartPairs = Literal["copy", "add_colour"]
 STACKS: tuple[str, ...] = ("enhancer", "image")
 COMPOSE_RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
 
@@ -73,8 +74,8 @@ class GroupingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class WarmStartConfig:
-    """A supervised warm start of the enhancer before its step-0 version: completion cross-entropy on
-    (prompt -> prompt) pairs of the run's own prompt set, so a random-init LM emits well-formed prompts."""
+    """A supervised warm start of the enhancer before its step-0 version: completion cross-entropy on pairs built
+    from the run's own prompt set (``pairs``), so a random-init LM emits well-formed prompts."""
 
     steps: int = 0
     """Optimizer steps (0: none, the step-0 version is the model as built)."""
@@ -84,8 +85,25 @@ class WarmStartConfig:
     """AdamW learning rate of the warm start (its own optimizer; the RL optimizer starts fresh)."""
     seed: int = 0
     """Seed of the prompt order."""
+    pairs: WarmStartPairs = "copy"
+    """What the warm start writes for a prompt: ``copy`` the prompt itself; ``add_colour`` the prompt with one of
+    ``colours`` before its shape words ("two circles" -> "two red circles", each colour equally often; shapes
+    prompts with ``data.shapes.omit: [colour]``): an enhancer that already adds a colour, without knowing which
+    one the reward wants (the stand-in for a pretrained enhancer's habit of adding detail)."""
+    colours: tuple[str, ...] = ("red", "green", "blue", "yellow")
+    """The colours ``add_colour`` draws from (names of the shapes palette)."""
 
     def __post_init__(self) -> None:
+        from unirl_core.data.shapes import PALETTE
+
+        object.__setattr__(self, "colours", tuple(self.colours))
+        if self.pairs not in ("copy", "add_colour"):
+            raise field_error(ConfigError, "enhancer.warm_start.pairs", self.pairs, "'copy' or 'add_colour'",
+                              "copy teaches the enhancer to repeat its prompt; add_colour to add a colour word")
+        bad = [c for c in self.colours if c not in PALETTE]
+        if not self.colours or bad or len(set(self.colours)) != len(self.colours):
+            raise field_error(ConfigError, "enhancer.warm_start.colours", list(self.colours),
+                              f"distinct names from {sorted(PALETTE)}", "e.g. [red, green, blue, yellow]")
         for name in ("steps", "batch_size"):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= (0 if name == "steps" else 1)):
@@ -106,7 +124,7 @@ class EnhancerStack:
     frozen: bool = False
     """Sample with the step-0 weights and never train (its version stays 0)."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    """Supervised copy-the-prompt warm start before the step-0 version."""
+    """Supervised warm start (copy the prompt, or add a colour to it) before the step-0 version."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +197,12 @@ class ComposeRunConfig:
             raise field_error(ConfigError, "enhancer.lm.algorithm.beta", self.enhancer.lm.algorithm.beta,
                               "0 with enhancer.warm_start.steps > 0",
                               "the KL reference would be the model before the warm start; set beta: 0")
+        ws = self.enhancer.warm_start
+        if ws.steps and ws.pairs == "add_colour" and (self.data.source != "shapes"
+                                                      or "colour" not in self.data.shapes.omit):
+            raise field_error(ConfigError, "enhancer.warm_start.pairs", ws.pairs,
+                              "shapes prompts with their colour left out (data.source: shapes, "
+                              "data.shapes.omit: [colour])", "set data.shapes.omit: [colour] or pairs: copy")
         check_compose_pool(self)
         stack_configs(self)  # every single-family check, per stack
 

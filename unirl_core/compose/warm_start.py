@@ -1,10 +1,13 @@
 """Supervised warm start of the enhancer: teach a random-init LM to write prompts at all, before RL.
 
 Completion cross-entropy (``sft.losses.CompletionSFT``, the SFT lifecycle's loss, on its own ``TrainBackend``) on
-``prompt -> prompt`` pairs: the prompt encoded as the trainside engine encodes it, the completion the same text
-plus EOS. A short warm start leaves a policy that copies imperfectly (sampled at temperature 1 it writes
-near-copies, other captions and word salad), which is what RL then improves on: the reward is the image model's
-success on the ORIGINAL prompt, so any rewrite that renders better is reinforced, copying or not.
+``prompt -> completion`` pairs (``warm_start.pairs``): the prompt encoded as the trainside engine encodes it, the
+completion the prompt itself (``copy``) or the prompt with a colour added (``add_colour``, each of
+``warm_start.colours`` equally often) plus EOS. A short copy warm start leaves a policy that copies imperfectly
+(sampled at temperature 1 it writes near-copies, other captions and word salad), which is what RL then improves
+on: the reward is the image model's success on the ORIGINAL prompt, so any rewrite that renders better is
+reinforced, copying or not. An ``add_colour`` warm start leaves one that adds a colour it picks at random; RL has
+to find which one the reward wants.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import torch
 
 from unirl_core.compose.config import WarmStartConfig
+from unirl_core.data.shapes import with_colour
 from unirl_core.models.lm import LMBundle
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine
 from unirl_core.sft.losses import CompletionSFT
@@ -24,15 +28,23 @@ from unirl_core.types import Part, PromptRecord, Sample, SampleBatch, TokenSegme
 log = logging.getLogger(__name__)
 
 
-def copy_pairs(bundle: LMBundle, records: list[PromptRecord], engine: AREngineConfig) -> list[TokenSegment]:
-    """One supervised segment per record: engine-encoded prompt -> the prompt's tokens + EOS."""
+def warm_pairs(records: list[PromptRecord], cfg: WarmStartConfig) -> list[tuple[str, str]]:
+    """(prompt, completion) texts of the warm start: each prompt with itself (``copy``) or once with each of
+    ``cfg.colours`` added before its shape words (``add_colour``)."""
+    if cfg.pairs == "copy":
+        return [(r.prompt, r.prompt) for r in records]
+    return [(r.prompt, with_colour(r.prompt, c)) for r in records for c in cfg.colours]
+
+
+def pair_segments(bundle: LMBundle, pairs: list[tuple[str, str]], engine: AREngineConfig) -> list[TokenSegment]:
+    """One supervised segment per pair: engine-encoded prompt -> the completion's tokens + EOS."""
     encoder = TrainsideAREngine(bundle, engine)
     eos = bundle.tokenizer.eos_token_id
     out = []
-    for rec in records:
-        ids = bundle.tokenizer(rec.prompt, add_special_tokens=False)["input_ids"] + [eos]
+    for prompt, completion in pairs:
+        ids = bundle.tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
         r = len(ids)
-        out.append(TokenSegment(prompt_ids=encoder.encode_prompt(rec.prompt),
+        out.append(TokenSegment(prompt_ids=encoder.encode_prompt(prompt),
                                 response_ids=torch.tensor(ids, dtype=torch.int64),
                                 log_probs=torch.zeros(r, dtype=torch.float32),
                                 response_mask=torch.ones(r, dtype=torch.bool), finish_reason="stop"))
@@ -44,7 +56,8 @@ def warm_start_enhancer(bundle: LMBundle, records: list[PromptRecord], cfg: Warm
     """Train ``bundle`` in place for ``cfg.steps`` steps; returns the per-step losses (empty when steps is 0)."""
     if not cfg.steps:
         return []
-    segments = copy_pairs(bundle, records, engine)
+    pairs = warm_pairs(records, cfg)
+    segments = pair_segments(bundle, pairs, engine)
     backend = TrainBackend(bundle, CompletionSFT(), TrainConfig(lr=cfg.lr, micro_batch_size=cfg.batch_size,
                                                                 max_grad_norm=1.0, seed=cfg.seed))
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -55,7 +68,7 @@ def warm_start_enhancer(bundle: LMBundle, records: list[PromptRecord], cfg: Warm
             order += torch.randperm(len(segments), generator=gen).tolist()
         idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
         samples = [Sample(sample_id=f"warm{step}/{k}", group_id=f"warm{step}/{k}", parts=[Part(
-            kind="ar", sample_id=f"warm{step}/{k}", group_id=f"warm{step}/{k}", prompt=records[i].prompt,
+            kind="ar", sample_id=f"warm{step}/{k}", group_id=f"warm{step}/{k}", prompt=pairs[i][0],
             segment=segments[i])]) for k, i in enumerate(idx)]
         losses.append(backend.step(SampleBatch(samples=samples)).loss)
     log.info("enhancer warm start: %d steps, loss %.3f -> %.3f", cfg.steps, losses[0], losses[-1])

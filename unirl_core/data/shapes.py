@@ -250,6 +250,23 @@ def omit_words(text: str, omit: tuple[str, ...]) -> str:
     return " ".join(w for w in text.split() if w not in drop)
 
 
+_SHAPE_WORDS = frozenset(SHAPES) | frozenset(f"{s}s" for s in SHAPES)
+_SHAPE_RE = re.compile(r"\b(?:" + "|".join(sorted(_SHAPE_WORDS, key=len, reverse=True)) + r")\b")
+
+
+def with_colour(text: str, colour: str) -> str:
+    """``text`` with ``colour`` before every shape word ("two circles", blue: "two blue circles"): the inverse of
+    ``omit_words(..., ("colour",))`` for a one-colour caption. Refuses a text that names no shape or already
+    names a colour."""
+    if colour not in PALETTE:
+        raise field_error(ConfigError, "colour", colour, f"a name from {sorted(PALETTE)}", "e.g. blue")
+    words = re.findall(r"[a-z]+", text)
+    if not any(w in _SHAPE_WORDS for w in words) or any(w in PALETTE for w in words):
+        raise field_error(CaptionError, "text", text, "a shapes prompt that names a shape and no colour",
+                          "give a caption with its colour left out (data.shapes.omit: [colour]), e.g. 'two circles'")
+    return _SHAPE_RE.sub(lambda m: f"{colour} {m.group(0)}", text)
+
+
 def _uniform(rng: random.Random | np.random.Generator, lo: float, hi: float) -> float:
     return float(rng.uniform(lo, hi))
 

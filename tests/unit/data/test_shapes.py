@@ -178,3 +178,19 @@ def test_omit_colour_prompts_leave_the_colour_out_and_keep_the_caption_as_target
         from_dict(DataConfig, {"source": "shapes", "shapes": {"omit": ["size"]}})
     with pytest.raises(ConfigError, match="shapes.omit"):
         ShapesPromptsConfig(omit=("colour", "colour"))
+
+
+def test_with_colour_puts_back_the_colour_omit_left_out():
+    from unirl_core.data.shapes import CaptionError, ShapesPromptsConfig, omit_words, with_colour
+
+    world = ShapesWorldConfig(max_groups=3, colors=("blue",))
+    for r in shapes_prompts(ShapesPromptsConfig(num_prompts=30, seed=4, world=world, omit=("colour",))):
+        assert with_colour(r.prompt, "blue") == r.targets["caption"]
+        assert omit_words(with_colour(r.prompt, "red"), ("colour",)) == r.prompt
+    assert with_colour("two circles left of a square", "green") == "two green circles left of a green square"
+    with pytest.raises(CaptionError, match="text='two red circles'"):
+        with_colour("two red circles", "blue")
+    with pytest.raises(CaptionError, match="names a shape"):
+        with_colour("two", "blue")
+    with pytest.raises(ConfigError, match="colour='teal'"):
+        with_colour("two circles", "teal")

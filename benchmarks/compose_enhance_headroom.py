@@ -55,8 +55,9 @@ def forms(caption: str, colours: frozenset[str]) -> dict[str, str]:
         rng.shuffle(shuffled)
         if shuffled != words:
             break
-    present = [w for w in words if w in colours]
-    other = next((c for c in ("red", "green", "blue", "yellow") if c not in present), None)
+    from unirl_core.data.shapes import DEFAULT_COLORS
+
+    other = next((c for c in DEFAULT_COLORS if c not in words), None)
     return {"caption": caption, "reversed": " ".join(reversed(words)), "shuffled": " ".join(shuffled),
             "no colour": " ".join(w for w in words if w not in colours),
             "other colour": " ".join(other if w in colours else w for w in words),

@@ -94,16 +94,13 @@ class WarmStartConfig:
     """The colours ``add_colour`` draws from (names of the shapes palette)."""
 
     def __post_init__(self) -> None:
-        from unirl_core.data.shapes import PALETTE
+        from unirl_core.data.shapes import check_colours
 
         object.__setattr__(self, "colours", tuple(self.colours))
         if self.pairs not in ("copy", "add_colour"):
             raise field_error(ConfigError, "enhancer.warm_start.pairs", self.pairs, "'copy' or 'add_colour'",
                               "copy teaches the enhancer to repeat its prompt; add_colour to add a colour word")
-        bad = [c for c in self.colours if c not in PALETTE]
-        if not self.colours or bad or len(set(self.colours)) != len(self.colours):
-            raise field_error(ConfigError, "enhancer.warm_start.colours", list(self.colours),
-                              f"distinct names from {sorted(PALETTE)}", "e.g. [red, green, blue, yellow]")
+        check_colours("enhancer.warm_start.colours", self.colours)
         for name in ("steps", "batch_size"):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= (0 if name == "steps" else 1)):

@@ -169,6 +169,14 @@ def parse_caption(text: str) -> ShapesPrompt:
         raise CaptionError(f"caption={text!r}: {e}") from e
 
 
+def check_colours(name: str, colours: tuple[str, ...]) -> None:
+    """Refuse, naming the field ``name``, colours that are not distinct names of the palette (or none)."""
+    bad = [c for c in colours if c not in PALETTE]
+    if not colours or bad or len(set(colours)) != len(colours):
+        raise field_error(ConfigError, name, list(colours), f"distinct names from {sorted(PALETTE)}",
+                          "e.g. [red, green, blue, yellow]")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShapesWorldConfig:
     """What the world draws: image size, colours, shapes, prompt complexity, object sizes."""
@@ -195,10 +203,7 @@ class ShapesWorldConfig:
         object.__setattr__(self, "shapes", tuple(self.shapes))
         if not (isinstance(self.size, int) and 16 <= self.size <= 1024):
             raise field_error(ConfigError, "shapes.size", self.size, "an integer in [16, 1024]", "use 32 or 64")
-        bad = [c for c in self.colors if c not in PALETTE]
-        if not self.colors or bad or len(set(self.colors)) != len(self.colors):
-            raise field_error(ConfigError, "shapes.colors", self.colors, f"distinct names from {sorted(PALETTE)}",
-                              "e.g. [red, green, blue, yellow]")
+        check_colours("shapes.colors", self.colors)
         if not self.shapes or any(s not in SHAPES for s in self.shapes) or len(set(self.shapes)) != len(self.shapes):
             raise field_error(ConfigError, "shapes.shapes", self.shapes, f"distinct names from {SHAPES}",
                               "e.g. [circle, square, triangle]")

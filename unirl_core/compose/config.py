@@ -10,12 +10,14 @@ with errors re-labelled under the stack's section (``enhancer.train.micro_batch_
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from unirl_core.advantage.config import AdvantageConfig
+from unirl_core.checkpoint.ref import step_dirname
 from unirl_core.compose.eval_config import ComposeEvalConfig
 from unirl_core.config.loader import from_dict
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
@@ -29,6 +31,8 @@ ImageGroups = Literal["enhancement", "prompt"]
 ImageNoise = Literal["independent", "paired"]
 WarmStartPairs = Literal["copy", "add_colour"]
 STACKS: tuple[str, ...] = ("enhancer", "image")
+ENHANCER_REFERENCE = "enhancer-reference"
+"""Run (store) name, under the compose run's root, of the warm-started enhancer's weights: the KL reference."""
 COMPOSE_RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
 
 
@@ -190,10 +194,13 @@ class ComposeRunConfig:
         if self.report.wandb is not None:
             raise field_error(ConfigError, "report.wandb", "set", "unset in a compose run",
                               "W&B is not wired for compose runs yet; TensorBoard scalars are written")
-        if self.enhancer.warm_start.steps and (getattr(self.enhancer.lm.algorithm, "beta", 0.0) or 0.0) > 0:
+        if _warm_reference(self) and (self.enhancer.lm.model.finetune != "full"
+                                      or not self.enhancer.lm.model.keep_reference):
             raise field_error(ConfigError, "enhancer.lm.algorithm.beta", self.enhancer.lm.algorithm.beta,
-                              "0 with enhancer.warm_start.steps > 0",
-                              "the KL reference would be the model before the warm start; set beta: 0")
+                              "0 unless enhancer.lm.model has finetune: full and keep_reference: true",
+                              "the KL reference is the warm-started enhancer, a frozen copy only a full fine-tune "
+                              "keeps (a LoRA reference is the base model before the warm start); set beta: 0 or "
+                              "train the enhancer full with keep_reference: true")
         ws = self.enhancer.warm_start
         if ws.steps and ws.pairs == "add_colour" and (self.data.source != "shapes"
                                                       or "colour" not in self.data.shapes.omit):
@@ -239,7 +246,21 @@ def check_compose_pool(cfg: ComposeRunConfig) -> None:
                               f"{why}; or run it with pool.execution='pods'")
 
 
+def _warm_reference(cfg: ComposeRunConfig) -> bool:
+    """True when the enhancer has a KL term to its warm-started self (warm start and beta > 0)."""
+    return bool(cfg.enhancer.warm_start.steps) and (getattr(cfg.enhancer.lm.algorithm, "beta", 0.0) or 0.0) > 0
+
+
+def enhancer_reference_uri(cfg: ComposeRunConfig) -> str:
+    """The version holding the warm-started enhancer's weights (written with its step-0 version)."""
+    return posixpath.join(cfg.run_root, ENHANCER_REFERENCE, step_dirname(0))
+
+
 def _stack(cfg: ComposeRunConfig, stack: str, **section) -> RunConfig:
+    if stack == "enhancer" and _warm_reference(cfg):  # KL to the warm-started enhancer, not the random init
+        lm = section["lm"]
+        section["lm"] = dataclasses.replace(lm, model=dataclasses.replace(lm.model,
+                                                                          reference=enhancer_reference_uri(cfg)))
     group = (cfg.grouping.enhancements_per_prompt if stack == "enhancer" else cfg.grouping.images_per_prompt)
     try:
         return RunConfig(name=stack, data=dataclasses.replace(cfg.data, samples_per_prompt=group),

@@ -15,8 +15,8 @@ import json
 import logging
 import time
 
-from unirl_core.checkpoint import CheckpointRef, restore_train_checkpoint, save_train_checkpoint
-from unirl_core.compose.config import STACKS, ComposeRunConfig, stack_configs
+from unirl_core.checkpoint import CheckpointRef, CheckpointStore, restore_train_checkpoint, save_train_checkpoint
+from unirl_core.compose.config import ENHANCER_REFERENCE, STACKS, ComposeRunConfig, stack_configs
 from unirl_core.compose.credit import assign_compose_advantages, enhancer_batch, image_batch, propagate_rewards
 from unirl_core.compose.engine import compose_rollout
 from unirl_core.compose.warm_start import warm_start_enhancer
@@ -59,9 +59,14 @@ def init_stacks(cfg: ComposeRunConfig, *, resume_from: str = "latest") -> Refs:
 
 
 def _fresh_enhancer(cfg: ComposeRunConfig, sub: RunConfig) -> CheckpointRef:
+    """Warm-start the enhancer and write its step-0 version, after the same weights as the run's KL reference
+    (``compose.config.enhancer_reference_uri``: outside the stack's store, so retention never removes it)."""
     bundle = build.fresh_bundle(sub)
     warm_start_enhancer(bundle, build.dataset(sub).records, cfg.enhancer.warm_start, sub.lm.engine)
     backend = TrainBackend(bundle, build.algorithm(sub), sub.train)
+    reference = CheckpointStore(cfg.run_root, ENHANCER_REFERENCE, storage_options=sub.checkpoint.storage_options)
+    reference.save(0, weights=backend.model_state_dict(), policy_version=0, config=to_dict(sub), publish=True,
+                   overwrite=True)  # a stop before the step-0 version below writes both again
     return save_train_checkpoint(build.store(sub), backend, config=to_dict(sub), extra={}, publish=True)
 
 
@@ -166,7 +171,7 @@ def _trainer(name: str, sub: RunConfig) -> TrainBackend:
                      default=str)
     held = _TRAINERS.get(name)
     if held is None or held[0] != key:
-        _TRAINERS[name] = (key, TrainBackend(build.fresh_bundle(sub), build.algorithm(sub), sub.train))
+        _TRAINERS[name] = (key, TrainBackend(build.train_bundle(sub), build.algorithm(sub), sub.train))
     return _TRAINERS[name][1]
 
 

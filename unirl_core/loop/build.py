@@ -80,8 +80,26 @@ def trainer(cfg: RunConfig) -> TrainBackend:
         if _TRAINERS:
             _TRAINERS.clear()  # one trainer per process: a model copy plus optimizer state each
             gc.collect()  # the old one sits in reference cycles: free its device memory before building the new
-        _TRAINERS[key] = TrainBackend(fresh_bundle(cfg), algorithm(cfg), cfg.train)
+        _TRAINERS[key] = TrainBackend(train_bundle(cfg), algorithm(cfg), cfg.train)
     return _TRAINERS[key]
+
+
+def train_bundle(cfg: RunConfig):
+    """A fresh bundle for a trainer: the initial weights, and (``lm.reference`` set) the KL reference loaded from
+    that checkpoint version instead of kept from the initial weights."""
+    policy = fresh_bundle(cfg)
+    uri = getattr(cfg.section.model, "reference", None)
+    if uri is not None:
+        where = f"lm.reference={uri!r}"
+        ref = CheckpointRef(uri=uri, run=posixpath.basename(posixpath.dirname(uri.rstrip("/"))), step=0,
+                            policy_version=0)  # load_weights reads the folder's manifest; only the URI counts
+        try:
+            weights = load_weights(ref, storage_options=cfg.checkpoint.storage_options)
+        except CheckpointError as e:
+            raise field_error(CheckpointError, "lm.reference", uri, "a complete checkpoint version",
+                              f"write it first (a compose run writes its enhancer's at init), or unset it: {e}") from e
+        policy.load_reference_weights(weights, where=where)
+    return policy
 
 
 def algorithm(cfg: RunConfig):

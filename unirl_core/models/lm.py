@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from unirl_core.errors import ConfigError, InvariantError, field_error
+from unirl_core.errors import CheckpointError, ConfigError, InvariantError, field_error
 from unirl_core.models.lora import apply_lora, has_lora, lora_disabled
 from unirl_core.models.precision import compute_context, module_dtype
 from unirl_core.types import TokenSegment
@@ -96,6 +96,10 @@ class LMConfig:
     """Module names LoRA wraps."""
     keep_reference: bool = True
     """Full fine-tune only: keep a frozen copy of the initial weights for the KL term (doubles weight memory)."""
+    reference: str | None = None
+    """Full fine-tune with ``keep_reference``: a checkpoint version (its URI) whose weights the trainer loads into
+    the frozen KL reference instead of the initial weights (``loop.build.train_bundle``). A compose run sets it to
+    the warm-started enhancer, so the KL term pulls toward the policy RL started from, not the random init."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel; engine and trainer use the same module, hence the same kernel."""
     seed: int = 0
@@ -125,6 +129,11 @@ class LMConfig:
                               f"use {DEFAULT_LOGPROB_CHUNK_TOKENS} (lower it if the replay runs out of memory)")
         if self.finetune not in ("lora", "full"):
             raise field_error(ConfigError, "lm.finetune", self.finetune, "'lora' or 'full'", "pick a mode")
+        if self.reference is not None and (self.finetune != "full" or not self.keep_reference):
+            raise field_error(ConfigError, "lm.reference", self.reference,
+                              "unset unless finetune: full and keep_reference: true",
+                              "a LoRA reference is the base model with adapters off; train full with a kept "
+                              "reference, or unset lm.reference")
         object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
 
 
@@ -204,6 +213,21 @@ class LMBundle:
             yield
         finally:
             self._in_reference = False
+
+    def load_reference_weights(self, weights: dict[str, Tensor], *, where: str) -> None:
+        """Copy ``weights`` (every parameter of the model, e.g. a full fine-tune's checkpoint weights) into the
+        frozen KL reference, rounded to its dtype; ``where`` names their source in errors."""
+        if self._reference is None:
+            raise field_error(ConfigError, "lm.reference", where, "a full fine-tune with keep_reference: true",
+                              "a LoRA reference is the base model with adapters off; set finetune: full and "
+                              "keep_reference: true, or unset lm.reference")
+        result = self._reference.load_state_dict(weights, strict=False)
+        names = {n for n, _ in self._reference.named_parameters()}
+        missing = sorted(names - set(weights))
+        if result.unexpected_keys or missing:
+            raise field_error(CheckpointError, f"{where}: weights", (result.unexpected_keys or missing)[:5],
+                              "a tensor for every parameter of this model and nothing else",
+                              "point lm.reference at a full fine-tune's version of the same model")
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write model + tokenizer loadable by ``AutoModelForCausalLM/AutoTokenizer.from_pretrained``.

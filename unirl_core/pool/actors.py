@@ -254,7 +254,7 @@ class TrainerActor(_Actor):
         if dist.is_initialized():
             raise field_error(ConfigError, "pool.trainer_ranks", world, "a fresh actor per rank",
                               f"{self.name} already joined a trainer group; the driver re-creates the group")
-        policy = build.fresh_bundle(self.cfg)
+        policy = build.train_bundle(self.cfg)
         device = _device(policy.module)
         timeout = timedelta(seconds=self.cfg.pool.sync_timeout_s)
         store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=True)

@@ -181,9 +181,9 @@ def main() -> None:
     pin_threads(1)
     with tempfile.TemporaryDirectory() as root:
         res = {**measure(args.recipe, args.seeds, root, args.overrides), "environment": environment()}
-    out = Path(args.results) / f"compose_enhance_climb_{args.name}"
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
-    out.with_suffix(".md").write_text(markdown(res))
+    out = Path(args.results) / f"compose_enhance_climb_{args.name}"  # a name may hold dots (beta0.1): no with_suffix
+    Path(f"{out}.json").write_text(json.dumps(res, indent=1, default=str))
+    Path(f"{out}.md").write_text(markdown(res))
     print(markdown(res))
     print(json.dumps(res["summary"], indent=1))
 

@@ -138,12 +138,47 @@ def summary(runs: list[dict]) -> dict:
             "eval_last_minus_copy": stat([r["evals"][max(r["evals"])]["eval/enhancement_gain"] for r in runs])}
 
 
-def measure(recipe: str, seeds: list[int], root: str, overrides: list[str] = (), progress: bool = True) -> dict:
-    """Every seed one after another under ``root``: the runs and their summary."""
+def seed_to_file(recipe: str, seed: int, root: str, overrides: list[str], out: str) -> None:
+    """``run_seed`` in a subprocess of ``measure(jobs=...)``: its record as JSON in ``out``."""
+    pin_threads(1)
+    Path(out).write_text(json.dumps(run_seed(recipe, seed, root, overrides, progress=False), default=str))
+
+
+def _seeds_side_by_side(recipe: str, seeds: list[int], root: str, overrides: list[str], jobs: int,
+                        timeout: float) -> list[dict]:
+    """``run_seed`` of every seed, each in its own single-threaded subprocess, ``jobs`` at a time."""
+    import subprocess
+
+    from benchmarks.first_run_climb import single_thread_env
+
     runs = []
-    for seed in seeds:
-        runs.append(run_seed(recipe, seed, root, list(overrides), progress))
-        r = runs[-1]
+    for i in range(0, len(seeds), jobs):
+        procs = []
+        for seed in seeds[i:i + jobs]:
+            out = f"{root}/seed{seed}.json"
+            code = (f"from benchmarks.compose_enhance_climb import seed_to_file; "
+                    f"seed_to_file({recipe!r}, {seed}, {root!r}, {list(overrides)!r}, {out!r})")
+            procs.append((seed, out, subprocess.Popen([sys.executable, "-c", code], env=single_thread_env(), cwd=REPO,
+                                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        for seed, out, p in procs:
+            log, _ = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"seed {seed} of {recipe} failed (exit {p.returncode}):\n{log[-4000:]}")
+            r = json.loads(Path(out).read_text())
+            r["evals"] = {int(k): v for k, v in r["evals"].items()}  # JSON made the steps strings
+            runs.append(r)
+    return runs
+
+
+def measure(recipe: str, seeds: list[int], root: str, overrides: list[str] = (), progress: bool = True, *,
+            jobs: int = 1, timeout: float = 7200) -> dict:
+    """Every seed under ``root`` (``jobs`` > 1: that many side by side, each a single-threaded subprocess; 1: one
+    after another in this process): the runs and their summary."""
+    if jobs > 1:
+        runs = _seeds_side_by_side(recipe, list(seeds), root, list(overrides), jobs, timeout)
+    else:
+        runs = [run_seed(recipe, seed, root, list(overrides), progress) for seed in seeds]
+    for seed, r in zip(seeds, runs):
         print(f"seed {seed}: {r['climb']['summary']}; misses: {r['climb']['failures'] or 'none'}; eval "
               f"{ {k: round(v['eval/reward/mean'], 3) for k, v in r['evals'].items()} }", flush=True)
     return {"recipe": recipe, "overrides": list(overrides), "seeds": list(seeds), "runs": runs,
@@ -177,10 +212,11 @@ def main() -> None:
     ap.add_argument("--overrides", nargs="*", default=[])
     ap.add_argument("--name", default="recipe", help="results file suffix")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--jobs", type=int, default=1, help="seeds side by side, each a single-threaded subprocess")
     args = ap.parse_args()
     pin_threads(1)
     with tempfile.TemporaryDirectory() as root:
-        res = {**measure(args.recipe, args.seeds, root, args.overrides), "environment": environment()}
+        res = {**measure(args.recipe, args.seeds, root, args.overrides, jobs=args.jobs), "environment": environment()}
     out = Path(args.results) / f"compose_enhance_climb_{args.name}"  # a name may hold dots (beta0.1): no with_suffix
     Path(f"{out}.json").write_text(json.dumps(res, indent=1, default=str))
     Path(f"{out}.md").write_text(markdown(res))

@@ -235,6 +235,12 @@ class ShapesPromptsConfig:
     before the prompt): what the user did not say, the reward still wants (prompt enhancement: an enhancer can
     add it back; ``shapes-enhance-colour``)."""
 
+    distinct: bool = False
+    """Every caption at most once: the set is the first ``num_prompts`` distinct captions of the seeded draw
+    (prompt i depends only on the seed and the draws before it), so a step that samples every prompt weighs each
+    caption once instead of by how often the draw repeats it (a one-colour world with one group has only 9
+    captions). Refused, naming ``shapes.num_prompts``, when the world has fewer distinct captions."""
+
     def __post_init__(self) -> None:
         if not (isinstance(self.num_prompts, int) and self.num_prompts >= 1):
             raise field_error(ConfigError, "shapes.num_prompts", self.num_prompts, "an integer >= 1", "use e.g. 256")
@@ -436,11 +442,28 @@ def prompt_list(n: int, *, seed: int, config: ShapesWorldConfig | None = None) -
     return [caption(_prompt_of(_item_rng(seed, i), cfg)) for i in range(n)]
 
 
+_DISTINCT_DRAWS = 200
+"""Draws per wanted caption before ``distinct`` concludes the world has too few."""
+
+
+def _distinct_captions(cfg: ShapesPromptsConfig) -> list[str]:
+    out: dict[str, None] = {}
+    for i in range(_DISTINCT_DRAWS * cfg.num_prompts):
+        out.setdefault(caption(_prompt_of(_item_rng(cfg.seed, i), cfg.world)))
+        if len(out) == cfg.num_prompts:
+            return list(out)
+    raise field_error(ConfigError, "shapes.num_prompts", cfg.num_prompts,
+                      f"at most the world's distinct captions with shapes.distinct ({len(out)} found in "
+                      f"{_DISTINCT_DRAWS * cfg.num_prompts} draws)", f"set num_prompts <= {len(out)}, widen "
+                      "shapes.world, or set distinct: false")
+
+
 def shapes_prompts(cfg: ShapesPromptsConfig | None = None) -> list[PromptRecord]:
     """RL prompt records ``shapes-00000``... (no targets: the shapes scorers parse the prompt text; with
     ``cfg.omit`` the prompt leaves words out and ``targets['caption']`` holds the full caption)."""
     cfg = cfg or ShapesPromptsConfig()
-    texts = prompt_list(cfg.num_prompts, seed=cfg.seed, config=cfg.world)
+    texts = (_distinct_captions(cfg) if cfg.distinct
+             else prompt_list(cfg.num_prompts, seed=cfg.seed, config=cfg.world))
     if not cfg.omit:
         return [PromptRecord(prompt_id=f"shapes-{i:05d}", prompt=t) for i, t in enumerate(texts)]
     return [PromptRecord(prompt_id=f"shapes-{i:05d}", prompt=omit_words(t, cfg.omit), targets={"caption": t})

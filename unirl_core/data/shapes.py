@@ -439,7 +439,11 @@ def make_dataset(n: int, *, seed: int, size: int | None = None,
 def prompt_list(n: int, *, seed: int, config: ShapesWorldConfig | None = None) -> list[str]:
     """The captions of ``make_dataset(n, seed=seed, config=config)`` without rendering."""
     cfg = config or ShapesWorldConfig()
-    return [caption(_prompt_of(_item_rng(seed, i), cfg)) for i in range(n)]
+    return [_caption_at(seed, i, cfg) for i in range(n)]
+
+
+def _caption_at(seed: int, i: int, world: ShapesWorldConfig) -> str:
+    return caption(_prompt_of(_item_rng(seed, i), world))
 
 
 _DISTINCT_DRAWS = 200
@@ -449,7 +453,7 @@ _DISTINCT_DRAWS = 200
 def _distinct_captions(cfg: ShapesPromptsConfig) -> list[str]:
     out: dict[str, None] = {}
     for i in range(_DISTINCT_DRAWS * cfg.num_prompts):
-        out.setdefault(caption(_prompt_of(_item_rng(cfg.seed, i), cfg.world)))
+        out.setdefault(_caption_at(cfg.seed, i, cfg.world))
         if len(out) == cfg.num_prompts:
             return list(out)
     raise field_error(ConfigError, "shapes.num_prompts", cfg.num_prompts,

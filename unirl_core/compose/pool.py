@@ -141,8 +141,9 @@ def rollout_phase(cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[Samp
 
 
 def reward_phase(cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
-    """Score the images of the projection on the reward actor."""
-    return get_pool(cfg).call(REWARD, "score", batch, what=f"reward of {len(batch)} images")
+    """Score the images of the projection on the reward actor (the scores come back, not the images)."""
+    scores, metrics = get_pool(cfg).call(REWARD, "score", batch, what=f"reward of {len(batch)} images")
+    return actors.apply_scores(batch, scores), metrics
 
 
 def _rows_ref(pool: ComposePool, refs: Refs, step: int, stack: str) -> tuple[list, float]:

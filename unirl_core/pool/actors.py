@@ -36,7 +36,7 @@ from unirl_core.checkpoint.store import (
 from unirl_core.checkpoint.writer import VersionWriter
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
-from unirl_core.errors import CheckpointError, ConfigError, field_error
+from unirl_core.errors import CheckpointError, ConfigError, RewardError, field_error
 from unirl_core.loop import build, phases
 from unirl_core.pool import transport
 from unirl_core.pool.config import Emit
@@ -467,6 +467,30 @@ class RewardActor(_Actor):
         super().__init__(cfg, name, threads)
         self.service = build.reward_service(cfg)
 
-    def score(self, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
+    def score(self, batch: SampleBatch) -> tuple[list[Scores], dict[str, float]]:
+        """Score ``batch``; only what scoring wrote travels back (``apply_scores`` puts it on the caller's copy),
+        not the batch: its media would make a second trip for nothing."""
         scored, stats = self.service.score_with_stats(batch)
-        return scored, stats.as_metrics()
+        return scores_of(scored), stats.as_metrics()
+
+
+# what RewardActor.score returns per generated part: sample id, per-component rewards, total reward, valid
+Scores = tuple[str, dict[str, float], float | None, bool]
+
+
+def scores_of(batch: SampleBatch) -> list[Scores]:
+    """What scoring wrote on each generated part of ``batch``."""
+    return [(p.sample_id, dict(p.rewards), p.reward, p.valid) for p in batch.generated]
+
+
+def apply_scores(batch: SampleBatch, scores: list[Scores]) -> SampleBatch:
+    """Write the reward actor's ``scores`` onto ``batch`` (the batch it scored), in place, as the in-process
+    RewardService does; returns ``batch``."""
+    parts = batch.generated
+    ids = [p.sample_id for p in parts]
+    if [s[0] for s in scores] != ids:
+        raise RewardError(f"the reward actor scored samples {[s[0] for s in scores][:3]}... ({len(scores)}) but the "
+                          f"batch holds {ids[:3]}... ({len(ids)}): the scores belong to another batch")
+    for part, (_, rewards, reward, valid) in zip(parts, scores):
+        part.rewards, part.reward, part.valid = rewards, reward, valid
+    return batch

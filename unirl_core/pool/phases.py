@@ -16,7 +16,7 @@ from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, PoolActorDied, field_error
 from unirl_core.loop import build
-from unirl_core.pool import group
+from unirl_core.pool import actors, group
 from unirl_core.pool.cluster import REWARD, Pool, engine_name
 from unirl_core.pool.shared import SHARED
 from unirl_core.types import SampleBatch
@@ -62,8 +62,9 @@ def submit_rollout(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int
 
 
 def reward_phase(cfg: RunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
-    """Score the projection on the reward actor."""
-    return Pool.get(cfg).call(REWARD, "score", batch, what=f"reward of {len(batch)} samples")
+    """Score the projection on the reward actor (the scores come back, not the batch)."""
+    scores, metrics = Pool.get(cfg).call(REWARD, "score", batch, what=f"reward of {len(batch)} samples")
+    return actors.apply_scores(batch, scores), metrics
 
 
 def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step: int,

@@ -9,15 +9,8 @@ import pytest
 from unirl_core.errors import RewardError
 from unirl_core.pool.actors import apply_scores, scores_of
 from unirl_core.reward import RewardConfig, RewardService
-from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch
-
-
-def _batch(texts: list[str]) -> SampleBatch:
-    batch = SampleBatch.from_prompts([PromptRecord(prompt_id="p", prompt="q")], samples_per_prompt=len(texts),
-                                     kind="ar", sampling=ARSamplingParams())
-    for s, t in zip(batch, texts):
-        s.generated.text = t
-    return batch
+from tests.unit.reward.conftest import text_batch
+from unirl_core.types import SampleBatch
 
 
 def _service() -> RewardService:
@@ -37,9 +30,9 @@ def _written(batch: SampleBatch) -> list[tuple]:
 
 def test_applied_scores_equal_in_process_scoring():
     texts = ["ab", "nan", "abcd"]
-    in_process = _service().score(_batch(texts))
-    remote_side = _service().score(_batch(texts))  # what the actor scored: its own decoded copy
-    caller = _batch(texts)
+    in_process = _service().score(text_batch(texts))
+    remote_side = _service().score(text_batch(texts))  # what the actor scored: its own decoded copy
+    caller = text_batch(texts)
     assert apply_scores(caller, scores_of(remote_side)) is caller
     assert _written(caller) == _written(in_process)
     assert [p.valid for p in caller.generated] == [True, False, True] and caller.generated[1].reward is None
@@ -47,11 +40,11 @@ def test_applied_scores_equal_in_process_scoring():
 
 
 def test_scores_of_another_batch_are_refused_and_nothing_is_written():
-    scores = scores_of(_service().score(_batch(["ab", "cd"])))
-    other = _batch(["ab", "cd"])
+    scores = scores_of(_service().score(text_batch(["ab", "cd"])))
+    other = text_batch(["ab", "cd"])
     other.samples[1].generated.sample_id = "elsewhere"
     with pytest.raises(RewardError, match="belong to another batch"):
         apply_scores(other, scores)
     with pytest.raises(RewardError, match="belong to another batch"):
-        apply_scores(_batch(["ab", "cd", "ef"]), scores)
+        apply_scores(text_batch(["ab", "cd", "ef"]), scores)
     assert all(p.reward is None and p.rewards == {} for p in other.generated)

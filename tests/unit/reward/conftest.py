@@ -3,6 +3,17 @@
 import pytest
 import torch
 
+from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch
+
+
+def text_batch(texts: list[str]) -> SampleBatch:
+    """One prompt with one AR sample per text, each sample's generated text set."""
+    batch = SampleBatch.from_prompts([PromptRecord(prompt_id="p", prompt="q")], samples_per_prompt=len(texts),
+                                     kind="ar", sampling=ARSamplingParams())
+    for s, t in zip(batch, texts):
+        s.generated.text = t
+    return batch
+
 
 def _byte_chars() -> list[str]:
     # The printable-byte-to-unicode table of byte-level BPE, so every byte has a token.

@@ -6,15 +6,7 @@ import pytest
 
 from unirl_core.errors import ConfigError, RewardError
 from unirl_core.reward import RewardComponent, RewardConfig, RewardService, run_scorer
-from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch
-
-
-def _batch(texts: list[str]) -> SampleBatch:
-    batch = SampleBatch.from_prompts([PromptRecord(prompt_id="p", prompt="q")], samples_per_prompt=len(texts),
-                                     kind="ar", sampling=ARSamplingParams())
-    for s, t in zip(batch, texts):
-        s.generated.text = t
-    return batch
+from tests.unit.reward.conftest import text_batch
 
 
 class Length:
@@ -44,7 +36,7 @@ def _service(policy="fail", batch_size=32):
 
 
 def test_weighted_total_and_components():
-    batch = _batch(["ab", "abcd"])
+    batch = text_batch(["ab", "abcd"])
     out, stats = _service().score_with_stats(batch)
     assert out is batch
     g = [s.generated for s in batch]
@@ -56,26 +48,26 @@ def test_weighted_total_and_components():
 
 def test_chunks_follow_batch_size():
     svc = _service(batch_size=2)
-    svc.score(_batch(["a", "b", "c", "d", "e"]))
+    svc.score(text_batch(["a", "b", "c", "d", "e"]))
     assert svc._scorers["length"].calls == [2, 2, 1]
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 def test_fail_policy_raises_on_non_finite(bad):
     with pytest.raises(RewardError, match=rf"'picky' failed on 1/3 samples \(p/1: {bad}\)") as e:
-        _service("fail").score(_batch(["ok", bad, "ok"]))
+        _service("fail").score(text_batch(["ok", bad, "ok"]))
     assert "mark_invalid" in str(e.value)
 
 
 def test_fail_policy_raises_on_exception_for_the_whole_batch():
     # Without isolation a raising call fails all its items; the cause travels in the message.
     with pytest.raises(RewardError, match=r"'picky' failed on 3/3 samples \(p/0: ValueError: boom in batch"):
-        _service("fail").score(_batch(["ok", "boom", "ok"]))
+        _service("fail").score(text_batch(["ok", "boom", "ok"]))
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf", "boom"])
 def test_mark_invalid_excludes_only_the_bad_sample(bad):
-    batch = _batch(["ok", bad, "fine"])
+    batch = text_batch(["ok", bad, "fine"])
     _, stats = _service("mark_invalid").score_with_stats(batch)
     g = [s.generated for s in batch]
     assert [p.valid for p in g] == [True, False, True]
@@ -86,7 +78,7 @@ def test_mark_invalid_excludes_only_the_bad_sample(bad):
 
 
 def test_rescoring_restores_validity():
-    batch = _batch(["nan"])
+    batch = text_batch(["nan"])
     _service("mark_invalid").score(batch)
     batch.samples[0].generated.text = "ok"
     _service("mark_invalid").score(batch)
@@ -118,6 +110,6 @@ def test_config_validation():
 
 def test_unknown_component_and_bad_kwargs():
     with pytest.raises(ConfigError, match="one of"):
-        RewardService(RewardConfig(components=[("no_such_scorer", 1.0, {})])).score(_batch(["a"]))
+        RewardService(RewardConfig(components=[("no_such_scorer", 1.0, {})])).score(text_batch(["a"]))
     with pytest.raises(ConfigError, match="kwargs"):
-        RewardService(RewardConfig(components=[("format", 1.0, {"colour": "red"})])).score(_batch(["a"]))
+        RewardService(RewardConfig(components=[("format", 1.0, {"colour": "red"})])).score(text_batch(["a"]))

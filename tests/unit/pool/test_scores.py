@@ -7,6 +7,7 @@ import math
 import pytest
 
 from unirl_core.errors import RewardError
+from unirl_core.io.arrow import batch_to_table
 from unirl_core.pool.actors import apply_scores, scores_of
 from unirl_core.reward import RewardConfig, RewardService
 from tests.unit.reward.conftest import text_batch
@@ -35,6 +36,7 @@ def test_applied_scores_equal_in_process_scoring():
     caller = text_batch(texts)
     assert apply_scores(caller, scores_of(remote_side)) is caller
     assert _written(caller) == _written(in_process)
+    assert batch_to_table(caller).equals(batch_to_table(in_process))  # nothing else differs either
     assert [p.valid for p in caller.generated] == [True, False, True] and caller.generated[1].reward is None
     assert caller.generated[0].rewards == {"length": 2.0, "picky": 1.0} and caller.generated[0].reward == 3.0
 

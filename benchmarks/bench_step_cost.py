@@ -278,9 +278,10 @@ def run_preset(name: str, args) -> None:
         check = _same_result(pods_rounds[-1]["metrics"], warm_info["metrics"])
         version_bytes = warm_info["version_bytes"]
         arrow = pods_rounds[-1]["arrow_bytes"]
-    finally:
+    except BaseException:
         if not args.keep:
             shutil.rmtree(state, ignore_errors=True)
+        raise
     rows = []
     fmt = lambda x: f"{x:.3f}" if x < 10 else f"{x:.1f}"
     for ph in PHASES:
@@ -359,6 +360,8 @@ def run_preset(name: str, args) -> None:
     report(f"bench_step_cost_{name}_{device.split(':')[0]}{suffix}",
            f"Step cost by component: fresh process per phase (pods) vs warm in-process loop ({name}, {device})",
            header, rows, data, notes)
+    if not args.keep:  # after the report: deleting a full fine-tune's state takes a while
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def main() -> None:

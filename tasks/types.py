@@ -22,6 +22,7 @@ from flytekit.models.core.types import BlobType
 from flytekit.models.literals import Blob, BlobMetadata, Literal, Scalar
 from flytekit.models.types import LiteralType
 
+from unirl_core.errors import SchemaError, field_error
 from unirl_core.io import read_batch, write_batch
 from unirl_core.report.preview import batch_preview_html
 from unirl_core.types import SampleBatch
@@ -71,6 +72,12 @@ class SampleBatchTransformer(TypeTransformer[SampleBatch]):
             ctx.file_access.get_data(uri, local)
         else:  # local raw store: map the file in place, no copy
             local = uri.removeprefix("file://")
+            if not Path(local).is_file():
+                # flytekit's local task cache (~/.flyte/local-cache) outlives its sandbox under the temp dir
+                raise field_error(SchemaError, "SampleBatch literal uri", uri, "an Arrow IPC file that exists",
+                                  "a cached task output names a file of flytekit's local sandbox that was removed "
+                                  "(a wiped temp dir, e.g. after a reboot): run `pyflyte local-cache clear`, or "
+                                  "`pyflyte run --overwrite-cache ...`, and run again")
         return read_batch(local)
 
     def guess_python_type(self, literal_type: LiteralType) -> type[SampleBatch]:

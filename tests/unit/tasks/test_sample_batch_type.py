@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
+import pytest
 import torch
 from flytekit import task, workflow
 from flytekit.core.context_manager import FlyteContextManager
@@ -12,6 +14,7 @@ from flytekit.core.type_engine import TypeEngine
 
 import tasks.types  # noqa: F401  (registers the transformer)
 from tasks.types import ARROW_IPC_FORMAT, HashedSampleBatch
+from unirl_core.errors import SchemaError
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch, TokenSegment
 
 CALLS = os.environ.setdefault("UNIRL_TEST_CALLS", f"/tmp/unirl-calls-{uuid.uuid4().hex}")
@@ -79,3 +82,26 @@ def test_literal_is_an_arrow_ipc_blob_with_content_hash():
     assert lit1.hash.startswith("sha256:")
     html = TypeEngine.to_html(ctx, b, SampleBatch)
     assert "q0/1" in html and "<script" not in html
+
+
+def test_a_cached_output_whose_file_is_gone_names_the_file_and_the_fix():
+    """A local cache hit whose Arrow file went with a wiped temp dir fails naming the file and how to clear the
+    cache, not with a bare missing-file error (real flytekit local execution and local cache)."""
+    raw = Path(FlyteContextManager.current_context().file_access.raw_output_prefix)
+    before = set(raw.glob("*/batch.arrow"))
+    pipeline(n=6)
+    gone = set(raw.glob("*/batch.arrow")) - before
+    assert len(gone) == 2  # make_batch's output and score's (now in the cache)
+    for f in gone:
+        f.unlink()
+    with pytest.raises(Exception) as info:
+        pipeline(n=6)  # make_batch runs again; score is a cache hit naming a removed file
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    errors = [e for e in chain if isinstance(e, SchemaError)]
+    assert errors, [repr(e)[:200] for e in chain]
+    msg = str(errors[0])
+    assert "SampleBatch literal uri=" in msg and "batch.arrow" in msg
+    assert "pyflyte local-cache clear" in msg and "--overwrite-cache" in msg

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 RL_INPROCESS = ["tiny-grpo", "tiny-flow-grpo", "tiny-dapo", "tiny-cispo", "tiny-flow-dppo", "tiny-mixgrpo",
-                "tiny-nft", "tiny-grpo-async", "tiny-grpo-guard", "tiny-agent-calc", "toy-sums", "shapes-flow-grpo",
+                "tiny-nft", "tiny-grpo-async", "tiny-grpo-guard", "tiny-agent-calc", "shapes-flow-grpo",
                 "shapes-nft"]
 RL_POOL = ["tiny-grpo", "tiny-flow-grpo", "tiny-grpo-async"]
 COMPOSE = ["shapes-enhance"]
@@ -41,6 +41,7 @@ SFT = ["sft-tiny-lm", "sft-tiny-sd3", "sft-toy-sums"]
 RESUME = ["tiny-grpo", "tiny-flow-grpo"]
 STEPS = 3
 RESUME_FIRST = 2  # the resume cases: steps run by the recorded commit before this checkout runs the rest
+# toy-sums is left out: its model is the export of the SFT recipe sft-toy-sums (a case of its own)
 
 # metrics that measure time, or bytes that depend on what a background thread had finished when they were read
 VOLATILE = ("time/", "/time_", "_seconds", "_s", "/seconds", "throughput", "per_s", "tokens_per", "/previous_write",

@@ -7,6 +7,7 @@ import os
 import posixpath
 import queue
 import threading
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -65,19 +66,41 @@ class StreamHash:
             worker.result()
 
 
-_HASH_POOL: ThreadPoolExecutor | None = None
-_HASH_POOL_LOCK = threading.Lock()
+class ProcessThreadPool:
+    """A ``ThreadPoolExecutor`` made on first use in each process. A forked child inherits the parent's executor
+    object but none of its threads (nor, possibly, a free lock): every submit would wait forever, so a child that
+    saves a checkpoint would hang. The pool is dropped in the child at fork and made anew on its first use there."""
+
+    def __init__(self, workers: int, prefix: str) -> None:
+        self._workers, self._prefix = workers, prefix
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        forget = weakref.WeakMethod(self._forget)  # a pool that is gone is not kept alive by the fork hook
+        os.register_at_fork(after_in_child=lambda: (f := forget()) is not None and f())
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._pool, self._pid = None, os.getpid()
+
+    def get(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=self._prefix)
+                self._pid = os.getpid()
+            return self._pool
+
+
+# Long-lived hashing threads (no thread start per file); several, so concurrent writers (a version and a sharded
+# state) do not queue behind each other's hashes (a queued one only starts later: each writer ends its queue
+# before it waits).
+_HASH_POOL = ProcessThreadPool(8, "unirl-sha256")
+# fsync threads, long-lived: no thread start per version
+_SYNC_POOL = ProcessThreadPool(8, "unirl-fsync")
 
 
 def _hash_pool() -> ThreadPoolExecutor:
-    """Long-lived hashing threads (no thread start per file); several, so concurrent writers (a version and a
-    sharded state) do not queue behind each other's hashes (a queued one only starts later: each writer ends its
-    queue before it waits)."""
-    global _HASH_POOL
-    with _HASH_POOL_LOCK:
-        if _HASH_POOL is None:
-            _HASH_POOL = ThreadPoolExecutor(8, thread_name_prefix="unirl-sha256")
-        return _HASH_POOL
+    return _HASH_POOL.get()
 
 
 def write_local(path: str, pieces: Iterable[Piece], *, sync: bool = True) -> tuple[str, int]:
@@ -115,13 +138,7 @@ def sync_local(paths: list[str]) -> None:
         for path in paths:
             _fsync_path(path)
         return
-    global _SYNC_POOL
-    if _SYNC_POOL is None:  # long-lived threads: no thread start per version
-        _SYNC_POOL = ThreadPoolExecutor(8, thread_name_prefix="unirl-fsync")
-    list(_SYNC_POOL.map(_fsync_path, paths))
-
-
-_SYNC_POOL: ThreadPoolExecutor | None = None
+    list(_SYNC_POOL.get().map(_fsync_path, paths))
 
 
 class Folder:

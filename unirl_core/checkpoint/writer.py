@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from unirl_core.checkpoint.fsio import ProcessThreadPool
 from unirl_core.checkpoint.ref import CheckpointRef
 from unirl_core.checkpoint.store import CheckpointStore, load_manifest
 from unirl_core.errors import CheckpointError, field_error
@@ -113,7 +114,7 @@ class VersionWriter:
     def __init__(self) -> None:
         # one long-lived thread: starting a thread per version costs the training thread up to ~10 ms on a busy
         # host (start() waits until the new thread runs); the executor finishes a queued write at interpreter exit
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = ProcessThreadPool(1, "unirl-checkpoint")
         self._write: _Write | None = None
         self._last: _Write | None = None
         self._chore: Future | None = None
@@ -172,10 +173,9 @@ class VersionWriter:
             chore.result()
 
     def _thread(self) -> ThreadPoolExecutor:
-        """The writer's one thread (writes and chores run on it in submission order), started on first use."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="unirl-checkpoint")
-        return self._pool
+        """The writer's one thread (writes and chores run on it in submission order), started on first use in
+        each process (a forked child's writer has no thread: it starts its own)."""
+        return self._pool.get()
 
     def last_written(self) -> tuple[CheckpointRef, dict[str, dict[str, object]]] | None:
         """(ref, manifest files) of the last write that ``wait`` saw succeed, else None."""

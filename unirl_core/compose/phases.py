@@ -24,7 +24,7 @@ from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.loop import build
-from unirl_core.loop.phases import EMA_POLICY_VERSION, init_run, publish_phase, step_prompts
+from unirl_core.loop.phases import EMA_POLICY_VERSION, check_replay_schedule, init_run, publish_phase, step_prompts
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
 from unirl_core.rollout.sigma_verify import verify_batch_sigmas
@@ -196,6 +196,7 @@ def train_phase(cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *,
         t0 = time.perf_counter()
         backend = _trainer(name, sub)
         restore_train_checkpoint(backend, ref, storage_options=sub.checkpoint.storage_options)
+        check_replay_schedule(sub, rows[name], backend.policy)
         m = backend.step(rows[name]).as_dict()
         out[name] = save_train_checkpoint(build.store(sub), backend, config=to_dict(sub), extra={}, publish=False,
                                           overwrite=True)

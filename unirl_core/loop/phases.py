@@ -38,7 +38,7 @@ from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
 from unirl_core.rollout.logp_check import check_logp_agreement, replay_agreement
 from unirl_core.rollout.modes import needs_sleep
-from unirl_core.rollout.sigma_verify import verify_batch_sigmas
+from unirl_core.rollout.sigma_verify import verify_batch_sigmas, verify_replay_schedule
 from unirl_core.sde.noise import stable_seed
 from unirl_core.train.backend import TrainBackend
 from unirl_core.train.distributed import current_world
@@ -317,6 +317,7 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
         finish_writes()  # any other version in flight is complete (or its failure raises) first
     check_policy_lag(cfg, batch, ckpt)
     backend = build.trainer(cfg)
+    check_replay_schedule(cfg, batch, backend.policy)
     extra = _resident_extra(backend, ckpt, cfg)
     if extra is None:
         finish_writes()  # ckpt is read from the store
@@ -449,10 +450,18 @@ def check_policy_lag(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) ->
         return
     lag = ckpt.policy_version - min(versions)
     if lag > bound or max(versions) > ckpt.policy_version:
-        raise field_error(NumericsError, field, lag, f"0 <= trainer version - sample version <= {bound} (trainer "
-                          f"at {ckpt.policy_version}, samples from {min(versions)}..{max(versions)})",
+        raise field_error(NumericsError, field, bound, f"0 <= trainer version - sample version <= {bound}; observed "
+                          f"lag {lag} (trainer at version {ckpt.policy_version}, samples from versions "
+                          f"{min(versions)}..{max(versions)})",
                           "train each batch from the version that sampled it (or raise the bound for "
                           "asynchronous rollouts); a stale batch optimises a ratio against the wrong policy")
+
+
+def check_replay_schedule(cfg: RunConfig, batch: SampleBatch, policy) -> None:
+    """A diffusion batch's schedules equal, bit for bit, the one the trainer derives from ``cfg`` for ``policy``'s
+    family (``verify_replay_schedule``); nothing to check for an LM run."""
+    if cfg.family == "diffusion":
+        verify_replay_schedule(batch, cfg.diffusion.sampling.sigmas(policy.family))
 
 
 def publish_phase(cfg: RunConfig, ckpt: CheckpointRef, *, asynchronous: bool = False) -> dict:

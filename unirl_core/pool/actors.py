@@ -324,6 +324,7 @@ class TrainerActor(_Actor):
             self.state = _version(ckpt)
         batch = for_training(SampleBatch.concat(list(shards)), scored)
         phases.check_policy_lag(cfg, batch, ckpt)
+        phases.check_replay_schedule(cfg, batch, backend.policy)
         self.state = None  # from here on the resident state is no version until it is saved
         metrics = backend.step(batch).as_dict()
         extra = dict(self.extra)

@@ -66,3 +66,30 @@ def verify_batch_sigmas(batch: SampleBatch, *, atol: float = DEFAULT_ATOL) -> No
 def _short(t: Tensor) -> str:
     vals = [f"{v:.6g}" for v in t.tolist()]
     return "[" + ", ".join(vals if len(vals) <= 6 else vals[:3] + ["..."] + vals[-2:]) + "]"
+
+
+def verify_replay_schedule(batch: SampleBatch, schedule: Sequence[float]) -> None:
+    """Before a trainer replays ``batch``: every diffusion Part's pinned schedule and the engine's echo must equal
+    ``schedule`` - the one the trainer derives anew from the run's config - bit for bit. Rollout checked the echo
+    against the pin within float noise; a Part changed after that (an edited or damaged artifact, a projection
+    rebuilt by other code) would replay other transition kernels and train silently on a wrong ratio."""
+    want32 = torch.tensor(list(schedule), dtype=torch.float32)  # pins are float32 values (DiffusionSamplingParams)
+    want = want32.to(torch.float64)
+    for s in batch.samples:
+        part = s.generated
+        if part.kind != "diffusion":
+            continue
+        pinned = torch.tensor(list(part.sampling.sigmas), dtype=torch.float64)
+        if pinned.shape != want.shape or not torch.equal(pinned, want):
+            raise field_error(NumericsError, f"sample[{s.sample_id}].sampling.sigmas", _short(pinned),
+                              f"the run's schedule {_short(want)} bit for bit",
+                              "the Part was pinned by another config (num_steps, shift, schedule, size) or changed "
+                              "after rollout; sample it again with this run's config")
+        seg = part.segment
+        echoed = seg.sigmas.detach().cpu() if isinstance(seg, DiffusionSegment) and seg.sigmas is not None else None
+        if echoed is None or echoed.shape != want32.shape or not torch.equal(echoed.to(torch.float32), want32):
+            shown = "missing" if echoed is None else _short(echoed.to(torch.float64))
+            raise field_error(NumericsError, f"sample[{s.sample_id}].segment.sigmas", shown,
+                              f"the schedule the trainer derives from the run's config, {_short(want)}, bit for bit",
+                              "the trajectory's echo changed after rollout (an edited or damaged artifact?); sample "
+                              "the step again: replaying other sigmas trains on a wrong ratio")

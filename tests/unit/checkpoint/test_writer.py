@@ -154,3 +154,37 @@ def test_a_chore_runs_after_the_queued_write_and_its_failure_is_logged(tmp_path,
     writer.later(broken, "retention of run 'r'")
     writer.wait_chores()  # best effort: logged, not raised
     assert "retention of run 'r' failed in the background: OSError: read-only file system" in caplog.text
+
+
+def test_a_forked_child_saves_with_the_parents_writer_and_store(tmp_path):
+    """The parent's writer, hashing and fsync threads exist before the fork; a child inherits their executors but not
+    their threads. Its saves (background and synchronous) must still finish, in threads of its own."""
+    import time
+
+    store, writer = CheckpointStore(str(tmp_path), "r"), VersionWriter()
+    weights = {"a": torch.ones(1 << 10), "b": torch.zeros(1 << 10)}
+    writer.save(store, 1, policy_version=1, live=[], weights=weights, train_state=_state(1.0), config={"x": 1})
+    writer.wait()
+    store.save(2, policy_version=2, weights=weights, train_state=_state(2.0), config={"x": 2})  # the sync pools too
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only when both saves completed
+        code = 1
+        try:
+            writer.save(store, 3, policy_version=3, live=[], weights=weights, train_state=_state(3.0), config={"x": 3})
+            writer.wait()
+            store.save(4, policy_version=4, weights=weights, train_state=_state(4.0), config={"x": 4})
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("a forked child's checkpoint save hung (threads of the parent's pools)")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [v.step for v in store.versions()][-2:] == [3, 4]

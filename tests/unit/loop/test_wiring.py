@@ -1,6 +1,8 @@
 """Settings the loop must actually use: the Flux schedule, sigma_verify, the policy-lag bound, EMA rollout
 weights and the decode-vs-rescore gap metric."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -55,8 +57,28 @@ def test_train_refuses_a_batch_from_another_policy_version(tmp_path):
     batch, _ = phases.advantage_phase(cfg, phases.reward_phase(cfg, batch)[0], ckpt)
     for p in batch.generated:
         p.policy_version = ckpt.policy_version - 1  # sampled by a version one behind the trainer
-    with pytest.raises(NumericsError, match="policy lag"):
+    # the configured bound and the observed lag, each under its own name
+    with pytest.raises(NumericsError, match=r"policy lag \(synchronous loop\)=0: .*observed lag 1 "):
         phases.train_phase(cfg, batch, ckpt, step=1)
+
+
+@pytest.mark.parametrize("where", ["echo", "pin and echo"])
+def test_train_refuses_a_trajectory_whose_sigmas_changed_after_rollout(tmp_path, where):
+    """Rollout's sigma_verify passed; the Part is changed afterwards by 1e-5 (well inside what a ratio check would
+    let through). The trainer derives the schedule from the config again and refuses the batch before replaying."""
+    cfg = _diffusion(tmp_path)
+    ckpt = phases.init_run(cfg)
+    batch, _ = phases.rollout_phase(cfg, ckpt, step=1)
+    batch, _ = phases.advantage_phase(cfg, phases.reward_phase(cfg, batch)[0], ckpt)
+    part = batch.generated[1]
+    part.segment.sigmas = part.segment.sigmas.clone()
+    part.segment.sigmas[3] += 1e-5
+    if where == "pin and echo":
+        part.sampling = dataclasses.replace(part.sampling, sigmas=tuple(float(v) for v in part.segment.sigmas))
+    field = "segment.sigmas" if where == "echo" else "sampling.sigmas"
+    with pytest.raises(NumericsError, match=rf"sample\[{part.sample_id}\]\.{field}="):
+        phases.train_phase(cfg, batch, ckpt, step=1)
+    assert phases.build.store(cfg).latest().step == 0  # nothing trained, nothing written
 
 
 def test_ema_rollout_samples_with_the_checkpoint_ema_weights(tmp_path):

@@ -32,7 +32,7 @@ import torch
 
 from unirl_core.config.recipes import load_recipe
 from unirl_core.data.toy import toy_arithmetic_prompts
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.loop.evaluate import eval_phase
 from unirl_core.loop.local import run_local
 from unirl_core.loop.phases import init_run

@@ -194,7 +194,7 @@ def run_config(a, texts: list[str], root: str):
 
 def _prepare_ours(a):
     """Registers the reward and, for the Qwen3 shapes, makes the loop build the shaped random-init model."""
-    from unirl_core.loop import build
+    from unirl_core.runtime import build
     from unirl_core.models.lm import LMBundle
     from unirl_core.reward import register_scorer
 
@@ -234,7 +234,8 @@ def ours_backend(a, cfg) -> dict:
     import torch
 
     from unirl_core.advantage.batch import assign_advantages
-    from unirl_core.loop import build, phases
+    from unirl_core.loop import phases
+    from unirl_core.runtime import build
     from unirl_core.rollout.ar import TrainsideAREngine
     from unirl_core.types import SampleBatch
 

@@ -48,7 +48,7 @@ Presets:
                               checkpoints), 8 prompts x 8 samples x 256 new tokens, forward and micro-batch 16 (as qwen3-math).
 
 GPU presets cannot use ``from_pretrained`` (no hub access): every process (setup, warm, pods) replaces
-``unirl_core.loop.build.fresh_bundle`` with a builder that constructs the model of the real shape on the device
+``unirl_core.runtime.build.fresh_bundle`` with a builder that constructs the model of the real shape on the device
 (random init, fixed seed; sub-component ``construct``) and then loads the same weights from a local safetensors
 file written once by the setup process (``load``), which stands in for from_pretrained's load. SD3.5-M bundles
 have no text encoders or VAE: prompts encode to seeded random embeddings of the real shapes (77 + 256 tokens x

@@ -66,7 +66,7 @@ def host_pageable(weights: dict) -> dict:
 
 
 def host_staged(weights: dict, staging) -> dict:
-    from unirl_core.train.host_staging import wait_all
+    from unirl_core.checkpoint.host_staging import wait_all
 
     out = {k: staging.copy(k, t) for k, t in weights.items()}
     wait_all(staging.fence())
@@ -85,7 +85,7 @@ def main() -> None:
     import torch
 
     from unirl_core.checkpoint import CheckpointStore, fsio
-    from unirl_core.train.host_staging import HostStaging
+    from unirl_core.checkpoint.host_staging import HostStaging
 
     root = tempfile.mkdtemp(prefix="unirl-vw-", dir=a.root)
     store = CheckpointStore(root, "bench", keep_last=2)

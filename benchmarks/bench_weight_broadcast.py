@@ -1,4 +1,4 @@
-"""Trainer -> engine weight sync latency: ``unirl_core.train.weight_sync`` broadcast vs a safetensors
+"""Trainer -> engine weight sync latency: ``unirl_core.weightsync.sync`` broadcast vs a safetensors
 round trip through local disk (what a publish-then-reload engine does), measured in the same run on the
 same tensors.
 
@@ -67,7 +67,7 @@ def build_module(kind: str, p: dict, device: str, seed: int):
 
 def engine_main(args) -> None:
     """Receiver process: one module per payload kind, synced in the order the trainer sends."""
-    from unirl_core.train.weight_sync import WeightReceiver, WeightSyncConfig
+    from unirl_core.weightsync.sync import WeightReceiver, WeightSyncConfig
 
     pin_threads(1)
     p = PRESETS[args.preset]
@@ -126,7 +126,7 @@ def main() -> None:
     pin_threads(1)
     import torch
 
-    from unirl_core.train.weight_sync import WeightSender, WeightSyncConfig
+    from unirl_core.weightsync.sync import WeightSender, WeightSyncConfig
 
     trainer_dev = "cuda:0" if args.device == "cuda" else "cpu"
     two_gpus = args.device == "cuda" and torch.cuda.device_count() >= 2

@@ -78,7 +78,7 @@ def main() -> None:
     from unirl_core.compose.config import stack_configs
     from unirl_core.compose.evaluate import _render
     from unirl_core.data.shapes import DEFAULT_COLORS
-    from unirl_core.loop import build
+    from unirl_core.runtime import build
     from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
     from unirl_core.types import PromptRecord
 

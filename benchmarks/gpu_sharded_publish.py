@@ -53,7 +53,7 @@ def train_rank(args) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from unirl_core.train.weight_sync import (
+    from unirl_core.weightsync.sync import (
         WeightSender,
         WeightSyncConfig,
         follow_send,
@@ -121,7 +121,7 @@ def train_rank(args) -> None:
 def engine(args) -> None:
     import torch
 
-    from unirl_core.train.weight_sync import WeightReceiver, WeightSyncConfig
+    from unirl_core.weightsync.sync import WeightReceiver, WeightSyncConfig
 
     cuda = args.device == "cuda"
     device = torch.device("cuda", 2) if cuda else torch.device("cpu")

@@ -54,7 +54,7 @@ def engine_role(args) -> None:
     """Receive until the sender closes; save every version's state for the trainer to compare."""
     import torch
 
-    from unirl_core.train.weight_sync import WeightReceiver, WeightSyncConfig
+    from unirl_core.weightsync.sync import WeightReceiver, WeightSyncConfig
 
     module = _tiny_lm(7, args.module_device)
     cfg = WeightSyncConfig(master_port=args.port, backend=args.backend, timeout_s=60)
@@ -84,7 +84,7 @@ def trainer_role(args) -> None:
     """Sender here, engine in a child; two full-weight syncs, bit-exact comparison -> tmp/result.json."""
     import torch
 
-    from unirl_core.train.weight_sync import (
+    from unirl_core.weightsync.sync import (
         WeightSender,
         WeightSyncConfig,
         gather_for_sync,
@@ -141,7 +141,7 @@ def fsdp_role(args) -> None:
         make_batch,
     )
     from unirl_core.train import TrainBackend, TrainConfig, init_distributed
-    from unirl_core.train.weight_sync import gather_for_sync
+    from unirl_core.weightsync.sync import gather_for_sync
 
     info = init_distributed()
     dev = info.device

@@ -86,7 +86,7 @@ def patch_shaped(spec: dict, state: Path, clock) -> None:
 
     from safetensors.torch import load_model
 
-    from unirl_core.loop import build
+    from unirl_core.runtime import build
 
     weights = state / "model-init.safetensors"
 

@@ -65,7 +65,8 @@ class Clock:
 
 def _instrument(clock: Clock) -> None:
     """Time the checkpoint reads and writes the phase functions do, as ``restore`` / ``write``."""
-    from unirl_core.loop import build, phases
+    from unirl_core.loop import phases
+    from unirl_core.runtime import build
 
     clock.wrap(build, "load_policy_weights", "restore")          # rollout: the version's weights
     clock.wrap(phases, "restore_train_checkpoint", "restore")    # train: weights + optimizer state
@@ -108,7 +109,7 @@ def _imports(spec: dict, clock: Clock) -> None:
 
     import unirl_core.config
     import unirl_core.io
-    import unirl_core.loop.build
+    import unirl_core.runtime.build
     import unirl_core.loop.phases  # noqa: F401
 
     __import__("diffusers" if spec["family"] == "diffusion" else "transformers")
@@ -159,7 +160,8 @@ def _setup_worker(state: Path) -> dict:
 def _inprocess_step(cfg, ckpt, step: int, clock: Clock, per_phase: dict | None, emitted: dict | None = None):
     """One step as ``run_local`` runs it: the phase functions chained in this process, batch in memory
     (``emitted``: filled with the batch each of rollout / reward / advantage returned)."""
-    from unirl_core.loop import build, phases
+    from unirl_core.loop import phases
+    from unirl_core.runtime import build
     from unirl_core.loop.metrics import merge_shard_metrics
     from unirl_core.types import SampleBatch
 
@@ -242,7 +244,8 @@ def _phase_worker(phase: str, state: Path) -> dict:
     """One phase as a pod runs it: fresh process, build, restore, read input, run, write output."""
     spec, clock = _worker_start(state)
     from unirl_core.io import read_batch, write_batch
-    from unirl_core.loop import build, phases
+    from unirl_core.loop import phases
+    from unirl_core.runtime import build
 
     t0 = time.perf_counter()
     if spec.get("shaped"):

@@ -25,7 +25,7 @@ from tests.integration.pool_support import local_ray_fixture, time_limit_fixture
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import EngineError, PoolActorDied
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 from unirl_core.loop.phases import advantage_phase, publish_phase, reward_phase, rollout_phase, train_phase
 from unirl_core.pool import cluster

@@ -12,7 +12,7 @@ import torch
 
 from tests.integration.pool_support import local_ray_fixture, time_limit_fixture
 from unirl_core.config import load_recipe
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 from unirl_core.pool import cluster
 from unirl_core.rollout.vllm import default_python

@@ -23,7 +23,7 @@ TRAIN = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from unirl_core.models.lm import build_tiny_lm
-    from unirl_core.train.weight_sync import (WeightSender, WeightSyncConfig, WeightSyncError, follow_send,
+    from unirl_core.weightsync.sync import (WeightSender, WeightSyncConfig, WeightSyncError, follow_send,
                                               gather_for_sync, sync_sources)
 
     out, sync_port = sys.argv[1], int(sys.argv[2])
@@ -63,7 +63,7 @@ TRAIN = textwrap.dedent("""
 ENGINE = textwrap.dedent("""
     import os, sys, torch
     from unirl_core.models.lm import build_tiny_lm
-    from unirl_core.train.weight_sync import WeightReceiver, WeightSyncConfig, WeightSyncError
+    from unirl_core.weightsync.sync import WeightReceiver, WeightSyncConfig, WeightSyncError
 
     out, sync_port = sys.argv[1], int(sys.argv[2])
     torch.set_num_threads(1)

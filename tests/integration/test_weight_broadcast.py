@@ -14,7 +14,7 @@ import torch
 
 from unirl_core.models.lm import build_tiny_lm
 from unirl_core.models.lora import apply_lora, lora_state_dict
-from unirl_core.train.weight_sync import (
+from unirl_core.weightsync.sync import (
     WeightReceiver,
     WeightSender,
     WeightSyncConfig,
@@ -33,7 +33,7 @@ ENGINE = textwrap.dedent("""
     from pathlib import Path
     from unirl_core.models.lm import build_tiny_lm
     from unirl_core.models.lora import apply_lora
-    from unirl_core.train.weight_sync import WeightReceiver, WeightSyncConfig, WeightSyncError
+    from unirl_core.weightsync.sync import WeightReceiver, WeightSyncConfig, WeightSyncError
 
     out, port, scope, rank_lora, bucket_mb = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), \\
         float(sys.argv[5])
@@ -211,7 +211,7 @@ def test_receiver_without_sender_times_out():
 
 STALLED = textwrap.dedent("""
     import sys, time, torch
-    from unirl_core.train.weight_sync import WeightReceiver, WeightSyncConfig
+    from unirl_core.weightsync.sync import WeightReceiver, WeightSyncConfig
     rx = WeightReceiver(WeightSyncConfig(master_port=int(sys.argv[1]), timeout_s=60), torch.nn.Linear(2, 2))
     time.sleep(60)  # joined the group, never receives
 """)

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from unirl_core.train.weight_stream import StreamReceiver
-from unirl_core.train.weight_sync import WeightSender, WeightSyncConfig, WeightSyncError
+from unirl_core.weightsync.stream import StreamReceiver
+from unirl_core.weightsync.sync import WeightSender, WeightSyncConfig, WeightSyncError
 
 pytestmark = pytest.mark.integration
 

@@ -1,10 +1,10 @@
-"""Save / restore a TrainBackend through a CheckpointStore, rank-aware under FSDP."""
+"""Save / restore a trainer's state (``stateful.TrainState``: a ``TrainBackend``, say) through a CheckpointStore,
+rank-aware under FSDP."""
 
 from __future__ import annotations
 
 import logging
 
-import torch
 import torch.distributed as dist
 
 from unirl_core.checkpoint.ref import CheckpointRef
@@ -13,15 +13,14 @@ from unirl_core.checkpoint.store import (
     LoadedCheckpoint,
     load_checkpoint,
 )
+from unirl_core.checkpoint.stateful import TrainState
 from unirl_core.checkpoint.writer import VersionWriter
 from unirl_core.errors import CheckpointError, field_error
-from unirl_core.train.backend import TrainBackend
-from unirl_core.train.distributed import current_world
 
 log = logging.getLogger(__name__)
 
 
-def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, config: object | None = None,
+def save_train_checkpoint(store: CheckpointStore, backend: TrainState, *, config: object | None = None,
                           extra: dict[str, object] | None = None, publish: bool = True,
                           overwrite: bool = False, full_state: bool = True,
                           writer: VersionWriter | None = None) -> CheckpointRef:
@@ -53,10 +52,10 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
     else:  # the per-step publication: its weights staged in the writer's pinned buffers (a GPU trainer)
         weights = backend.model_state_dict(dtype=backend.compute_dtype,
                                            staging=writer.staging if writer is not None else None)
-        state, ema = None, _full_ema(backend, backend.compute_dtype)
-    meta = {"weights_scope": backend.cfg.weights_scope, "world_size": str(world)}
+        state, ema = None, backend.ema_weights(backend.compute_dtype)
+    meta = {"weights_scope": backend.weights_scope, "world_size": str(world)}
     if writer is not None:
-        return writer.save(store, backend.step_count, policy_version=backend.policy_version, live=_live_tensors(backend),
+        return writer.save(store, backend.step_count, policy_version=backend.policy_version, live=backend.live_tensors(),
                            weights=weights, ema_weights=ema, train_state=state, config=config, extra=extra,
                            meta=meta, overwrite=overwrite)
     ref = None
@@ -72,28 +71,7 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainBackend, *, conf
     return ref
 
 
-def _live_tensors(backend: TrainBackend) -> list:
-    """What the backend's next step (or EMA update) changes in place: module parameters and buffers, optimizer
-    state (AdamW's ``step`` counters stay on the CPU even on a GPU), EMA shadows."""
-    module = backend.policy.module
-    out = [*module.parameters(), *module.buffers()]
-    out += [v for state in backend.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    if backend.ema is not None:
-        out += [t for t in backend.ema.state_dict().values() if isinstance(t, torch.Tensor)]
-    return out
-
-
-def _full_ema(backend: TrainBackend, dtype: torch.dtype) -> dict | None:
-    """The EMA weights as full CPU tensors (collective under FSDP), rounded to ``dtype``."""
-    from unirl_core.models.precision import rounded
-    from unirl_core.train.distributed import full_tensor
-
-    if backend.ema is None:
-        return None
-    return {n: rounded(full_tensor(t).detach(), dtype).cpu().contiguous() for n, t in backend.ema.state_dict().items()}
-
-
-def restore_train_checkpoint(backend: TrainBackend, ref: CheckpointRef, *,
+def restore_train_checkpoint(backend: TrainState, ref: CheckpointRef, *,
                              storage_options: dict[str, object] | None = None) -> LoadedCheckpoint:
     """Load a version into the backend (weights, EMA, optimizer, scheduler, RNG, counters) so the next
     ``step`` equals the uninterrupted run's. Every rank reads (shared storage) and verifies checksums."""
@@ -105,7 +83,7 @@ def restore_train_checkpoint(backend: TrainBackend, ref: CheckpointRef, *,
     state = dict(loaded.train_state)
     state["ema"] = loaded.ema_weights
     backend.load_state_dict(state)
-    _use_config_hyperparameters(backend)
+    backend.apply_config_hyperparameters()
     if backend.policy_version != ref.policy_version:
         raise field_error(CheckpointError, f"{ref.uri}: policy_version", backend.policy_version,
                           f"{ref.policy_version} as in the manifest", "the checkpoint is inconsistent")
@@ -113,20 +91,8 @@ def restore_train_checkpoint(backend: TrainBackend, ref: CheckpointRef, *,
     return loaded
 
 
-def _use_config_hyperparameters(backend: TrainBackend) -> None:
-    """Make the run's ``TrainConfig``, not the checkpoint, set AdamW's lr / betas / eps / weight_decay.
-
-    ``load_state_dict`` restores the optimizer's param_groups and the scheduler's ``base_lrs`` as they were
-    when the version was written, so a resume with a changed ``train.lr`` would keep training at the old
-    rate while the new version's config.json records the new one. The schedule's position (``last_epoch``)
-    stays restored; the next lr is ``cfg.lr * factor(last_epoch)``, the very expression LambdaLR evaluates,
-    so an unchanged config rewrites identical values and resume stays bit-exact.
-    """
-    cfg, optimizer, scheduler = backend.cfg, backend.optimizer, backend.scheduler
-    groups = optimizer.param_groups
-    factors = [fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
-    for group, factor in zip(groups, factors, strict=True):
-        group.update(initial_lr=cfg.lr, lr=cfg.lr * factor, betas=tuple(cfg.betas), eps=cfg.eps,
-                     weight_decay=cfg.weight_decay)
-    scheduler.base_lrs = [cfg.lr] * len(groups)
-    scheduler._last_lr = [group["lr"] for group in groups]
+def current_world() -> tuple[int, int]:
+    """(rank, world size) of the initialised process group, or (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

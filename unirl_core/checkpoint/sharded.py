@@ -33,9 +33,8 @@ import torch.distributed as dist
 
 from unirl_core.checkpoint.fsio import Folder
 from unirl_core.checkpoint.manifest import MANIFEST, Manifest
+from unirl_core.checkpoint.stateful import ShardedTrainState
 from unirl_core.errors import CheckpointError, field_error
-from unirl_core.train.backend import TrainBackend
-from unirl_core.train.state import capture_rng, restore_rng, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -52,26 +51,9 @@ def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def _tensors(backend: TrainBackend) -> dict[str, object]:
-    """The sharded tensor state DCP writes / loads in place: module and optimizer (FQN-keyed DTensor shards
-    under FSDP2, plain tensors at world 1) and the EMA shadows."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model, optim = get_state_dict(backend.policy.module, backend.optimizer)
-    out: dict[str, object] = {"model": model, "optim": optim}
-    if backend.ema is not None:
-        out["ema"] = backend.ema.state_dict()
-    return out
-
-
-def _small(backend: TrainBackend, rank: int) -> bytes:
-    state: dict[str, object] = {"rng": capture_rng()}
-    if rank == 0:
-        state.update(scheduler=backend.scheduler.state_dict(), scaler=backend.scaler.state_dict(),
-                     ema_num_updates=backend.ema.num_updates if backend.ema else 0,
-                     counters={"step": backend.step_count, "optimizer_steps": backend.optimizer_steps})
+def _small(backend: ShardedTrainState, rank: int) -> bytes:
     buf = io.BytesIO()
-    torch.save(state, buf)
+    torch.save(backend.small_state(rank), buf)
     return buf.getvalue()
 
 
@@ -115,7 +97,7 @@ class StateRef:
 class PendingState:
     """An asynchronous state write in flight; ``wait()`` (every rank) completes it and returns the StateRef."""
 
-    def __init__(self, folder: Folder, run: str, backend: TrainBackend, upload: Future | None, group,
+    def __init__(self, folder: Folder, run: str, backend: ShardedTrainState, upload: Future | None, group,
                  rank: int, world: int) -> None:
         self.folder, self.run, self.upload, self.group = folder, run, upload, group
         self.rank, self.world = rank, world
@@ -171,7 +153,7 @@ def _run_folder(root: str, run: str, storage_options: dict[str, object] | None) 
     return Folder(fs, posixpath.join(path.rstrip("/"), run))
 
 
-def save_sharded_state(root: str, run: str, backend: TrainBackend, *, asynchronous: bool = True,
+def save_sharded_state(root: str, run: str, backend: ShardedTrainState, *, asynchronous: bool = True,
                        storage_options: dict[str, object] | None = None) -> PendingState:
     """Write the backend's full resumable state after its latest step to ``<root>/<run>/state-<step>/``.
 
@@ -190,7 +172,7 @@ def save_sharded_state(root: str, run: str, backend: TrainBackend, *, asynchrono
         dist.barrier(group=group)
     folder.fs.makedirs(folder.path, exist_ok=True)
     folder.write(_rank_file(rank), _small(backend, rank))
-    state = _tensors(backend)
+    state = backend.sharded_tensors()
     kwargs = {"storage_writer": _writer(folder), "process_group": group, "no_dist": group is None}
     if not asynchronous:
         dcp.save(state, **kwargs)
@@ -250,13 +232,11 @@ def load_state_manifest(ref: StateRef, *, storage_options: dict[str, object] | N
     return m
 
 
-def load_sharded_state(backend: TrainBackend, ref: StateRef, *,
+def load_sharded_state(backend: ShardedTrainState, ref: StateRef, *,
                        storage_options: dict[str, object] | None = None) -> Manifest:
     """Load a complete state into the backend (every rank): every file is checked against the manifest
     (size + sha256) first, then DCP reads each rank's shards in place (any world size: DCP reshards)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     manifest = load_state_manifest(ref, storage_options=storage_options)
     fs, path = fsspec.core.url_to_fs(ref.uri, **(storage_options or {}))
     folder = Folder(fs, path.rstrip("/"))
@@ -270,27 +250,18 @@ def load_sharded_state(backend: TrainBackend, ref: StateRef, *,
     rank, world = backend.rank, backend.world_size
     saved_world = int(manifest.meta["world_size"])
     group = _group()
-    state = _tensors(backend)
+    state = backend.sharded_tensors()
     dcp.load(state, storage_reader=_reader(folder), process_group=group, no_dist=group is None)
     if group is not None:
         dist.destroy_process_group(group)
-    set_state_dict(backend.policy.module, backend.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
     small0 = torch.load(io.BytesIO(folder.read_verified(_rank_file(0), manifest)), weights_only=True)
-    backend.scheduler.load_state_dict(small0["scheduler"])
-    if small0["scaler"]:
-        backend.scaler.load_state_dict(small0["scaler"])
-    if backend.ema is not None:
-        backend.ema.load_state_dict(state["ema"], int(small0["ema_num_updates"]))
-    backend.step_count = int(small0["counters"]["step"])
-    backend.optimizer_steps = int(small0["counters"]["optimizer_steps"])
+    mine = None
     if saved_world == world:
         mine = small0 if rank == 0 else torch.load(
             io.BytesIO(folder.read_verified(_rank_file(rank), manifest)), weights_only=True)
-        restore_rng(mine["rng"])
     else:
         log.warning("state has RNG of %d ranks, job has %d: reseeding instead of restoring", saved_world, world)
-        seed_everything(backend.cfg.seed + rank + 1_000_003 * backend.step_count)
+    backend.load_sharded(state, small0, mine)
     if backend.policy_version != ref.policy_version:
         raise field_error(CheckpointError, f"{ref.uri}: policy_version", backend.policy_version,
                           f"{ref.policy_version} as in the manifest", "the state is inconsistent")

@@ -28,7 +28,7 @@ from unirl_core.checkpoint.fsio import ProcessThreadPool
 from unirl_core.checkpoint.ref import CheckpointRef
 from unirl_core.checkpoint.store import CheckpointStore, load_manifest
 from unirl_core.errors import CheckpointError, field_error
-from unirl_core.train.host_staging import HostStaging, wait_all
+from unirl_core.checkpoint.host_staging import HostStaging, wait_all
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from unirl_core.config.loader import from_dict
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
 from unirl_core.config.run import CheckpointConfig, DataConfig, DiffusionSection, LMSection, LoopConfig, ReportConfig, RunConfig
 from unirl_core.errors import ConfigError, field_error
-from unirl_core.pool.config import PoolConfig
+from unirl_core.config.pool import PoolConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.train.config import TrainConfig
 

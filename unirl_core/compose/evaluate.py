@@ -13,7 +13,7 @@ import dataclasses
 
 from unirl_core.compose.config import ComposeRunConfig, stack_configs
 from unirl_core.compose.eval_config import EVAL_SEED, ComposeEvalConfig
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
 from unirl_core.types import NoiseRecipe, PromptRecord, SampleBatch

@@ -10,7 +10,6 @@ publishes either, so an interrupted publication is completed (rolled forward) by
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -18,25 +17,17 @@ import time
 from unirl_core.checkpoint import CheckpointRef, CheckpointStore, restore_train_checkpoint, save_train_checkpoint
 from unirl_core.compose.config import ENHANCER_REFERENCE, STACKS, ComposeRunConfig, stack_configs
 from unirl_core.compose.credit import assign_compose_advantages, enhancer_batch, image_batch, propagate_rewards
-from unirl_core.compose.engine import compose_rollout
+from unirl_core.compose.sampling import Refs, sample_step
 from unirl_core.compose.warm_start import warm_start_enhancer
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, field_error
-from unirl_core.loop import build
-from unirl_core.loop.phases import EMA_POLICY_VERSION, check_replay_schedule, init_run, publish_phase, step_prompts
-from unirl_core.rollout.ar import TrainsideAREngine
-from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
-from unirl_core.rollout.sigma_verify import verify_batch_sigmas
-from unirl_core.sde.noise import stable_seed
+from unirl_core.runtime import build
+from unirl_core.loop.phases import check_replay_schedule, init_run, publish_phase
 from unirl_core.train.backend import TrainBackend
-from unirl_core.types import NoiseRecipe, SampleBatch
+from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
-
-Refs = dict[str, CheckpointRef]
-"""``{"enhancer": ref, "image": ref}``: the version of each stack a phase works from."""
-
 
 def init_stacks(cfg: ComposeRunConfig, *, resume_from: str = "latest") -> Refs:
     """Each stack's published version, or a fresh step-0 version (the enhancer warm-started when configured).
@@ -117,36 +108,6 @@ def rollout_phase(cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[Samp
     build.load_policy_weights(lm_policy, refs["enhancer"], lm_sub)
     build.load_policy_weights(img_policy, refs["image"], img_sub, ema=build.rollout_weights(img_sub) == "ema")
     return sample_step(cfg, lm_policy, img_policy, refs, step=step)
-
-
-def sample_step(cfg: ComposeRunConfig, lm_policy, img_policy, refs: Refs, *,
-                step: int) -> tuple[SampleBatch, dict[str, float]]:
-    """The composed rollout of step ``step`` with bundles that already hold ``refs``' weights (the in-process
-    phase loads them from the store; the pool's engine actor keeps them resident)."""
-    t0 = time.perf_counter()
-    subs = stack_configs(cfg)
-    lm_sub, img_sub = subs["enhancer"], subs["image"]
-    img_version = EMA_POLICY_VERSION if build.rollout_weights(img_sub) == "ema" else refs["image"].policy_version
-    seed = stable_seed(cfg.loop.seed, "compose-rollout", step) % (2**63)
-    enhancer = TrainsideAREngine(lm_policy, dataclasses.replace(lm_sub.lm.engine, seed=seed,
-                                                                micro_batch_tokens=lm_sub.train.micro_batch_tokens),
-                                 policy_version=refs["enhancer"].policy_version)
-    image = TrainsideDiffusionEngine(img_policy, dataclasses.replace(img_sub.diffusion.engine, seed=seed),
-                                     policy_version=img_version)
-    sampling = img_sub.diffusion.sampling
-    enhanced, batch = compose_rollout(
-        enhancer, image, step_prompts(lm_sub, step), cfg.grouping, ar_sampling=lm_sub.lm.sampling,
-        image_sampling=sampling.params(img_policy.family, step),
-        noise=NoiseRecipe(base_seed=stable_seed(seed, "image"), same_noise_per_group=sampling.same_noise_per_group),
-        image_version=img_version, metadata={"run": cfg.name, "step": str(step)})
-    verify_batch_sigmas(image_batch(batch, cfg.grouping))
-    lens = [s.generated.segment.num_response_tokens for s in enhanced.samples]
-    metrics = {"rollout/samples": float(len(batch)), "rollout/enhancements": float(len(enhanced)),
-               "rollout/enhancer_tokens_mean": sum(lens) / max(len(lens), 1),
-               "rollout/seconds": time.perf_counter() - t0}
-    if enhancer.last_decode_rescore_absdiff is not None:
-        metrics["rollout/decode_rescore_absdiff_max"] = enhancer.last_decode_rescore_absdiff
-    return batch, metrics
 
 
 def score_phase(cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:

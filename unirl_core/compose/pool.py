@@ -25,10 +25,10 @@ from unirl_core.compose.config import STACKS, ComposeRunConfig, stack_configs
 from unirl_core.compose.credit import enhancer_batch, image_batch
 from unirl_core.config.loader import to_dict
 from unirl_core.errors import PoolActorDied
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.pool import actors, group
 from unirl_core.pool.cluster import REWARD, Pool, _ray_connected, _Role, engine_name
-from unirl_core.pool.config import PoolConfig
+from unirl_core.config.pool import PoolConfig
 from unirl_core.pool.projection import project
 from unirl_core.types import SampleBatch
 
@@ -44,7 +44,7 @@ def trainer_name(stack: str) -> str:
 
 class ComposeEngineActor(actors._Actor):
     """Both rollout bundles (enhancer LM, image model), each labelled with the version it holds; samples a step
-    with ``compose.phases.sample_step`` (the in-process phase's code) and keeps its stack rows for the trainers."""
+    with ``compose.sampling.sample_step`` (the in-process phase's code) and keeps its stack rows for the trainers."""
 
     def __init__(self, cfg: ComposeRunConfig, name: str, threads: int) -> None:
         super().__init__(cfg, name, threads)
@@ -70,7 +70,7 @@ class ComposeEngineActor(actors._Actor):
         here); keeps the step's stack rows in the object store, returns the projection (``emit: full``: all)."""
         import ray
 
-        from unirl_core.compose.phases import sample_step
+        from unirl_core.compose.sampling import sample_step
 
         from_store = 0
         for stack in STACKS:

@@ -16,11 +16,11 @@ from unirl_core.data.prompts import PromptDataConfig, check_prompts_per_step
 from unirl_core.data.shapes import ShapesPromptsConfig
 from unirl_core.data.toy import ToyArithmeticConfig
 from unirl_core.errors import ConfigError, field_error
-from unirl_core.loop.dynamic_sampling import FilterGroupsConfig
-from unirl_core.loop.evaluate import EvalConfig, check_eval_config
+from unirl_core.advantage.dynamic_sampling import FilterGroupsConfig
+from unirl_core.config.eval import EvalConfig, check_eval_config
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
-from unirl_core.pool.config import PoolConfig, check_dedicated, check_shared
+from unirl_core.config.pool import PoolConfig, check_dedicated, check_shared
 from unirl_core.report.wandb_log import WandbConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.rollout.agentic import AgentConfig, check_agent_config
@@ -117,7 +117,7 @@ class DataConfig:
             if not (isinstance(v, int) and v >= 1):
                 raise field_error(ConfigError, f"data.{name}", v, "an integer >= 1", "use e.g. 4")
         # The prompt count of these sources is known here; a file's is checked where it is read
-        # (``unirl_core.loop.build``).
+        # (``unirl_core.runtime.build``).
         known = {"inline": (len(self.prompts), "data.prompts"),
                  "toy_arithmetic": (self.toy.num_prompts, "data.toy.num_prompts"),
                  "shapes": (self.shapes.num_prompts, "data.shapes.num_prompts")}.get(self.source)
@@ -313,7 +313,7 @@ class RunConfig:
     """Per-prompt reward statistics across steps (Flow-GRPO); None normalises within the batch's groups."""
     filter_groups: FilterGroupsConfig | None = None
     """DAPO dynamic sampling: drop groups whose rewards are all equal and refill the batch with extra rounds of
-    new prompts (``unirl_core/loop/dynamic_sampling.py``); None: off. Needs ``train.old_logp_source='replay'``."""
+    new prompts (``unirl_core/advantage/dynamic_sampling.py``); None: off. Needs ``train.old_logp_source='replay'``."""
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)

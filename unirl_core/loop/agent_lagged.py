@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.loop.phases import sample_step
 from unirl_core.rollout.manager import RolloutRequest
 from unirl_core.rollout.turn_gate import TurnGate

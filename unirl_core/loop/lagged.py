@@ -20,7 +20,7 @@ import torch
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, field_error
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.loop.agent_lagged import agentic_rollout, suspends_turns
 from unirl_core.loop.phases import rollout_phase
 from unirl_core.rollout.ar import TrainsideAREngine

@@ -13,7 +13,8 @@ from unirl_core.checkpoint import CheckpointRef, load_checkpoint, save_train_che
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, field_error
-from unirl_core.loop import build, resume
+from unirl_core.loop import resume
+from unirl_core.runtime import build
 from unirl_core.train.backend import TrainBackend
 
 log = logging.getLogger(__name__)

@@ -98,7 +98,7 @@ class LMConfig:
     """Full fine-tune only: keep a frozen copy of the initial weights for the KL term (doubles weight memory)."""
     reference: str | None = None
     """Full fine-tune with ``keep_reference``: a checkpoint version (its URI) whose weights the trainer loads into
-    the frozen KL reference instead of the initial weights (``loop.build.train_bundle``). A compose run sets it to
+    the frozen KL reference instead of the initial weights (``runtime.build.train_bundle``). A compose run sets it to
     the warm-started enhancer, so the KL term pulls toward the policy RL started from, not the random init."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel; engine and trainer use the same module, hence the same kernel."""

@@ -4,6 +4,6 @@ Importing this package does not import Ray; ``unirl_core.pool.cluster`` and ``un
 on first use.
 """
 
-from unirl_core.pool.config import ActorResources, PoolConfig
+from unirl_core.config.pool import ActorResources, PoolConfig
 
 __all__ = ["ActorResources", "PoolConfig"]

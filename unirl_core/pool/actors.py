@@ -37,11 +37,11 @@ from unirl_core.checkpoint.writer import VersionWriter
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, RewardError, field_error
-from unirl_core.loop import build, phases
+from unirl_core.runtime import build, steps
 from unirl_core.pool import transport
-from unirl_core.pool.config import Emit
+from unirl_core.config.pool import Emit
 from unirl_core.pool.projection import for_training, project
-from unirl_core.train.weight_sync import (
+from unirl_core.weightsync.sync import (
     SyncScope,
     WeightReceiver,
     WeightSender,
@@ -199,7 +199,7 @@ class EngineActor(_Actor):
             self.served = None
             build.load_policy_weights(self.policy, ckpt, self.cfg)
             self.served = _version(ckpt)
-        batch, metrics = phases.sample_step(self.cfg, self.policy, ckpt, step=step, shard=shard,
+        batch, metrics = steps.sample_step(self.cfg, self.policy, ckpt, step=step, shard=shard,
                                             num_shards=num_shards, weights="policy", started=t0)
         ref = ray.put(batch)  # owned by this actor: lives as long as it holds it
         # a lagged rollout of step n runs while step n - lag still waits for its train call: keep those
@@ -323,13 +323,13 @@ class TrainerActor(_Actor):
             self.extra = self._restore(ckpt)
             self.state = _version(ckpt)
         batch = for_training(SampleBatch.concat(list(shards)), scored)
-        phases.check_policy_lag(cfg, batch, ckpt)
-        phases.check_replay_schedule(cfg, batch, backend.policy)
+        steps.check_policy_lag(cfg, batch, ckpt)
+        steps.check_replay_schedule(cfg, batch, backend.policy)
         self.state = None  # from here on the resident state is no version until it is saved
         metrics = backend.step(batch).as_dict()
         extra = dict(self.extra)
-        if phases.TRACKER_KEY in batch.metadata:
-            extra["tracker"] = json.loads(batch.metadata[phases.TRACKER_KEY])
+        if steps.TRACKER_KEY in batch.metadata:
+            extra["tracker"] = json.loads(batch.metadata[steps.TRACKER_KEY])
         ck = cfg.checkpoint
         full_now = ck.full_state_at(step, cfg.loop.total_steps)
         t0 = time.perf_counter()

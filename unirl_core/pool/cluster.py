@@ -22,7 +22,7 @@ from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import ConfigError, PoolActorDied, TransientError, field_error
 from unirl_core.pool import actors, transport
-from unirl_core.pool.config import ActorResources, PoolConfig
+from unirl_core.config.pool import ActorResources, PoolConfig
 from unirl_core.pool.group import trainer_names
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,9 @@ def _connect(pcfg: PoolConfig) -> bool:
 
 class Pool:
     """The run's actors and their placement group. Use ``Pool.get(cfg)``; ``close()`` frees them."""
+
+    namespace = NAMESPACE
+    """The Ray namespace of every actor the pool names."""
 
     def __init__(self, cfg: RunConfig, key: str) -> None:
         self.cfg, self.key = cfg, key

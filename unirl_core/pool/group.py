@@ -86,20 +86,18 @@ def kill(pool) -> None:
     free, so the next call creates new ones."""
     import ray
 
-    from unirl_core.pool.cluster import NAMESPACE
-
     ranks = names(pool)
     for n in ranks:
         pool.kill(n)
         try:
-            ray.kill(ray.get_actor(f"{pool.prefix}-{n}", namespace=NAMESPACE), no_restart=True)
+            ray.kill(ray.get_actor(f"{pool.prefix}-{n}", namespace=pool.namespace), no_restart=True)
         except ValueError:
             pass  # never created, or already gone
     deadline = time.monotonic() + 60.0
     for n in ranks:
         while time.monotonic() < deadline:
             try:
-                ray.get_actor(f"{pool.prefix}-{n}", namespace=NAMESPACE)
+                ray.get_actor(f"{pool.prefix}-{n}", namespace=pool.namespace)
             except ValueError:
                 break
             time.sleep(0.05)

@@ -21,7 +21,7 @@ import fsspec
 
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import ConfigError, field_error
-from unirl_core.pool.config import KubeRayConfig, PoolConfig
+from unirl_core.config.pool import KubeRayConfig, PoolConfig
 
 API_VERSION = "ray.io/v1"
 CLIENT_PORT, GCS_PORT, DASHBOARD_PORT = 10001, 6379, 8265

@@ -1,6 +1,6 @@
 """The loop's phases in pool mode: same inputs and outputs as ``unirl_core.loop.phases``, run by the pool.
 
-``loop.phases`` dispatches here when ``pool.execution == 'pool'``, so ``run_local`` and the Flyte tasks run
+The pool's executor (``pool.executor.PoolExecutor``) calls these, so ``run_local`` and the Flyte tasks run
 either mode unchanged. The advantage phase stays on the driver (a cheap pure function of the projection).
 """
 
@@ -15,7 +15,7 @@ from typing import Literal
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, PoolActorDied, field_error
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.pool import actors, group
 from unirl_core.pool.cluster import REWARD, Pool, engine_name
 from unirl_core.pool.shared import SHARED

@@ -34,9 +34,9 @@ import torch
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.errors import ConfigError, field_error
-from unirl_core.loop import phases
+from unirl_core.runtime import steps
 from unirl_core.pool.actors import TrainerActor, _version
-from unirl_core.pool.config import Emit
+from unirl_core.config.pool import Emit
 from unirl_core.pool.projection import project
 from unirl_core.types import SampleBatch
 
@@ -83,7 +83,7 @@ class SharedActor(TrainerActor):
         cuda = [device.index or 0] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda), \
                 (backend.ema_applied() if weights == "ema" else nullcontext()):
-            batch, metrics = phases.sample_step(self.cfg, backend.policy, ckpt, step=step, shard=shard,
+            batch, metrics = steps.sample_step(self.cfg, backend.policy, ckpt, step=step, shard=shard,
                                                 num_shards=num_shards, weights=weights, started=t0)
         with self._held_lock:  # older steps were trained or dropped
             self._held = {k: v for k, v in self._held.items() if k[0] >= step}

@@ -1,11 +1,11 @@
 """The pool's vLLM engine actor: an ``EngineActor`` that starts and owns the run's vLLM server.
 
 Why an actor owns it: in pods / local execution the process that runs the rollout phase starts the server
-(``loop.build.dedicated_engine``) and keeps it for its life; in the pool that process is the engine actor, which
+(``runtime.build.dedicated_engine``) and keeps it for its life; in the pool that process is the engine actor, which
 lives for the run, so the server does too (started on the first rollout or publish, ~40 s on the CPU backend).
 
 - rollout: as the trainside engine actor (``EngineActor.rollout``): the bundle loads the version from the store
-  only when the pool has not published it here, then ``phases.sample_step`` runs the local path
+  only when the pool has not published it here, then ``steps.sample_step`` runs the local path
   (``_dedicated_rollout``: sync the server if it serves another version, generate, replay every sampled token
   with the bundle and fail closed past ``lm.logp_check``). The full batch stays in the object store for the
   trainer, the driver gets the projection.
@@ -17,7 +17,7 @@ lives for the run, so the server does too (started on the first rollout or publi
   group (``sync_ranks`` 2: rank r for the bundle's receiver, r + 1 for the worker, joined through the worker
   extension's ``unirl_join_sync``); each publish drains the server, and the trainer's broadcast reaches the bundle
   and the worker at once, the worker streaming the buckets into vLLM's in-place reload
-  (``unirl_core.train.weight_stream``): no state dict through the object store, no staged folder. A replaced
+  (``unirl_core.weightsync.stream``): no state dict through the object store, no staged folder. A replaced
   server leaves the group (the actor's sync token is cleared), so the next publish opens a new one.
 - failures: a server that died (between calls or under a request) raises ``EngineError`` naming the actor and
   drops the engine, so the retried phase starts a new server; a dead actor is ``PoolActorDied`` (cluster.py), and a
@@ -32,10 +32,10 @@ from contextlib import contextmanager
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.errors import EngineError
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.pool.actors import EngineActor, _device, _scope, _version
-from unirl_core.train.weight_sync import WeightReceiver
-from unirl_core.pool.config import Emit
+from unirl_core.weightsync.sync import WeightReceiver
+from unirl_core.config.pool import Emit
 from unirl_core.rollout.vllm.engine import beside
 from unirl_core.rollout.weights import stage_state_dict
 from unirl_core.types import SampleBatch

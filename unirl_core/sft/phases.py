@@ -195,7 +195,7 @@ def export_model(cfg: SFTConfig, ckpt: CheckpointRef, uri: str | None = None) ->
     SFT model's, see the README) or ``lm.model.model: <uri>``. Remote URIs are written through fsspec."""
     uri = uri or export_uri(cfg)
     bundle = fresh_bundle(cfg)
-    from unirl_core.loop.build import apply_policy_weights
+    from unirl_core.runtime.build import apply_policy_weights
 
     ema = cfg.loop.export_ema
     weights = load_weights(ckpt, storage_options=cfg.checkpoint.storage_options, ema=ema)

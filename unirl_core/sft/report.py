@@ -48,7 +48,7 @@ def sample_images(bundle, prompts: list[str], *, height: int, width: int, num_st
 
 def version_bundle(cfg: SFTConfig, ckpt: CheckpointRef, *, ema: bool = False):
     """A fresh bundle of the run's model holding version ``ckpt``'s weights (or its EMA weights)."""
-    from unirl_core.loop.build import apply_policy_weights
+    from unirl_core.runtime.build import apply_policy_weights
     from unirl_core.sft.phases import fresh_bundle
 
     bundle = fresh_bundle(cfg)

@@ -28,9 +28,10 @@ from unirl_core.models.precision import module_dtype, parameters_as, rounded, up
 from unirl_core.train import distributed as D
 from unirl_core.train.config import TrainConfig
 from unirl_core.train.ema import ParameterEMA
-from unirl_core.train.host_staging import HostStaging
+from unirl_core.checkpoint.host_staging import HostStaging
 from unirl_core.train.optim import build_optimizer, build_scheduler, trainable_parameters
-from unirl_core.train.state import capture_rng, restore_rng, seed_everything
+from unirl_core.train.stateful import CheckpointableState
+from unirl_core.checkpoint.rng import capture_rng, restore_rng, seed_everything
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def names_in_order(module: torch.nn.Module) -> list[str]:
     return list(module.state_dict().keys())
 
 
-class TrainBackend:
+class TrainBackend(CheckpointableState):
     """Owns optimizer, scheduler, precision, EMA, sharding and RNG of one policy.
 
     The backend owns ``policy``: its module is prepared in place (trainable parameters become fp32 master

@@ -13,7 +13,7 @@ from unirl_core.algorithms.grpo import GRPO, GRPOConfig
 from unirl_core.algorithms.registry import algorithm_names, build_algorithm, register_algorithm
 from unirl_core.config import RunConfig, from_dict, load_recipe, load_recipe_dict, to_dict
 from unirl_core.errors import ConfigError
-from unirl_core.loop import build
+from unirl_core.runtime import build
 
 
 def test_builtin_names_per_family():

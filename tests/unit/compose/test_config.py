@@ -62,7 +62,7 @@ def test_unknown_key_names_the_dotted_path():
 
 def test_colour_recipe_prompts_leave_the_colour_to_the_enhancer():
     """shapes-enhance-colour: the enhancer sees "two circles", the reward wants "two blue circles"."""
-    from unirl_core.loop import build
+    from unirl_core.runtime import build
 
     cfg = load_compose_recipe("shapes-enhance-colour")
     assert "shapes-enhance-colour" in compose_recipe_names() and cfg.trained == ("enhancer",)

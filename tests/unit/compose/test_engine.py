@@ -10,7 +10,7 @@ import torch
 from unirl_core.compose.config import stack_configs
 from unirl_core.compose.engine import compose_rollout, enhancement_id
 from unirl_core.io import read_batch, write_batch
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.loop.phases import step_prompts
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.diffusion import TrainsideDiffusionEngine

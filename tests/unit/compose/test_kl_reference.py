@@ -12,7 +12,7 @@ from unirl_core.compose.config import ENHANCER_REFERENCE, enhancer_reference_uri
 from unirl_core.compose.local import run_compose_local
 from unirl_core.compose.phases import init_stacks
 from unirl_core.errors import CheckpointError, ConfigError
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.models.lm import LMConfig, build_tiny_lm
 
 torch.set_num_threads(1)

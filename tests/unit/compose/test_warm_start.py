@@ -9,7 +9,7 @@ import pytest
 from unirl_core.compose.config import WarmStartConfig, load_compose_recipe, stack_configs
 from unirl_core.compose.warm_start import warm_pairs, warm_start_enhancer
 from unirl_core.errors import ConfigError
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.types import PromptRecord, SampleBatch
 

@@ -156,7 +156,7 @@ def test_a_step_needs_at_least_prompts_per_step_prompts():
                                                      (3, True, False), (3, False, False)])
 def test_file_prompt_count_is_checked_when_the_file_is_read(tmp_path, rows, shuffle, ok):
     from unirl_core.config import load_recipe
-    from unirl_core.loop import build
+    from unirl_core.runtime import build
 
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": i}) for i in range(rows)))

@@ -141,7 +141,7 @@ def test_world_config_restricts_what_is_sampled():
 
 
 def test_data_source_shapes_builds_a_prompt_dataset():
-    from unirl_core.loop.build import (
+    from unirl_core.runtime.build import (
         _build_dataset,  # the loop's own dispatch on data.source
     )
 

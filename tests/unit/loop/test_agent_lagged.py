@@ -10,7 +10,7 @@ import time
 import torch
 
 from unirl_core.config import load_recipe
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 from unirl_core.rollout.agentic import MODEL, TURN_VERSIONS_KEY, TURNS_KEY
 from unirl_core.rollout.turn_gate import TurnGate

@@ -14,6 +14,7 @@ from unirl_core.checkpoint import CheckpointStore, fsio
 from unirl_core.config import load_recipe
 from unirl_core.errors import CheckpointError
 from unirl_core.loop import phases
+from unirl_core.loop.executors import in_process
 from unirl_core.loop.local import run_local
 
 KEYS = ("train/loss", "train/grad_norm", "train/ratio_mean", "train/ratio_max", "reward/mean")
@@ -97,7 +98,7 @@ def test_a_failed_background_write_surfaces_at_the_next_step(tmp_path, monkeypat
     store = CheckpointStore(str(tmp_path / "a"), "tiny-grpo")
     assert store.latest().step == 1 and [r.step for r in store.versions()] == [0, 1]
     assert not (tmp_path / "a" / "tiny-grpo" / "step-00000002" / "manifest.json").exists()
-    assert not phases._RESIDENT  # the trainer's state is no version of the store any more
+    assert not in_process().resident  # the trainer's state is no version of the store any more
     rest = run_local(_cfg(tmp_path / "a"))  # resumes from the published step 1
     full = run_local(_cfg(tmp_path / "b"))
     assert [h["step"] for h in rest] == [2.0, 3.0]

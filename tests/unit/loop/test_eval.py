@@ -7,8 +7,8 @@ import torch
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
 from unirl_core.loop import phases
+from unirl_core.config.eval import EvalConfig
 from unirl_core.loop.evaluate import (
-    EvalConfig,
     eval_phase,
     eval_prompts,
     resolve_version,

@@ -14,6 +14,7 @@ from unirl_core.checkpoint.store import TRAIN_STATE
 from unirl_core.config import load_recipe
 from unirl_core.errors import CheckpointError
 from unirl_core.loop import phases
+from unirl_core.loop.executors import in_process
 from unirl_core.loop.local import run_local
 
 KEYS = ("train/loss", "train/grad_norm", "train/ratio_mean", "reward/mean")
@@ -63,7 +64,7 @@ def test_resume_from_a_weights_only_version_names_the_newest_full_one(tmp_path):
         run_local(cfg, on_step=stop_after_3)
     store = CheckpointStore(cfg.checkpoint.root, cfg.name)
     assert store.latest().step == 3 and _full_steps(cfg) == [0, 2]
-    phases._RESIDENT.clear()  # a new process: no trainer holds version 3 (in this one it would go on from it)
+    in_process().resident.clear()  # a new process: no trainer holds version 3 (in this one it would go on from it)
     with pytest.raises(CheckpointError, match=r"checkpoint.every_n_steps=2: expected a full resumable state in "
                                               r".*step-00000003.*newest version at or before it that has one: "
                                               r"step 2 .*fork the run from that version"):

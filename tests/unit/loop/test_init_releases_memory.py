@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from unirl_core.config.recipes import load_recipe
-from unirl_core.loop import build, phases
+from unirl_core.loop import phases
+from unirl_core.runtime import build
 
 
 @pytest.mark.parametrize("recipe", ["tiny-grpo", "tiny-flow-grpo"])

@@ -12,7 +12,7 @@ import torch
 from unirl_core.checkpoint import CheckpointRef, load_weights
 from unirl_core.config import load_recipe
 from unirl_core.errors import CheckpointError
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.loop.phases import init_run
 
 

@@ -11,7 +11,8 @@ import torch
 
 from unirl_core.config import load_recipe
 from unirl_core.errors import CheckpointError, ConfigError
-from unirl_core.loop import build, lagged
+from unirl_core.loop import lagged
+from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 
 torch.set_num_threads(1)

@@ -8,7 +8,7 @@ import torch
 
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 from unirl_core.loop.phases import step_prompts
 

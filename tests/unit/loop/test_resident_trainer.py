@@ -7,6 +7,9 @@ import torch
 
 from unirl_core.config import load_recipe
 from unirl_core.loop import phases
+from unirl_core.loop.executors import in_process
+from unirl_core.runtime import steps
+from unirl_core.runtime.inprocess import InProcessExecutor
 from unirl_core.loop.local import run_local
 
 KEYS = ("train/loss", "train/grad_norm", "train/ratio_mean", "reward/mean")
@@ -14,15 +17,15 @@ KEYS = ("train/loss", "train/grad_norm", "train/ratio_mean", "reward/mean")
 
 def _run(root, monkeypatch, *, force_restore: bool):
     restores = []
-    real = phases.restore_train_checkpoint
+    real = steps.restore_train_checkpoint
 
     def counting(backend, ref, **kw):
         restores.append(ref.step)
         return real(backend, ref, **kw)
 
-    monkeypatch.setattr(phases, "restore_train_checkpoint", counting)
+    monkeypatch.setattr(steps, "restore_train_checkpoint", counting)
     if force_restore:
-        monkeypatch.setattr(phases, "_resident_extra", lambda backend, ckpt, cfg: None)
+        monkeypatch.setattr(InProcessExecutor, "_resident_extra", lambda self, backend, ckpt, cfg: None)
     cfg = load_recipe("tiny-grpo", [f"checkpoint.root={root}", "loop.total_steps=4", "report.progress=false",
                                     "train.lr=5e-2"])
     history = run_local(cfg)
@@ -45,11 +48,11 @@ def test_resident_trainer_skips_the_restore_and_trains_identically(tmp_path, mon
 def test_a_failed_step_forgets_the_resident_version(tmp_path, monkeypatch):
     cfg = load_recipe("tiny-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=1", "report.progress=false"])
     run_local(cfg)
-    assert phases._RESIDENT
+    assert in_process().resident
     backend = phases.build.trainer(cfg)
     ckpt = phases.build.store(cfg).latest()
-    assert phases._resident_extra(backend, ckpt, cfg) is not None
-    assert not phases._RESIDENT and phases._resident_extra(backend, ckpt, cfg) is None  # cleared until the next save
+    assert in_process()._resident_extra(backend, ckpt, cfg) is not None
+    assert not in_process().resident and in_process()._resident_extra(backend, ckpt, cfg) is None  # cleared until the next save
 
 
 def test_a_rewritten_version_is_restored(tmp_path):
@@ -58,6 +61,6 @@ def test_a_rewritten_version_is_restored(tmp_path):
     run_local(cfg)
     backend = phases.build.trainer(cfg)
     ckpt = phases.build.store(cfg).latest()
-    held = dict(phases._RESIDENT)
-    phases._RESIDENT.update(held, files={**held["files"], "model.safetensors": {"bytes": 0, "sha256": "0" * 64}})
-    assert phases._resident_extra(backend, ckpt, cfg) is None
+    held = dict(in_process().resident)
+    in_process().resident.update(held, files={**held["files"], "model.safetensors": {"bytes": 0, "sha256": "0" * 64}})
+    assert in_process()._resident_extra(backend, ckpt, cfg) is None

@@ -13,7 +13,8 @@ import torch
 from unirl_core.checkpoint import CheckpointStore, restore_train_checkpoint
 from unirl_core.config import load_recipe
 from unirl_core.errors import CheckpointError, ConfigError
-from unirl_core.loop import build, resume
+from unirl_core.loop import resume
+from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 from unirl_core.loop.phases import init_run
 from unirl_core.train.backend import TrainBackend

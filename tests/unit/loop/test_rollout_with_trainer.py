@@ -11,7 +11,7 @@ from tests.flyte.conftest import SMALL
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
-from unirl_core.loop import build
+from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 
 NFT = ["data.prompts_per_step=2", "data.samples_per_prompt=4", "train.micro_batch_size=4",

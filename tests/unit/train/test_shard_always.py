@@ -23,7 +23,7 @@ WORKER = textwrap.dedent("""
     from tests.unit.train.toy import ToyGRPO, ToyPolicy, rollout
     from unirl_core.train import TrainBackend, TrainConfig
     from unirl_core.train.distributed import is_sharded
-    from unirl_core.train.weight_sync import gather_for_sync
+    from unirl_core.weightsync.sync import gather_for_sync
 
     torch.set_num_threads(1)
     policy = ToyPolicy(seed=0)

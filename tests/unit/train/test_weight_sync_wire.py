@@ -8,7 +8,7 @@ from torch import nn
 
 from unirl_core.errors import ConfigError
 from unirl_core.models.lora import apply_lora
-from unirl_core.train.weight_sync import (
+from unirl_core.weightsync.sync import (
     PROTOCOL,
     TensorSpec,
     WeightSyncConfig,
@@ -139,7 +139,7 @@ def test_config_world_and_bucket_bytes():
 
 
 def test_backend_follows_the_device():
-    from unirl_core.train.weight_sync import resolve_backend
+    from unirl_core.weightsync.sync import resolve_backend
 
     assert resolve_backend("auto", torch.device("cpu")) == "gloo"
     assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"

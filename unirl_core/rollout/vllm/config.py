@@ -34,7 +34,7 @@ class VLLMEngineConfig:
     model: str | None = None
     """Model directory (``save_pretrained`` layout) or hub id the server loads at start. None is only valid
     inside the training loop, which starts the server from the run's exported step-0 policy
-    (``unirl_core.loop.build.initial_policy_uri``); a standalone engine needs a directory or hub id."""
+    (``unirl_core.runtime.build.initial_policy_uri``); a standalone engine needs a directory or hub id."""
     tokenizer: str | None = None
     """Tokenizer used HERE to encode prompts (token-in); None uses ``model``'s. Must be the trainer's."""
     base_url: str | None = None

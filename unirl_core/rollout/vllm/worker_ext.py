@@ -8,7 +8,7 @@ modules are imported here.
 Two ways a version arrives: ``unirl_reload_weights`` reads a staged folder; ``unirl_join_sync`` +
 ``unirl_receive_sync`` take it from the trainer's broadcast (``pool.publish: collective``): the worker joins the
 pool's publish group as one more rank (NCCL on GPUs, gloo on CPU) and streams the buckets into the same
-in-place reload, no file in between (``unirl_core.train.weight_stream``).
+in-place reload, no file in between (``unirl_core.weightsync.stream``).
 
 Why not vLLM's plain ``reload_weights``: its layer-wise in-place reload (vLLM 0.32) loads the
 checkpoint layer by layer and puts the OLD kernel tensors back on any layer that received no
@@ -74,8 +74,8 @@ class WeightSyncExtension:
                         timeout_s: float, bucket_mb: float) -> dict:
         """Join the pool's publish group as ``rank``; blocks until every rank joined. The names and shapes a
         sync must bring are the served checkpoint's (plus the LM head when it is tied to the embedding)."""
-        from unirl_core.train.weight_stream import StreamReceiver
-        from unirl_core.train.weight_sync import WeightSyncConfig
+        from unirl_core.weightsync.stream import StreamReceiver
+        from unirl_core.weightsync.sync import WeightSyncConfig
 
         self.unirl_close_sync()
         expected = checkpoint_shapes(self.model_config.model)

@@ -5,7 +5,7 @@ import torch
 
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
-from unirl_core.loop.dynamic_sampling import FilterGroupsConfig, fill_groups, split_groups
+from unirl_core.advantage.dynamic_sampling import FilterGroupsConfig, fill_groups, split_groups
 from unirl_core.loop.local import run_local
 from unirl_core.types import Part, Sample, SampleBatch
 

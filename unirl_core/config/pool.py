@@ -117,7 +117,7 @@ class PoolConfig:
     log-probs, rewards; diffusion latents emptied and replay conditions dropped) or ``full`` trajectories."""
     publish: Publish = "collective"
     """How a published version reaches the engines: ``collective`` broadcasts it from the trainer actor over a
-    torch.distributed group of trainer + engines (NCCL on GPUs, gloo on CPU; ``unirl_core.train.weight_sync``),
+    torch.distributed group of trainer + engines (NCCL on GPUs, gloo on CPU; ``unirl_core.weightsync.sync``),
     ``object_store`` sends the trainer's state dict through Ray's object store. Either way an engine that
     missed a version loads it from the checkpoint store before its next rollout."""
     sync_bucket_mb: float = 256.0

@@ -1,6 +1,6 @@
 """The receiving end of the trainer -> engine broadcast for a model that loads weights itself.
 
-``WeightReceiver`` (``weight_sync.py``) copies each bucket into a module of ours in place, by name. A vLLM
+``WeightReceiver`` (``sync.py``) copies each bucket into a module of ours in place, by name. A vLLM
 worker's model is not one of ours: its parameters are fused (``qkv_proj``), cast and post-processed (on CPU a
 prepacked GEMM), and only its own loader (``model.load_weights`` / the worker's in-place ``reload_weights``) maps
 checkpoint-named tensors onto them. ``StreamReceiver`` joins the same sync group, speaks the same protocol
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from unirl_core.errors import ConfigError, field_error
-from unirl_core.train.weight_sync import (
+from unirl_core.weightsync.sync import (
     _DTYPES,
     SyncStats,
     TensorSpec,

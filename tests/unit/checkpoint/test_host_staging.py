@@ -3,7 +3,7 @@
 
 import torch
 
-from unirl_core.train.host_staging import HostStaging, wait_all
+from unirl_core.checkpoint.host_staging import HostStaging, wait_all
 
 
 def test_cpu_tensors_pass_through_and_nothing_is_fenced():
@@ -29,12 +29,12 @@ def test_a_fence_after_copies_frees_the_buffers_of_names_not_staged_again():
 def test_no_pinned_memory_falls_back_to_a_synchronous_copy(monkeypatch, caplog):
     """A tensor taken for a device tensor on a host that cannot page-lock memory (here: a CPU-only build refuses
     pin_memory): the plain copy, logged once, nothing cached; the step goes on."""
-    from unirl_core.train import host_staging
+    from unirl_core.checkpoint import host_staging
 
     monkeypatch.setattr(host_staging, "_on_device", lambda t: True)
     staging = HostStaging()
     t = torch.arange(4.0)
-    with caplog.at_level("WARNING", logger="unirl_core.train.host_staging"):
+    with caplog.at_level("WARNING", logger="unirl_core.checkpoint.host_staging"):
         a, b = staging.copy("a", t), staging.copy("b", t * 2)
     assert torch.equal(a, t) and torch.equal(b, t * 2)
     assert staging.nbytes == 0 and len([r for r in caplog.records if "pinned" in r.message]) == 1

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from unirl_core.errors import ConfigError, field_error
-from unirl_core.train.weight_wire import (  # noqa: F401  (the wire format, re-exported: importers use this module)
+from unirl_core.weightsync.wire import (  # noqa: F401  (the wire format, re-exported: importers use this module)
     _DTYPES, _LORA_TAG, PROTOCOL, Bucket, Cast, SyncScope, TensorSpec, WeightSyncError, WeightSyncTimeout, check_names,
     check_specs, decode_header, encode_header, plan_buckets, spec_of, specs_of_header, sync_names, weights_header)
 
@@ -97,9 +97,9 @@ def gather_for_sync(module: nn.Module, scope: SyncScope = "full") -> dict[str, T
     on rank 0 (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``), other ranks get ``{}``.
     A plain module returns detached views of its own tensors (no copy).
     """
-    from unirl_core.train.distributed import is_sharded
+    from torch.distributed.fsdp import FSDPModule
 
-    if is_sharded(module):
+    if isinstance(module, FSDPModule):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,

@@ -1,0 +1,44 @@
+"""The executor interface: where a step's phases run and who holds the state between them.
+
+The driver (``unirl_core.loop``) picks one executor per process and mode (``loop.executors.executor_for``) and
+talks to it through these six calls; no phase asks where it runs. Two implementations:
+
+- ``runtime.inprocess.InProcessExecutor``: this process holds the rollout bundle, the trainer and the writer;
+- ``pool.executor.PoolExecutor``: the run's Ray actors hold them; this process holds projections.
+
+Synchronous RL is the same calls in order; asynchronous RL (``loop.lagged``) overlaps rollouts of lagged versions
+with them, under a bound on policy lag (0: synchronous).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from unirl_core.checkpoint import CheckpointRef
+from unirl_core.config.run import RunConfig
+from unirl_core.types import SampleBatch
+
+Metrics = dict[str, float]
+
+
+class Executor(Protocol):
+    def rollout(self, cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
+                weights: Literal["policy", "ema"], gen_round: int = 0,
+                trainer_copy: bool = False) -> tuple[SampleBatch, Metrics]:
+        """Sample shard ``shard`` of step ``step`` with ``ckpt``'s (or its EMA) weights."""
+
+    def score(self, cfg: RunConfig, batch: SampleBatch) -> tuple[SampleBatch, Metrics]:
+        """Every sample scored (per component and weighted total)."""
+
+    def advantage(self, cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef) -> tuple[SampleBatch, Metrics]:
+        """Group-normalised advantages (with a tracker read from ``ckpt``)."""
+
+    def train(self, cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step: int,
+              asynchronous: bool = False) -> tuple[CheckpointRef, Metrics]:
+        """One batch of updates from ``ckpt``; writes (unpublished) version ``step``."""
+
+    def publish(self, cfg: RunConfig, ckpt: CheckpointRef, *, asynchronous: bool = False) -> dict:
+        """Make ``ckpt`` the run's published version (and the engines' weights)."""
+
+    def finish_writes(self) -> None:
+        """Wait for any version being written in the background; raise its failure."""

@@ -10,20 +10,19 @@ publishes either, so an interrupted publication is completed (rolled forward) by
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 
-from unirl_core.checkpoint import CheckpointRef, CheckpointStore, restore_train_checkpoint, save_train_checkpoint
+from unirl_core.checkpoint import CheckpointRef, CheckpointStore, save_train_checkpoint
 from unirl_core.compose.config import ENHANCER_REFERENCE, STACKS, ComposeRunConfig, stack_configs
-from unirl_core.compose.credit import assign_compose_advantages, enhancer_batch, image_batch, propagate_rewards
-from unirl_core.compose.sampling import Refs, sample_step
+from unirl_core.compose.credit import assign_compose_advantages, propagate_rewards
+from unirl_core.compose.executor import compose_executor_for
+from unirl_core.compose.sampling import Refs
 from unirl_core.compose.warm_start import warm_start_enhancer
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.runtime import build
-from unirl_core.loop.phases import check_replay_schedule, init_run, publish_phase
+from unirl_core.loop.phases import init_run, publish_phase
 from unirl_core.train.backend import TrainBackend
 from unirl_core.types import SampleBatch
 
@@ -97,44 +96,16 @@ def step_of(cfg: ComposeRunConfig, refs: Refs) -> int:
 def rollout_phase(cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, dict[str, float]]:
     """Sample step ``step``: enhancements with the enhancer's version, their images with the image stack's (its
     EMA weights when its algorithm samples with them, e.g. DiffusionNFT). One SampleBatch, both Parts filled.
-    With ``pool.execution: pool`` the pool's engine actor samples and this returns its projection."""
-    if cfg.pool.execution == "pool":
-        from unirl_core.compose import pool
-
-        return pool.rollout_phase(cfg, refs, step=step)
-    subs = stack_configs(cfg)
-    lm_sub, img_sub = subs["enhancer"], subs["image"]
-    lm_policy, img_policy = build.bundle(lm_sub), build.bundle(img_sub)
-    build.load_policy_weights(lm_policy, refs["enhancer"], lm_sub)
-    build.load_policy_weights(img_policy, refs["image"], img_sub, ema=build.rollout_weights(img_sub) == "ema")
-    return sample_step(cfg, lm_policy, img_policy, refs, step=step)
+    In the pool the engine actor samples and this returns its projection."""
+    return compose_executor_for(cfg).rollout(cfg, refs, step=step)
 
 
 def score_phase(cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
     """Score every image against its original prompt, propagate to the enhancements, advantages per stack."""
-    if cfg.pool.execution == "pool":
-        from unirl_core.compose import pool
-
-        scored, metrics = pool.reward_phase(cfg, batch)
-    else:
-        scored, stats = build.reward_service(stack_configs(cfg)["image"]).score_with_stats(batch)
-        metrics = stats.as_metrics()
+    scored, metrics = compose_executor_for(cfg).score(cfg, batch)
     metrics.update(propagate_rewards(scored))
     metrics.update(assign_compose_advantages(scored, cfg.grouping, cfg.advantage))
     return scored, metrics
-
-
-_TRAINERS: dict[str, tuple[str, TrainBackend]] = {}
-"""One TrainBackend per stack for this process (keyed by the stack's config), owned by ``train_phase``."""
-
-
-def _trainer(name: str, sub: RunConfig) -> TrainBackend:
-    key = json.dumps([to_dict(sub.section.model), to_dict(sub.train), to_dict(sub.section.algorithm)], sort_keys=True,
-                     default=str)
-    held = _TRAINERS.get(name)
-    if held is None or held[0] != key:
-        _TRAINERS[name] = (key, TrainBackend(build.train_bundle(sub), build.algorithm(sub), sub.train))
-    return _TRAINERS[name][1]
 
 
 def train_phase(cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *,
@@ -145,34 +116,14 @@ def train_phase(cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *,
         if step != refs[name].step + 1:
             raise field_error(CheckpointError, f"{name} step", step, f"{name} ckpt.step + 1 = {refs[name].step + 1}",
                               "train each step from the versions of the step before it")
-    if cfg.pool.execution == "pool":  # each stack on its own trainer actor, optimizer state resident
-        from unirl_core.compose import pool
-
-        return pool.train_phase(cfg, batch, refs, step=step)
-    subs = stack_configs(cfg)
-    rows = {"enhancer": enhancer_batch(batch), "image": image_batch(batch, cfg.grouping)}
-    out, metrics = dict(refs), {}
-    for name in cfg.trained:
-        ref, sub = refs[name], subs[name]
-        t0 = time.perf_counter()
-        backend = _trainer(name, sub)
-        restore_train_checkpoint(backend, ref, storage_options=sub.checkpoint.storage_options)
-        check_replay_schedule(sub, rows[name], backend.policy)
-        m = backend.step(rows[name]).as_dict()
-        out[name] = save_train_checkpoint(build.store(sub), backend, config=to_dict(sub), extra={}, publish=False,
-                                          overwrite=True)
-        metrics.update({f"{name}/train/{k}": float(v) for k, v in m.items()})
-        metrics[f"time/train_{name}"] = time.perf_counter() - t0
-    return out, metrics
+    return compose_executor_for(cfg).train(cfg, batch, refs, step=step)
 
 
 def publish_stacks(cfg: ComposeRunConfig, refs: Refs) -> Refs:
-    """Publish every trained stack's version (after all were written: see the module docstring)."""
+    """Publish every trained stack's version (after all were written: see the module docstring), then hand the
+    weights to the engines that sample with them (in the pool: in-pool from the trainers)."""
     subs = stack_configs(cfg)
     for name in cfg.trained:
         publish_phase(subs[name], refs[name])
-    if cfg.pool.execution == "pool":  # then each trainer's weights to the engine actor, in-pool
-        from unirl_core.compose import pool
-
-        pool.publish_weights(cfg, refs)
+    compose_executor_for(cfg).publish_weights(cfg, refs)
     return refs

@@ -8,7 +8,7 @@ Roles (``ComposePool.make_roles``): ``engine-0`` (``ComposeEngineActor``, the co
 trajectories, ``enhancer_batch`` / ``image_batch`` of the composed batch, in the engines' order) in the object
 store; the phase returns the projection, the driver propagates rewards and computes advantages on it, and each
 trainer copies them onto its full rows (``pool.projection.for_training``, fail-closed on differing log-probs).
-The two trainers train the step concurrently. ``compose.phases`` dispatches here, so ``run_compose_local`` and
+The two trainers train the step concurrently. ``compose.executor.ComposePoolExecutor`` calls these, so ``run_compose_local`` and
 the Flyte tasks run either mode unchanged. Ray is imported on first use only.
 """
 

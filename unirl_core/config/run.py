@@ -11,6 +11,7 @@ from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo import GRPOConfig
 from unirl_core.algorithms.registry import AlgorithmChoice
 from unirl_core.config.deployment_checks import check_lm_deployment
+from unirl_core.config.loader import from_dict
 from unirl_core.config.diffusion_sampling import DiffusionSamplingConfig
 from unirl_core.data.prompts import PromptDataConfig, check_prompts_per_step
 from unirl_core.data.shapes import ShapesPromptsConfig
@@ -28,6 +29,7 @@ from unirl_core.rollout.ar import AREngineConfig
 from unirl_core.rollout.diffusion import DiffusionEngineConfig
 from unirl_core.rollout.logp_check import LogpCheckConfig
 from unirl_core.rollout.modes import DeploymentConfig
+from unirl_core.rollout.registry import BUILT_IN_SECTIONS, engine_entry
 from unirl_core.rollout.sglang.config import SGLangEngineConfig
 from unirl_core.rollout.vllm.config import VLLMEngineConfig
 from unirl_core.train.config import TrainConfig
@@ -75,10 +77,30 @@ class LMSection:
     """Multi-turn rollouts with an environment (``unirl_core/rollout/agentic.py``; ``sampling.max_new_tokens``
     caps each model turn); None: single-turn completions."""
 
+    dedicated_engine: dict[str, Any] | None = None
+    """The settings of a registered dedicated engine other than vLLM and SGLang (``lm.deployment.engine`` names
+    it; ``unirl_core.rollout.registry``): a mapping of that engine's config fields."""
+
+    def __post_init__(self) -> None:
+        entry = engine_entry(self.deployment.engine, "lm.deployment.engine")
+        parsed = None
+        if self.dedicated_engine is not None:
+            if not entry.dedicated or entry.section != "lm.dedicated_engine":
+                raise field_error(ConfigError, "lm.dedicated_engine", "set",
+                                  f"unset with lm.deployment.engine={self.deployment.engine!r}",
+                                  f"remove it (the {entry.name} engine's settings are {entry.section})"
+                                  if entry.dedicated else "remove it, or name its engine in lm.deployment.engine")
+            parsed = from_dict(entry.config, self.dedicated_engine, "lm.dedicated_engine")
+        object.__setattr__(self, "_dedicated_engine", parsed)
+
     @property
-    def dedicated(self) -> VLLMEngineConfig | SGLangEngineConfig | None:
-        """The dedicated engine's config, None for trainside sampling."""
-        return {"vllm": self.vllm, "sglang": self.sglang}.get(self.deployment.engine)
+    def dedicated(self) -> Any:
+        """The dedicated engine's config (``lm.vllm``, ``lm.sglang`` or the parsed ``lm.dedicated_engine``), None
+        for trainside sampling."""
+        kind = self.deployment.engine
+        if kind in BUILT_IN_SECTIONS:
+            return getattr(self, kind)
+        return self._dedicated_engine
 
 
 @dataclass(frozen=True, kw_only=True)

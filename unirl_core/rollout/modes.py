@@ -17,14 +17,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.rollout.registry import engine_entry, engine_names
 
 DeploymentMode = Literal["direct", "separate", "colocate"]
-EngineKind = Literal["trainside", "vllm", "sglang"]
 SyncMethod = Literal["reload", "lora"]
 
 DEPLOYMENT_MODES: tuple[str, ...] = ("direct", "separate", "colocate")
-ENGINE_KINDS: tuple[str, ...] = ("trainside", "vllm", "sglang")
-DEDICATED_ENGINES: tuple[str, ...] = ("vllm", "sglang")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,8 +54,9 @@ class DeploymentConfig:
 
     mode: DeploymentMode = "direct"
     """``direct`` (trainside), ``separate`` (dedicated, own resources) or ``colocate`` (dedicated, shared)."""
-    engine: EngineKind = "trainside"
-    """Which engine samples: ``trainside``, ``vllm`` or ``sglang``."""
+    engine: str = "trainside"
+    """Which engine samples: ``trainside``, or a registered dedicated engine (``vllm``, ``sglang``, or one of your
+    own: ``unirl_core.rollout.registry``)."""
     sync: SyncConfig | None = None
     """Weight publication to a dedicated engine; must be None for ``direct`` and set otherwise."""
     sleep_level: int = 1
@@ -73,22 +72,22 @@ def validate_deployment(cfg: DeploymentConfig) -> None:
     if cfg.mode not in DEPLOYMENT_MODES:
         raise field_error(ConfigError, "deployment.mode", cfg.mode, f"one of {DEPLOYMENT_MODES}",
                           "use 'direct' for trainside sampling, 'separate' or 'colocate' for vLLM/SGLang")
-    if cfg.engine not in ENGINE_KINDS:
-        raise field_error(ConfigError, "deployment.engine", cfg.engine, f"one of {ENGINE_KINDS}", "pick an engine")
+    entry = engine_entry(cfg.engine, "deployment.engine")
     if cfg.sync is not None and not isinstance(cfg.sync, SyncConfig):
         raise field_error(ConfigError, "deployment.sync", type(cfg.sync).__name__, "a SyncConfig or None",
                           "build it with SyncConfig(method=...)")
     if cfg.mode == "direct":
-        if cfg.engine != "trainside":
+        if entry.dedicated:
             raise field_error(ConfigError, "deployment.engine", cfg.engine, "'trainside' with mode='direct'",
                               "a dedicated engine needs mode='separate' or 'colocate' plus a sync block")
         if cfg.sync is not None:
             raise field_error(ConfigError, "deployment.sync", cfg.sync, "None with mode='direct'",
                               "the trainside engine samples with the training weights; remove the sync block")
         return
-    if cfg.engine == "trainside":
-        raise field_error(ConfigError, "deployment.engine", "trainside", f"one of {DEDICATED_ENGINES} "
-                          f"with mode={cfg.mode!r}", "use mode='direct' for trainside sampling")
+    if not entry.dedicated:
+        raise field_error(ConfigError, "deployment.engine", cfg.engine,
+                          f"one of {tuple(engine_names(dedicated=True))} with mode={cfg.mode!r}",
+                          "use mode='direct' for trainside sampling")
     if cfg.sync is None:
         raise field_error(ConfigError, "deployment.sync", None, f"a SyncConfig with mode={cfg.mode!r}",
                           "a dedicated engine only serves published weights; add sync=SyncConfig(method='reload')")

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -37,8 +38,7 @@ from unirl_core.models.diffusion import DiffusionBundle
 from unirl_core.models.lm import load_lm
 from unirl_core.models.lora import lora_state_dict
 from unirl_core.reward.service import RewardService
-from unirl_core.rollout.sglang import SGLangEngine
-from unirl_core.rollout.vllm import VLLMEngine
+from unirl_core.rollout.registry import engine_entry
 from unirl_core.rollout.weights import write_peft_adapter
 from unirl_core.train.backend import TrainBackend
 from unirl_core.types import PromptRecord
@@ -185,7 +185,9 @@ def initial_policy_uri(cfg: RunConfig) -> str:
 
 def needs_initial_policy(cfg: RunConfig) -> bool:
     """True when the run's dedicated engine starts from the exported step-0 policy (``lm.vllm.model`` unset)."""
-    return cfg.family == "lm" and cfg.lm.deployment.engine == "vllm" and cfg.lm.vllm.model is None
+    if cfg.family != "lm" or cfg.lm.dedicated is None:
+        return False
+    return engine_entry(cfg.lm.deployment.engine).serves_initial_policy and cfg.lm.dedicated.model is None
 
 
 def initial_policy_exported(cfg: RunConfig) -> bool:
@@ -249,7 +251,8 @@ class EngineSlot:
     """The process's dedicated engine and what it serves."""
 
     key: str
-    engine: VLLMEngine | SGLangEngine
+    engine: Any
+    """The started dedicated engine (``unirl_core.rollout.registry``: what the loop asks of one)."""
     staging: Path
     """The engine's ``staging_dir``: where published weights are unpacked for the server (``policy-v<N>``)."""
     owns_staging: bool = False
@@ -315,10 +318,10 @@ def dedicated_engine(cfg: RunConfig, policy) -> EngineSlot:
     if engine_cfg.weight_sync == "lora" and engine_cfg.lora_alpha is None:
         changes["lora_alpha"] = lm.model.lora_alpha
     engine_cfg = dataclasses.replace(engine_cfg, **changes)
-    cls = VLLMEngine if kind == "vllm" else SGLangEngine
+    build = engine_entry(kind).build
     log.info("starting the %s engine from %s", kind, engine_cfg.model)
     try:
-        engine = cls(engine_cfg, policy_version=UNSYNCED_VERSION, tokenizer=policy.tokenizer)
+        engine = build(engine_cfg, policy_version=UNSYNCED_VERSION, tokenizer=policy.tokenizer)
     except BaseException:
         if owns:
             shutil.rmtree(engine_cfg.staging_dir, ignore_errors=True)

@@ -1,0 +1,108 @@
+"""Where a compose run's phases run: in this process, or on the compose pool's actors (``compose.pool``).
+
+``compose_executor_for(cfg)`` is the one place of a compose run that reads ``pool.execution``; it keeps one executor
+per mode and process. The phases (``compose.phases``) hand their work to it and stay the same in both modes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from unirl_core.checkpoint import restore_train_checkpoint, save_train_checkpoint
+from unirl_core.compose.config import ComposeRunConfig, stack_configs
+from unirl_core.compose.credit import enhancer_batch, image_batch
+from unirl_core.compose.sampling import Refs, sample_step
+from unirl_core.config.loader import to_dict
+from unirl_core.config.run import RunConfig
+from unirl_core.runtime import build
+from unirl_core.runtime.steps import check_replay_schedule
+from unirl_core.train.backend import TrainBackend
+from unirl_core.types import SampleBatch
+
+Metrics = dict[str, float]
+
+
+class ComposeInProcessExecutor:
+    """Both stacks in this process. Owns one ``TrainBackend`` per stack (``trainers``, keyed by the stack's model,
+    train and loss config); the rollout bundles come from ``runtime.build``."""
+
+    def __init__(self) -> None:
+        self.trainers: dict[str, tuple[str, TrainBackend]] = {}
+
+    def rollout(self, cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, Metrics]:
+        subs = stack_configs(cfg)
+        lm_sub, img_sub = subs["enhancer"], subs["image"]
+        lm_policy, img_policy = build.bundle(lm_sub), build.bundle(img_sub)
+        build.load_policy_weights(lm_policy, refs["enhancer"], lm_sub)
+        build.load_policy_weights(img_policy, refs["image"], img_sub, ema=build.rollout_weights(img_sub) == "ema")
+        return sample_step(cfg, lm_policy, img_policy, refs, step=step)
+
+    def score(self, cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, Metrics]:
+        scored, stats = build.reward_service(stack_configs(cfg)["image"]).score_with_stats(batch)
+        return scored, stats.as_metrics()
+
+    def _trainer(self, name: str, sub: RunConfig) -> TrainBackend:
+        key = json.dumps([to_dict(sub.section.model), to_dict(sub.train), to_dict(sub.section.algorithm)],
+                         sort_keys=True, default=str)
+        held = self.trainers.get(name)
+        if held is None or held[0] != key:
+            self.trainers[name] = (key, TrainBackend(build.train_bundle(sub), build.algorithm(sub), sub.train))
+        return self.trainers[name][1]
+
+    def train(self, cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *, step: int) -> tuple[Refs, Metrics]:
+        subs = stack_configs(cfg)
+        rows = {"enhancer": enhancer_batch(batch), "image": image_batch(batch, cfg.grouping)}
+        out, metrics = dict(refs), {}
+        for name in cfg.trained:
+            ref, sub = refs[name], subs[name]
+            t0 = time.perf_counter()
+            backend = self._trainer(name, sub)
+            restore_train_checkpoint(backend, ref, storage_options=sub.checkpoint.storage_options)
+            check_replay_schedule(sub, rows[name], backend.policy)
+            m = backend.step(rows[name]).as_dict()
+            out[name] = save_train_checkpoint(build.store(sub), backend, config=to_dict(sub), extra={},
+                                              publish=False, overwrite=True)
+            metrics.update({f"{name}/train/{k}": float(v) for k, v in m.items()})
+            metrics[f"time/train_{name}"] = time.perf_counter() - t0
+        return out, metrics
+
+    def publish_weights(self, cfg: ComposeRunConfig, refs: Refs) -> None:
+        """Nothing to push: the next rollout loads the published versions from the store."""
+
+
+class ComposePoolExecutor:
+    """Both stacks on the compose pool's actors: one engine actor holding both rollout bundles, a trainer actor per
+    trained stack (optimizer state resident), the reward actor."""
+
+    def rollout(self, cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, Metrics]:
+        from unirl_core.compose import pool
+
+        return pool.rollout_phase(cfg, refs, step=step)
+
+    def score(self, cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, Metrics]:
+        from unirl_core.compose import pool
+
+        return pool.reward_phase(cfg, batch)
+
+    def train(self, cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *, step: int) -> tuple[Refs, Metrics]:
+        from unirl_core.compose import pool
+
+        return pool.train_phase(cfg, batch, refs, step=step)
+
+    def publish_weights(self, cfg: ComposeRunConfig, refs: Refs) -> None:
+        """Each trainer's weights to the engine actor, in-pool."""
+        from unirl_core.compose import pool
+
+        pool.publish_weights(cfg, refs)
+
+
+_PROCESS: dict[str, ComposeInProcessExecutor | ComposePoolExecutor] = {}
+
+
+def compose_executor_for(cfg: ComposeRunConfig) -> ComposeInProcessExecutor | ComposePoolExecutor:
+    """This process's compose executor for ``cfg``'s execution mode."""
+    mode = "pool" if cfg.pool.execution == "pool" else "in-process"
+    if mode not in _PROCESS:
+        _PROCESS[mode] = ComposePoolExecutor() if mode == "pool" else ComposeInProcessExecutor()
+    return _PROCESS[mode]

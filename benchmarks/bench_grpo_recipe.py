@@ -236,10 +236,11 @@ def ours_backend(a, cfg) -> dict:
     from unirl_core.advantage.batch import assign_advantages
     from unirl_core.loop import phases
     from unirl_core.runtime import build
+    from unirl_core.loop.executors import in_process
     from unirl_core.rollout.ar import TrainsideAREngine
     from unirl_core.types import SampleBatch
 
-    policy, backend = build.bundle(cfg), build.trainer(cfg)
+    policy, backend = in_process().resources.bundle(cfg), in_process().resources.trainer(cfg)
     trained = dict(backend.policy.module.named_parameters())
 
     def publish() -> None:  # trainer -> rollout bundle on the device, rounded into its dtype (no host round trip)

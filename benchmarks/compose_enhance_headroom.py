@@ -79,6 +79,7 @@ def main() -> None:
     from unirl_core.compose.evaluate import _render
     from unirl_core.data.shapes import DEFAULT_COLORS
     from unirl_core.runtime import build
+    from unirl_core.loop.executors import in_process
     from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
     from unirl_core.types import PromptRecord
 
@@ -90,7 +91,7 @@ def main() -> None:
         seen.setdefault(r.prompt, PromptRecord(prompt_id=f"eval{len(seen):04d}", prompt=r.prompt, targets=r.targets))
     evals = list(seen.values())
     select = [PromptRecord(prompt_id=f"select{k:04d}", prompt=r.prompt, targets=r.targets) for k, r in enumerate(evals)]
-    bundle = build.bundle(img_sub)
+    bundle = in_process().resources.bundle(img_sub)
     engine = TrainsideDiffusionEngine(bundle, img_sub.diffusion.engine)
     sampling = img_sub.diffusion.sampling.params(bundle.family, 1)
     scorer = build.reward_service(img_sub)

@@ -161,7 +161,7 @@ def _inprocess_step(cfg, ckpt, step: int, clock: Clock, per_phase: dict | None, 
     """One step as ``run_local`` runs it: the phase functions chained in this process, batch in memory
     (``emitted``: filled with the batch each of rollout / reward / advantage returned)."""
     from unirl_core.loop import phases
-    from unirl_core.runtime import build
+    from unirl_core.loop.executors import in_process
     from unirl_core.loop.metrics import merge_shard_metrics
     from unirl_core.types import SampleBatch
 
@@ -172,7 +172,7 @@ def _inprocess_step(cfg, ckpt, step: int, clock: Clock, per_phase: dict | None, 
         clock.sync()
         t0 = time.perf_counter()
         if name == "train":
-            clock.timed("build", build.trainer, cfg)  # cached after the first step
+            clock.timed("build", in_process().resources.trainer, cfg)  # cached after the first step
         result = fn(*a, **kw)
         clock.sync()
         total = time.perf_counter() - t0
@@ -246,6 +246,7 @@ def _phase_worker(phase: str, state: Path) -> dict:
     from unirl_core.io import read_batch, write_batch
     from unirl_core.loop import phases
     from unirl_core.runtime import build
+    from unirl_core.loop.executors import in_process
 
     t0 = time.perf_counter()
     if spec.get("shaped"):
@@ -253,12 +254,12 @@ def _phase_worker(phase: str, state: Path) -> dict:
     cfg = _config(spec)
     v1 = _ref(state / "v1.json")
     if phase == "rollout":
-        build.bundle(cfg)
+        in_process().resources.bundle(cfg)
         build.dataset(cfg)
     elif phase == "reward":
         build.reward_service(cfg)
     elif phase == "train":
-        build.trainer(cfg)
+        in_process().resources.trainer(cfg)
     elif phase == "publish":
         build.store(cfg)
     load_standin(spec, state, phase, clock)

@@ -22,10 +22,10 @@ import safetensors.torch
 import torch
 
 from tests.integration.pool_support import local_ray_fixture, time_limit_fixture
+from unirl_core.loop.executors import in_process
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import EngineError, PoolActorDied
-from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 from unirl_core.loop.phases import advantage_phase, publish_phase, reward_phase, rollout_phase, train_phase
 from unirl_core.pool import cluster
@@ -88,7 +88,7 @@ def runs(tmp_path_factory):
     try:
         local = run_local(_cfg(root / "local"))
     finally:
-        build.close_engines()
+        in_process().resources.close_engines()
     t1 = time.perf_counter()
     served: list[dict] = []
 

@@ -11,8 +11,8 @@ import safetensors.torch
 import torch
 
 from tests.integration.pool_support import local_ray_fixture, time_limit_fixture
+from unirl_core.loop.executors import in_process
 from unirl_core.config import load_recipe
-from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 from unirl_core.pool import cluster
 from unirl_core.rollout.vllm import default_python
@@ -39,7 +39,7 @@ def test_pool_lora_publication_matches_the_in_process_run(tmp_path):
     try:
         local = run_local(_cfg(tmp_path / "local"))
     finally:
-        build.close_engines()
+        in_process().resources.close_engines()
     t1 = time.perf_counter()
     served = []
     pooled = run_local(_cfg(tmp_path / "pool", *POOL), on_step=lambda m, b: served.append(

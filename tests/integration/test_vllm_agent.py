@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
+from unirl_core.loop.executors import in_process
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
-from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 from unirl_core.loop.phases import rollout_phase
 from unirl_core.models.lm import build_layout, replay_log_probs
@@ -52,7 +52,7 @@ def agent_run(tmp_path_factory):
         hist = run_local(cfg, on_step=lambda m, batch: seen.append(batch))
         yield cfg, hist, seen
     finally:
-        build.close_engines()
+        in_process().resources.close_engines()
 
 
 def test_two_step_agentic_run_over_vllm(agent_run):
@@ -84,7 +84,7 @@ def test_environment_tokens_between_turns_over_vllm(agent_run):
     assert m["rollout/logp_absdiff_max"] <= cfg.lm.logp_check.max_abs_diff
     # the later turns were conditioned on the environment tokens: the trainer's replay of the whole trajectory
     # reproduces the server's log-probs of the model tokens after them
-    policy = build.bundle(game)
+    policy = in_process().resources.bundle(game)
     segs = [p.segment for p in batch.generated]
     with torch.no_grad():
         logp, _ = replay_log_probs(policy.module, build_layout(segs, [1.0] * len(segs), pad_id=policy.pad_token_id))

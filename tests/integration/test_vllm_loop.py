@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from unirl_core.loop.executors import in_process
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import NumericsError
@@ -41,7 +42,7 @@ def full_run(tmp_path_factory):
     try:
         yield _run(root, 3)
     finally:
-        build.close_engines()
+        in_process().resources.close_engines()
 
 
 def _check_steps(cfg, hist, versions, steps: int):
@@ -67,18 +68,18 @@ def test_three_steps_sync_every_published_version(full_run):
           "sync s:", [f"{h['rollout/weight_sync_s']:.3f}" for h in hist])
     _check_steps(cfg, hist, versions, 3)
     assert os.path.isfile(os.path.join(build.initial_policy_dir(cfg), "model.safetensors"))
-    slot = build.dedicated_engine(cfg, build.bundle(cfg))
+    slot = in_process().resources.dedicated_engine(cfg, in_process().resources.bundle(cfg))
     assert [p.name for p in slot.staging.iterdir()] == ["policy-v00000002"]  # older staged copies pruned
 
 
 def test_resume_reuses_the_server_and_stale_weights_fail_closed(full_run):
     cfg, _, _ = full_run
-    slot = build.dedicated_engine(cfg, build.bundle(cfg))
+    slot = in_process().resources.dedicated_engine(cfg, in_process().resources.bundle(cfg))
     server_pid = slot.engine.server.pid
     cfg4 = load_recipe("tiny-grpo-vllm", [f"checkpoint.root={cfg.checkpoint.root}", "loop.total_steps=4"])
     hist = run_local(cfg4)  # resumes from step 3 in this process: same server, one sync
     assert [h["step"] for h in hist] == [4.0] and hist[0]["rollout/weight_synced"] == 1.0
-    slot = build.dedicated_engine(cfg4, build.bundle(cfg4))
+    slot = in_process().resources.dedicated_engine(cfg4, in_process().resources.bundle(cfg4))
     assert slot.engine.server.pid == server_pid and slot.engine.policy_version == 3
     # A server serving other weights under the right label (another publisher, a failed reload):
     # the step-0 weights relabelled as version 4, where version 4 is the checkpoint the rollout asks for.
@@ -93,12 +94,12 @@ def test_lora_run_publishes_adapters(tmp_path):
     try:
         cfg, hist, versions = _run(tmp_path, 2, *LORA)
         _check_steps(cfg, hist, versions, 2)
-        slot = build.dedicated_engine(cfg, build.bundle(cfg))
+        slot = in_process().resources.dedicated_engine(cfg, in_process().resources.bundle(cfg))
         assert slot.engine.config.weight_sync == "lora" and slot.engine.config.lora_alpha == cfg.lm.model.lora_alpha
         # the served adapter is the trained one: the same rollouts replayed with adapters off disagree
         from unirl_core.rollout.logp_check import replay_agreement
 
-        policy = build.bundle(cfg)
+        policy = in_process().resources.bundle(cfg)
         ref = CheckpointStore(str(tmp_path), cfg.name).latest()
         batch, m = rollout_phase(cfg, ref, step=3)
         with torch.no_grad(), policy.reference():
@@ -108,7 +109,7 @@ def test_lora_run_publishes_adapters(tmp_path):
         assert base.mean_abs_diff > 100 * max(m["rollout/logp_absdiff_mean"], 1e-7)
         pid, staging = slot.engine.server.pid, slot.staging
     finally:
-        build.close_engines()
+        in_process().resources.close_engines()
     with pytest.raises(ProcessLookupError):  # the server is gone, not orphaned
         os.kill(pid, 0)
     assert not staging.exists()

@@ -13,6 +13,7 @@ import dataclasses
 
 from unirl_core.compose.config import ComposeRunConfig, stack_configs
 from unirl_core.compose.eval_config import EVAL_SEED, ComposeEvalConfig
+from unirl_core.compose.executor import compose_in_process
 from unirl_core.runtime import build
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
@@ -36,7 +37,8 @@ def evaluate_compose(cfg: ComposeRunConfig, refs, eval_cfg: ComposeEvalConfig) -
     """``eval/*`` metrics and ``{prompt: enhancement}`` of the versions in ``refs`` (greedy, fixed noise)."""
     subs = stack_configs(cfg)
     lm_sub, img_sub = subs["enhancer"], subs["image"]
-    lm, img = build.bundle(lm_sub), build.bundle(img_sub)
+    resources = compose_in_process().resources  # evaluation samples in this process, in every mode
+    lm, img = resources.bundle(lm_sub), resources.bundle(img_sub)
     build.load_policy_weights(lm, refs["enhancer"], lm_sub)
     build.load_policy_weights(img, refs["image"], img_sub, ema=build.rollout_weights(img_sub) == "ema")
     seen: dict[str, PromptRecord] = {}

@@ -16,6 +16,7 @@ from unirl_core.compose.sampling import Refs, sample_step
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.runtime import build
+from unirl_core.runtime.resources import Resources
 from unirl_core.runtime.steps import check_replay_schedule
 from unirl_core.train.backend import TrainBackend
 from unirl_core.types import SampleBatch
@@ -25,15 +26,16 @@ Metrics = dict[str, float]
 
 class ComposeInProcessExecutor:
     """Both stacks in this process. Owns one ``TrainBackend`` per stack (``trainers``, keyed by the stack's model,
-    train and loss config); the rollout bundles come from ``runtime.build``."""
+    train and loss config) and the rollout bundles (``resources``)."""
 
     def __init__(self) -> None:
         self.trainers: dict[str, tuple[str, TrainBackend]] = {}
+        self.resources = Resources()
 
     def rollout(self, cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, Metrics]:
         subs = stack_configs(cfg)
         lm_sub, img_sub = subs["enhancer"], subs["image"]
-        lm_policy, img_policy = build.bundle(lm_sub), build.bundle(img_sub)
+        lm_policy, img_policy = self.resources.bundle(lm_sub), self.resources.bundle(img_sub)
         build.load_policy_weights(lm_policy, refs["enhancer"], lm_sub)
         build.load_policy_weights(img_policy, refs["image"], img_sub, ema=build.rollout_weights(img_sub) == "ema")
         return sample_step(cfg, lm_policy, img_policy, refs, step=step)
@@ -102,7 +104,15 @@ _PROCESS: dict[str, ComposeInProcessExecutor | ComposePoolExecutor] = {}
 
 def compose_executor_for(cfg: ComposeRunConfig) -> ComposeInProcessExecutor | ComposePoolExecutor:
     """This process's compose executor for ``cfg``'s execution mode."""
-    mode = "pool" if cfg.pool.execution == "pool" else "in-process"
-    if mode not in _PROCESS:
-        _PROCESS[mode] = ComposePoolExecutor() if mode == "pool" else ComposeInProcessExecutor()
-    return _PROCESS[mode]
+    if cfg.pool.execution != "pool":
+        return compose_in_process()
+    if "pool" not in _PROCESS:
+        _PROCESS["pool"] = ComposePoolExecutor()
+    return _PROCESS["pool"]
+
+
+def compose_in_process() -> ComposeInProcessExecutor:
+    """The process's in-process compose executor (evaluation samples with its bundles in every mode)."""
+    if "in-process" not in _PROCESS:
+        _PROCESS["in-process"] = ComposeInProcessExecutor()
+    return _PROCESS["in-process"]

@@ -2,7 +2,7 @@
 (both stacks) -> publish (both stacks). Flyte tasks call one each; ``compose.local.run_compose_local`` chains them.
 
 Each stack is a single-family ``RunConfig`` (``compose.config.stack_configs``) with its own store under
-``<checkpoint.root>/<name>/<stack>``; the single-family loop's pieces do the work (``build.bundle`` /
+``<checkpoint.root>/<name>/<stack>``; the single-family loop's pieces do the work (``Resources.bundle`` /
 ``build.load_policy_weights`` for sampling, ``TrainBackend`` + the crash-safe checkpoint functions for training,
 ``loop.phases.init_run`` / ``publish_phase`` for versions). A step writes both trained stacks' versions before it
 publishes either, so an interrupted publication is completed (rolled forward) by the next ``init_stacks``.

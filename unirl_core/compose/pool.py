@@ -49,7 +49,7 @@ class ComposeEngineActor(actors._Actor):
     def __init__(self, cfg: ComposeRunConfig, name: str, threads: int) -> None:
         super().__init__(cfg, name, threads)
         self.subs = stack_configs(cfg)
-        self.policies = {s: build.bundle(self.subs[s]) for s in STACKS}
+        self.policies = {s: self.resources.bundle(self.subs[s]) for s in STACKS}
         self.served: dict[str, actors.Version | None] = dict.fromkeys(STACKS)
         self._rows: dict[tuple[int, str], object] = {}  # (step, stack) -> ObjectRef of the full rows
 

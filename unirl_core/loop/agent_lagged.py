@@ -26,6 +26,7 @@ from collections.abc import Callable
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.runtime import build
+from unirl_core.loop.executors import in_process
 from unirl_core.loop.phases import sample_step
 from unirl_core.rollout.manager import RolloutRequest
 from unirl_core.rollout.turn_gate import TurnGate
@@ -86,11 +87,13 @@ def agentic_rollout(cfg: RunConfig, req: RolloutRequest, *, gate: TurnGate, ref_
     try:
         t0 = time.perf_counter()
         ref = ref_of(req.policy_version)
-        policy = build.bundle(cfg)
+        resources = in_process().resources  # the sampler thread's rollout bundle is the in-process executor's
+        policy = resources.bundle(cfg)
         build.load_policy_weights(policy, ref, cfg)
         hook = LaggedTurns(cfg, req, policy, gate, ref_of, available)
         batch, metrics = sample_step(cfg, policy, ref, step=req.step, shard=req.shard,
-                                     num_shards=cfg.loop.rollout_shards, weights="policy", started=t0, turn_hook=hook)
+                                     num_shards=cfg.loop.rollout_shards, weights="policy", started=t0, turn_hook=hook,
+                                     resources=resources)
         busy = max(metrics["rollout/seconds"] - hook.wait_s, 1e-9)
         lens = [p.segment.num_response_tokens for p in batch.generated]
         metrics.update({"rollout/seconds": busy, "rollout/agent_suspend_wait_s": hook.wait_s,

@@ -73,6 +73,7 @@ def eval_phase(cfg, ckpt: CheckpointRef, *,
     """Sample the held-out prompts deterministically with ``ckpt``'s (or its EMA) weights and score them.
     Returns the scored batch and ``eval/*`` metrics."""
     from unirl_core.runtime import build
+    from unirl_core.loop.executors import in_process
     from unirl_core.loop.phases import EMA_POLICY_VERSION, reward_phase
     from unirl_core.rollout.ar import TrainsideAREngine
     from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
@@ -82,7 +83,7 @@ def eval_phase(cfg, ckpt: CheckpointRef, *,
         raise field_error(ConfigError, "eval", None, "an eval section", "add eval: {every_n_steps: ...} to the recipe")
     weights = weights or ev.weights
     t0 = time.perf_counter()
-    policy = build.bundle(cfg)
+    policy = in_process().resources.bundle(cfg)  # eval samples in this process, in every execution mode
     build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
     version = ckpt.policy_version if weights == "policy" else EMA_POLICY_VERSION
     sampling = eval_sampling(cfg, getattr(policy, "family", "sd3"))

@@ -22,6 +22,7 @@ from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, field_error
 from unirl_core.runtime import build
 from unirl_core.loop.agent_lagged import agentic_rollout, suspends_turns
+from unirl_core.loop.executors import in_process
 from unirl_core.loop.phases import rollout_phase
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.manager import ManagerConfig, RolloutManager, RolloutRequest, check_batch_provenance
@@ -148,7 +149,7 @@ class LaggedRollouts:
         self._wait_for(req.policy_version + 1)
         waited = time.perf_counter() - t1
         newer = self._ref(req.policy_version + 1)
-        policy = build.bundle(cfg)
+        policy = in_process().resources.bundle(cfg)  # lagged rollouts without a pool sample in this process
         build.load_policy_weights(policy, newer, cfg)
         seed = stable_seed(cfg.loop.seed, "rollout", req.step, req.shard, "continue") % (2**63)
         engine = TrainsideAREngine(policy, dataclasses.replace(cfg.lm.engine, seed=seed,

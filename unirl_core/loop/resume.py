@@ -82,6 +82,7 @@ RESUME_RULES: dict[str, Rule] = {
     "lm.deployment": "apply",
     "lm.vllm": "apply",
     "lm.sglang": "apply",
+    "lm.dedicated_engine": "apply",
     "lm.logp_check": "apply",
     "lm.agent": "fork",  # the environment and turn limits shape every trajectory
     "pool": "apply",  # where the phases execute, not what they compute

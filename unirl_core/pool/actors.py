@@ -38,6 +38,7 @@ from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, RewardError, field_error
 from unirl_core.runtime import build, steps
+from unirl_core.runtime.resources import Resources
 from unirl_core.pool import transport
 from unirl_core.config.pool import Emit
 from unirl_core.pool.projection import for_training, project
@@ -90,6 +91,7 @@ class _Actor:
         # computes with the thread count it reserved (thread counts can change a reduction's bits).
         torch.set_num_threads(threads)
         self.cfg, self.name = cfg, name
+        self.resources = Resources()  # this actor's bundles, trainer and dedicated engine
         transport.register()  # batches this actor returns or puts travel as Arrow IPC
         run_setup_hook(cfg.pool.worker_setup_hook)
 
@@ -137,7 +139,7 @@ class EngineActor(_Actor):
 
     def __init__(self, cfg: RunConfig, name: str, threads: int) -> None:
         super().__init__(cfg, name, threads)
-        self.policy = build.bundle(cfg)
+        self.policy = self.resources.bundle(cfg)
         self.served: Version | None = None
         self._batches: dict[tuple[int, int], object] = {}  # (step, shard) -> ObjectRef of the full batch
         self._batches_lock = threading.Lock()  # rollout (default group) and batch_ref / release (query group)
@@ -200,7 +202,8 @@ class EngineActor(_Actor):
             build.load_policy_weights(self.policy, ckpt, self.cfg)
             self.served = _version(ckpt)
         batch, metrics = steps.sample_step(self.cfg, self.policy, ckpt, step=step, shard=shard,
-                                            num_shards=num_shards, weights="policy", started=t0)
+                                            num_shards=num_shards, weights="policy", started=t0,
+                                            resources=self.resources)
         ref = ray.put(batch)  # owned by this actor: lives as long as it holds it
         # a lagged rollout of step n runs while step n - lag still waits for its train call: keep those
         keep_from = step - self.cfg.async_training.max_policy_lag
@@ -230,7 +233,7 @@ class TrainerActor(_Actor):
         super().__init__(cfg, name, threads)
         self.rank, self.group_token = 0, None
         # a rank of a group builds its backend once the group is open (join_group): FSDP2 shards over it
-        self.backend = build.trainer(cfg) if cfg.pool.trainer_ranks == 1 else None
+        self.backend = self.resources.trainer(cfg) if cfg.pool.trainer_ranks == 1 else None
         self.state: Version | None = None  # the version the resident state equals, None before a restore
         self.extra: dict[str, object] = {}
         self._writer = VersionWriter()  # train_background: the version written on a thread, as run_local does

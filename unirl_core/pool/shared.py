@@ -84,7 +84,8 @@ class SharedActor(TrainerActor):
         with torch.random.fork_rng(devices=cuda), \
                 (backend.ema_applied() if weights == "ema" else nullcontext()):
             batch, metrics = steps.sample_step(self.cfg, backend.policy, ckpt, step=step, shard=shard,
-                                                num_shards=num_shards, weights=weights, started=t0)
+                                                num_shards=num_shards, weights=weights, started=t0,
+                                                resources=self.resources)
         with self._held_lock:  # older steps were trained or dropped
             self._held = {k: v for k, v in self._held.items() if k[0] >= step}
             self._held[(step, shard)] = batch

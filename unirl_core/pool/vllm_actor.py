@@ -1,7 +1,7 @@
 """The pool's vLLM engine actor: an ``EngineActor`` that starts and owns the run's vLLM server.
 
 Why an actor owns it: in pods / local execution the process that runs the rollout phase starts the server
-(``runtime.build.dedicated_engine``) and keeps it for its life; in the pool that process is the engine actor, which
+(``Resources.dedicated_engine``) and keeps it for its life; in the pool that process is the engine actor, which
 lives for the run, so the server does too (started on the first rollout or publish, ~40 s on the CPU backend).
 
 - rollout: as the trainside engine actor (``EngineActor.rollout``): the bundle loads the version from the store
@@ -57,7 +57,7 @@ class VLLMEngineActor(EngineActor):
         self._check_alive(what)
         t0 = time.perf_counter()
         try:
-            slot = build.dedicated_engine(self.cfg, self.policy)
+            slot = self.resources.dedicated_engine(self.cfg, self.policy)
         except EngineError as e:
             raise self._error(e, f"{what}: starting the vLLM server") from e
         if slot is not self._slot:
@@ -81,7 +81,7 @@ class VLLMEngineActor(EngineActor):
         the publish group (which had the old server's worker in it) is left."""
         self._slot, self.served = None, None
         EngineActor.close_sync(self)
-        build.close_engines()
+        self.resources.close_engines()
 
     # ------------------------------------------------------------------ the publish group (collective)
     def sync_ranks(self) -> int:

@@ -8,7 +8,7 @@ imported on the first lookup, so adding an engine is one folder plus its registr
 Where a dedicated engine's settings live: ``lm.vllm`` / ``lm.sglang`` for the two built in, ``lm.dedicated_engine``
 (a mapping of the engine's config fields) for any other registered one.
 
-What the loop asks of a dedicated engine (``runtime.build.dedicated_engine``, ``runtime.steps``):
+What the loop asks of a dedicated engine (``runtime.build.start_engine``, ``runtime.steps``):
 - its config: a frozen dataclass with ``model``, ``tokenizer`` (None in a training run: the trainer's encodes),
   ``weight_sync`` (``reload`` | ``lora``), ``lora_alpha``, ``max_lora_rank`` and ``staging_dir``;
 - ``build(config, *, policy_version, tokenizer)``: the started engine, with ``generate(request) -> SampleBatch``

@@ -1,17 +1,14 @@
-"""Build (and cache per process) what the phases need from a RunConfig: bundles, data, scorers, and the
-dedicated rollout engine (a vLLM / SGLang server).
+"""What the phases build from a RunConfig: bundles, the trainer's bundle and loss, the store, prompt sets, reward
+services, the step-0 export and a dedicated rollout engine (a vLLM / SGLang server).
 
-Phases are stateless between calls (each Flyte task is its own process); within one process the
-built bundle is reused and only its weights are reloaded from the checkpoint a phase is given. The
-dedicated engine is started on first use, kept for the life of the process (a server start costs
-~1 min, a weight sync ~0.1 s on the tiny model) and stopped at interpreter exit.
+These are builders. Who keeps what they build is ``runtime.resources.Resources`` (rollout bundles, the trainer, the
+engine: state the phases change), owned by an executor or a pool actor. Prompt sets, reward services and a
+downloaded export are memoised here by the JSON of their config section: values no phase changes.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import gc
 import json
 import logging
 import os
@@ -40,16 +37,15 @@ from unirl_core.models.lora import lora_state_dict
 from unirl_core.reward.service import RewardService
 from unirl_core.rollout.registry import engine_entry
 from unirl_core.rollout.weights import write_peft_adapter
-from unirl_core.train.backend import TrainBackend
 from unirl_core.types import PromptRecord
 
 log = logging.getLogger(__name__)
 
-_BUNDLES: dict[str, object] = {}
+# Memos of values a config defines and no phase changes (a reward service, a prompt set, a downloaded export).
+# What phases change - rollout bundles, trainers, a dedicated engine - is owned by a ``runtime.resources.Resources``.
 _REWARDS: dict[str, RewardService] = {}
 _DATASETS: dict[str, PromptDataset] = {}
 _INITIAL_DIRS: dict[str, str] = {}
-_TRAINERS: dict[str, TrainBackend] = {}
 
 
 def _key(obj: object) -> str:
@@ -60,28 +56,6 @@ def fresh_bundle(cfg: RunConfig):
     """A newly built bundle with the model's initial weights (pretrained or seeded tiny init)."""
     model_cfg = cfg.section.model
     return DiffusionBundle.build(model_cfg) if cfg.family == "diffusion" else load_lm(model_cfg)
-
-
-def bundle(cfg: RunConfig):
-    """The run's bundle (a Policy), built once per process and model config. Its trainable weights are
-    whatever the last phase loaded: always load a checkpoint into it before use."""
-    key = f"{cfg.family}:{_key(cfg.section.model)}"
-    if key not in _BUNDLES:
-        _BUNDLES[key] = fresh_bundle(cfg)
-    return _BUNDLES[key]
-
-
-def trainer(cfg: RunConfig) -> TrainBackend:
-    """The process's train backend: it owns a bundle of its own (never ``bundle(cfg)``, which the rollout
-    samples with), built once per process and model/train/loss config. Restore a checkpoint into it before
-    every step: it holds whatever the last train phase left."""
-    key = f"{cfg.family}:{_key(cfg.section.model)}:{_key(cfg.train)}:{_key(cfg.section.algorithm)}"
-    if key not in _TRAINERS:
-        if _TRAINERS:
-            _TRAINERS.clear()  # one trainer per process: a model copy plus optimizer state each
-            gc.collect()  # the old one sits in reference cycles: free its device memory before building the new
-        _TRAINERS[key] = TrainBackend(train_bundle(cfg), algorithm(cfg), cfg.train)
-    return _TRAINERS[key]
 
 
 def train_bundle(cfg: RunConfig):
@@ -248,7 +222,7 @@ server serves its start folder, whose version the loop cannot prove)."""
 
 @dataclass
 class EngineSlot:
-    """The process's dedicated engine and what it serves."""
+    """A started dedicated engine and what it serves."""
 
     key: str
     engine: Any
@@ -292,25 +266,16 @@ class EngineSlot:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-_ENGINE: EngineSlot | None = None
-
-
-def dedicated_engine(cfg: RunConfig, policy) -> EngineSlot:
-    """The process's engine for ``cfg.lm.deployment`` (started on first use; another config stops the old one).
+def start_engine(cfg: RunConfig, policy) -> EngineSlot:
+    """Start the engine of ``cfg.lm.deployment`` (its registered ``build``); ``Resources.dedicated_engine`` keeps it.
 
     Prompts are encoded with ``policy.tokenizer`` (the trainer's), so ``prompt_ids`` are what the trainer replays.
     """
-    global _ENGINE
     lm = cfg.lm
     kind = lm.deployment.engine
     engine_cfg = lm.dedicated
     if engine_cfg is None:
         raise field_error(ConfigError, f"lm.{kind}", None, "a dedicated engine section", "see RunConfig validation")
-    source = initial_policy_uri(cfg) if needs_initial_policy(cfg) else engine_cfg.model
-    key = f"{kind}:{source}:{_key(engine_cfg)}"
-    if _ENGINE is not None and _ENGINE.key == key:
-        return _ENGINE
-    close_engines()
     owns = engine_cfg.staging_dir is None
     changes = {"staging_dir": tempfile.mkdtemp(prefix="unirl-engine-weights-") if owns else engine_cfg.staging_dir}
     if needs_initial_policy(cfg):
@@ -326,21 +291,20 @@ def dedicated_engine(cfg: RunConfig, policy) -> EngineSlot:
         if owns:
             shutil.rmtree(engine_cfg.staging_dir, ignore_errors=True)
         raise
-    _ENGINE = EngineSlot(key=key, engine=engine, staging=Path(engine_cfg.staging_dir), owns_staging=owns)
-    return _ENGINE
+    return EngineSlot(key=engine_key(cfg), engine=engine, staging=Path(engine_cfg.staging_dir), owns_staging=owns)
 
 
-def close_engines() -> None:
-    """Stop the process's dedicated engine (its server, when the engine started one). Idempotent."""
-    global _ENGINE
-    slot, _ENGINE = _ENGINE, None
-    if slot is None:
-        return
+def engine_key(cfg: RunConfig) -> str:
+    """What a started engine is for: its kind, what it starts from and its section (another key: another engine)."""
+    engine_cfg = cfg.lm.dedicated
+    source = initial_policy_uri(cfg) if needs_initial_policy(cfg) else engine_cfg.model
+    return f"{cfg.lm.deployment.engine}:{source}:{_key(engine_cfg)}"
+
+
+def stop_engine(slot: EngineSlot) -> None:
+    """Stop ``slot``'s engine (its server, when the engine started one) and remove its staging folder if ours."""
     try:
         slot.engine.close()
     finally:
         if slot.owns_staging:
             shutil.rmtree(slot.staging, ignore_errors=True)
-
-
-atexit.register(close_engines)

@@ -20,6 +20,7 @@ from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError
 from unirl_core.runtime import build
+from unirl_core.runtime.resources import Resources
 from unirl_core.runtime.steps import (
     TRACKER_KEY,
     advantage_step,
@@ -37,6 +38,7 @@ class InProcessExecutor:
     """Rollout, score, advantage, train and publish in this process.
 
     State it owns:
+    - ``resources``: the rollout bundle, the trainer and a dedicated engine (``runtime.resources``);
     - ``writer``: the background version writer (``train(asynchronous=True)``), at most one version in flight;
     - ``resident``: the version the trainer's state equals (the one its last train wrote: ref and the checksums of
       its manifest, None while the writer writes it) and that version's extra JSON. A train from exactly that
@@ -48,24 +50,26 @@ class InProcessExecutor:
     def __init__(self) -> None:
         self.writer = VersionWriter()
         self.resident: dict[str, object] = {}
+        self.resources = Resources()
 
     # -- rollout -------------------------------------------------------------------------------------------------
     def rollout(self, cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
                 weights: Literal["policy", "ema"], gen_round: int = 0,
                 trainer_copy: bool = False) -> tuple[SampleBatch, dict[str, float]]:
-        """Sample one shard with ``ckpt``'s weights in the process's rollout bundle (``build.bundle``), or with
+        """Sample one shard with ``ckpt``'s weights in its rollout bundle (``resources.bundle``), or with
         ``trainer_copy`` from the trainer when it holds exactly ``ckpt`` (see ``loop.phases.rollout_phase``)."""
         t0 = time.perf_counter()
         if trainer_copy and cfg.loop.rollout_with_trainer and current_world()[1] == 1:
             return self._rollout_with_trainer(cfg, ckpt, step=step, shard=shard, num_shards=num_shards,
                                               weights=weights, gen_round=gen_round, started=t0)
-        policy = build.bundle(cfg)
+        policy = self.resources.bundle(cfg)
         if not (trainer_copy and self._copy_resident_weights(policy, ckpt, cfg, weights)):
             self.finish_writes()  # the version must be in the store before it is read
             build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
         loaded = time.perf_counter() - t0
         batch, metrics = sample_step(cfg, policy, ckpt, step=step, shard=shard, num_shards=num_shards,
-                                     weights=weights, started=t0, gen_round=gen_round)
+                                     weights=weights, started=t0, gen_round=gen_round,
+                                     resources=self.resources)
         return batch, {**metrics, "rollout/load_weights_seconds": loaded}
 
     def _rollout_with_trainer(self, cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
@@ -75,7 +79,7 @@ class InProcessExecutor:
         when it holds another state: the first step, or after a failed one), inside its compute context, with its
         EMA swapped in for ``weights='ema'``. No rollout bundle is built; the next train finds the trainer resident
         and does not restore again."""
-        backend = build.trainer(cfg)
+        backend = self.resources.trainer(cfg)
         restored = not self._holds(self.resident, backend, ckpt, cfg)
         if restored:
             self.finish_writes()  # ckpt is read from the store
@@ -87,7 +91,8 @@ class InProcessExecutor:
         loaded = time.perf_counter() - started
         with backend.ema_applied() if weights == "ema" else contextlib.nullcontext():
             batch, metrics = sample_step(cfg, backend.policy, ckpt, step=step, shard=shard, num_shards=num_shards,
-                                         weights=weights, started=started, gen_round=gen_round)
+                                         weights=weights, started=started, gen_round=gen_round,
+                                         resources=self.resources)
         return batch, {**metrics, "rollout/load_weights_seconds": loaded, "rollout/with_trainer": 1.0,
                        "rollout/trainer_restored": float(restored)}
 
@@ -123,7 +128,7 @@ class InProcessExecutor:
         if not (writer and self.writer.pending(ckpt)):
             self.finish_writes()  # any other version in flight is complete (or its failure raises) first
         check_policy_lag(cfg, batch, ckpt)
-        backend = build.trainer(cfg)
+        backend = self.resources.trainer(cfg)
         check_replay_schedule(cfg, batch, backend.policy)
         extra = self._resident_extra(backend, ckpt, cfg)
         if extra is None:

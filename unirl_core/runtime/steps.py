@@ -28,6 +28,7 @@ from unirl_core.rollout.logp_check import check_logp_agreement, replay_agreement
 from unirl_core.rollout.modes import needs_sleep
 from unirl_core.rollout.sigma_verify import verify_batch_sigmas, verify_replay_schedule
 from unirl_core.runtime import build
+from unirl_core.runtime.resources import Resources
 from unirl_core.sde.noise import stable_seed
 from unirl_core.train.backend import TrainBackend
 from unirl_core.types import NoiseRecipe, PromptRecord, SampleBatch
@@ -63,10 +64,11 @@ def step_prompts(cfg: RunConfig, step: int, shard: int = 0, num_shards: int = 1,
 
 
 def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
-                weights: Literal["policy", "ema"], started: float,
+                weights: Literal["policy", "ema"], started: float, resources: Resources,
                 gen_round: int = 0, turn_hook=None) -> tuple[SampleBatch, dict[str, float]]:
     """The sampling of ``rollout_phase`` with ``policy`` already holding ``ckpt``'s (or its EMA) weights;
-    ``started`` is the ``perf_counter`` the phase began at (``rollout/seconds``). ``turn_hook``: agentic rollouts
+    ``started`` is the ``perf_counter`` the phase began at (``rollout/seconds``); ``resources``: the caller's, whose
+    dedicated engine samples when the run has one. ``turn_hook``: agentic rollouts
     of a lagged run (suspension at turn boundaries, ``unirl_core/loop/agent_lagged.py``)."""
     t0 = started
     key = ("rollout", step, shard) if gen_round == 0 else ("rollout", step, shard, "refill", gen_round)
@@ -85,7 +87,8 @@ def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard
                                        metadata={"run": cfg.name, "step": str(step), "shard": str(shard)})
     metrics: dict[str, float] = {}
     if dedicated:
-        batch, metrics = _dedicated_rollout(cfg, policy, ckpt, request, where=f"rollout step {step} shard {shard}")
+        batch, metrics = _dedicated_rollout(cfg, policy, ckpt, request, where=f"rollout step {step} shard {shard}",
+                                            resources=resources)
     elif cfg.family == "diffusion":
         engine_cfg = dataclasses.replace(section.engine, seed=seed)
         engine = TrainsideDiffusionEngine(policy, engine_cfg, policy_version=version)
@@ -114,14 +117,14 @@ def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard
     return batch, metrics
 
 
-def _dedicated_rollout(cfg: RunConfig, policy, ckpt: CheckpointRef, request: SampleBatch, *,
-                       where: str) -> tuple[SampleBatch, dict[str, float]]:
+def _dedicated_rollout(cfg: RunConfig, policy, ckpt: CheckpointRef, request: SampleBatch, *, where: str,
+                       resources: Resources) -> tuple[SampleBatch, dict[str, float]]:
     """Publish -> engine sync when the served version differs, generate, then engine-vs-replay agreement.
 
     ``policy`` holds ``ckpt``'s weights: the agreement is measured against exactly what the trainer will replay.
     """
     deployment = cfg.lm.deployment
-    slot = build.dedicated_engine(cfg, policy)
+    slot = resources.dedicated_engine(cfg, policy)
     engine = slot.engine
     if slot.asleep_level:
         engine.wake_up()

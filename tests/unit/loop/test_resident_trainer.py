@@ -49,7 +49,7 @@ def test_a_failed_step_forgets_the_resident_version(tmp_path, monkeypatch):
     cfg = load_recipe("tiny-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=1", "report.progress=false"])
     run_local(cfg)
     assert in_process().resident
-    backend = phases.build.trainer(cfg)
+    backend = in_process().resources.trainer(cfg)
     ckpt = phases.build.store(cfg).latest()
     assert in_process()._resident_extra(backend, ckpt, cfg) is not None
     assert not in_process().resident and in_process()._resident_extra(backend, ckpt, cfg) is None  # cleared until the next save
@@ -59,7 +59,7 @@ def test_a_rewritten_version_is_restored(tmp_path):
     """Same ref, other content (another writer replaced the version): the manifest checksums differ -> restore."""
     cfg = load_recipe("tiny-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=1", "report.progress=false"])
     run_local(cfg)
-    backend = phases.build.trainer(cfg)
+    backend = in_process().resources.trainer(cfg)
     ckpt = phases.build.store(cfg).latest()
     held = dict(in_process().resident)
     in_process().resident.update(held, files={**held["files"], "model.safetensors": {"bytes": 0, "sha256": "0" * 64}})

@@ -8,10 +8,10 @@ import safetensors.torch
 import torch
 
 from tests.flyte.conftest import SMALL
+from unirl_core.loop.executors import in_process
 from unirl_core.checkpoint import CheckpointStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
-from unirl_core.runtime import build
 from unirl_core.loop.local import run_local
 
 NFT = ["data.prompts_per_step=2", "data.samples_per_prompt=4", "train.micro_batch_size=4",
@@ -40,7 +40,7 @@ def test_rollout_with_the_trainer_module_is_bitwise_the_default_run(tmp_path, mo
     extra = BF16[recipe] if precision == "bf16" else []
     steps = 3
     ref = run_local(_cfg(recipe, tmp_path / "ref", steps, *extra))
-    monkeypatch.setattr(build, "_BUNDLES", {})  # what the shared run builds, and only that
+    monkeypatch.setattr(in_process().resources, "_bundles", {})  # what the shared run builds, and only that
     got = run_local(_cfg(recipe, tmp_path / "shared", steps, *extra, "loop.rollout_with_trainer=true"))
     keys = [k for k in KEYS if k in ref[0]]  # DiffusionNFT has no ratio
     assert "train/loss" in keys
@@ -50,7 +50,7 @@ def test_rollout_with_the_trainer_module_is_bitwise_the_default_run(tmp_path, mo
     assert [h["rollout/trainer_restored"] for h in got] == [1.0] + [0.0] * (steps - 1)  # step 1 restores v0
     if "train/ratio_min" in keys:
         assert got[0]["train/ratio_min"] == got[0]["train/ratio_max"] == 1.0
-    assert build._BUNDLES == {}  # no rollout bundle: the process held one copy of the weights
+    assert in_process().resources._bundles == {}  # no rollout bundle: the process held one copy of the weights
     name = _cfg(recipe, tmp_path, 1).name
     va, vb = _versions(tmp_path / "ref", name), _versions(tmp_path / "shared", name)
     assert va.keys() == vb.keys() == set(range(steps + 1))
@@ -64,7 +64,7 @@ def test_a_resumed_run_restores_in_its_first_rollout(tmp_path):
     ref = run_local(_cfg("tiny-grpo", tmp_path / "ref", 4))
     cfg2 = _cfg("tiny-grpo", tmp_path / "shared", 2, "loop.rollout_with_trainer=true")
     run_local(cfg2)
-    build._TRAINERS.clear()  # a new process: nothing resident
+    in_process().resources.forget_trainer()  # a new process: nothing resident
     rest = run_local(_cfg("tiny-grpo", tmp_path / "shared", 4, "loop.rollout_with_trainer=true"))
     assert [h["step"] for h in rest] == [3.0, 4.0]
     assert [h["rollout/trainer_restored"] for h in rest] == [1.0, 0.0]

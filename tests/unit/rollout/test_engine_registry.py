@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from unirl_core.loop.executors import in_process
 from unirl_core.checkpoint import load_weights
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
@@ -65,7 +66,7 @@ def toy_engine():
     ToyEngine.instances.clear()
     register_engine("toy", config=ToyEngineConfig, build=ToyEngine)
     yield
-    build.close_engines()
+    in_process().resources.close_engines()
     unregister_engine("toy")
 
 

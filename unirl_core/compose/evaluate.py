@@ -37,8 +37,8 @@ def evaluate_compose(cfg: ComposeRunConfig, refs, eval_cfg: ComposeEvalConfig) -
     """``eval/*`` metrics and ``{prompt: enhancement}`` of the versions in ``refs`` (greedy, fixed noise)."""
     subs = stack_configs(cfg)
     lm_sub, img_sub = subs["enhancer"], subs["image"]
-    resources = compose_in_process().resources  # evaluation samples in this process, in every mode
-    lm, img = resources.bundle(lm_sub), resources.bundle(img_sub)
+    stacks = compose_in_process().stacks  # evaluation samples in this process, in every mode
+    lm, img = stacks["enhancer"].bundle(lm_sub), stacks["image"].bundle(img_sub)
     build.load_policy_weights(lm, refs["enhancer"], lm_sub)
     build.load_policy_weights(img, refs["image"], img_sub, ema=build.rollout_weights(img_sub) == "ema")
     seen: dict[str, PromptRecord] = {}

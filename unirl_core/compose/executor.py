@@ -1,41 +1,37 @@
 """Where a compose run's phases run: in this process, or on the compose pool's actors (``compose.pool``).
 
-``compose_executor_for(cfg)`` is the one place of a compose run that reads ``pool.execution``; it keeps one executor
-per mode and process. The phases (``compose.phases``) hand their work to it and stay the same in both modes.
+``compose_executor_for(cfg)`` gives the process's executor for the run's mode (``runtime.executor.ProcessExecutors``). The phases (``compose.phases``) hand their work to it and stay the same in both modes.
 """
 
 from __future__ import annotations
 
-import json
 import time
 
 from unirl_core.checkpoint import restore_train_checkpoint, save_train_checkpoint
-from unirl_core.compose.config import ComposeRunConfig, stack_configs
+from unirl_core.compose.config import STACKS, ComposeRunConfig, stack_configs
 from unirl_core.compose.credit import enhancer_batch, image_batch
 from unirl_core.compose.sampling import Refs, sample_step
 from unirl_core.config.loader import to_dict
-from unirl_core.config.run import RunConfig
 from unirl_core.runtime import build
+from unirl_core.runtime.executor import ProcessExecutors
 from unirl_core.runtime.resources import Resources
 from unirl_core.runtime.steps import check_replay_schedule
-from unirl_core.train.backend import TrainBackend
 from unirl_core.types import SampleBatch
 
 Metrics = dict[str, float]
 
 
 class ComposeInProcessExecutor:
-    """Both stacks in this process. Owns one ``TrainBackend`` per stack (``trainers``, keyed by the stack's model,
-    train and loss config) and the rollout bundles (``resources``)."""
+    """Both stacks in this process. Each stack's rollout bundle and trainer are its own ``Resources``
+    (``stacks``)."""
 
     def __init__(self) -> None:
-        self.trainers: dict[str, tuple[str, TrainBackend]] = {}
-        self.resources = Resources()
+        self.stacks = {name: Resources() for name in STACKS}
 
     def rollout(self, cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, Metrics]:
         subs = stack_configs(cfg)
         lm_sub, img_sub = subs["enhancer"], subs["image"]
-        lm_policy, img_policy = self.resources.bundle(lm_sub), self.resources.bundle(img_sub)
+        lm_policy, img_policy = self.stacks["enhancer"].bundle(lm_sub), self.stacks["image"].bundle(img_sub)
         build.load_policy_weights(lm_policy, refs["enhancer"], lm_sub)
         build.load_policy_weights(img_policy, refs["image"], img_sub, ema=build.rollout_weights(img_sub) == "ema")
         return sample_step(cfg, lm_policy, img_policy, refs, step=step)
@@ -44,14 +40,6 @@ class ComposeInProcessExecutor:
         scored, stats = build.reward_service(stack_configs(cfg)["image"]).score_with_stats(batch)
         return scored, stats.as_metrics()
 
-    def _trainer(self, name: str, sub: RunConfig) -> TrainBackend:
-        key = json.dumps([to_dict(sub.section.model), to_dict(sub.train), to_dict(sub.section.algorithm)],
-                         sort_keys=True, default=str)
-        held = self.trainers.get(name)
-        if held is None or held[0] != key:
-            self.trainers[name] = (key, TrainBackend(build.train_bundle(sub), build.algorithm(sub), sub.train))
-        return self.trainers[name][1]
-
     def train(self, cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *, step: int) -> tuple[Refs, Metrics]:
         subs = stack_configs(cfg)
         rows = {"enhancer": enhancer_batch(batch), "image": image_batch(batch, cfg.grouping)}
@@ -59,7 +47,7 @@ class ComposeInProcessExecutor:
         for name in cfg.trained:
             ref, sub = refs[name], subs[name]
             t0 = time.perf_counter()
-            backend = self._trainer(name, sub)
+            backend = self.stacks[name].trainer(sub)
             restore_train_checkpoint(backend, ref, storage_options=sub.checkpoint.storage_options)
             check_replay_schedule(sub, rows[name], backend.policy)
             m = backend.step(rows[name]).as_dict()
@@ -99,20 +87,16 @@ class ComposePoolExecutor:
         pool.publish_weights(cfg, refs)
 
 
-_PROCESS: dict[str, ComposeInProcessExecutor | ComposePoolExecutor] = {}
+PROCESS: ProcessExecutors[ComposeInProcessExecutor | ComposePoolExecutor] = ProcessExecutors(
+    ComposeInProcessExecutor, ComposePoolExecutor)
+"""This process's compose executors."""
 
 
 def compose_executor_for(cfg: ComposeRunConfig) -> ComposeInProcessExecutor | ComposePoolExecutor:
     """This process's compose executor for ``cfg``'s execution mode."""
-    if cfg.pool.execution != "pool":
-        return compose_in_process()
-    if "pool" not in _PROCESS:
-        _PROCESS["pool"] = ComposePoolExecutor()
-    return _PROCESS["pool"]
+    return PROCESS.for_run(cfg)
 
 
 def compose_in_process() -> ComposeInProcessExecutor:
     """The process's in-process compose executor (evaluation samples with its bundles in every mode)."""
-    if "in-process" not in _PROCESS:
-        _PROCESS["in-process"] = ComposeInProcessExecutor()
-    return _PROCESS["in-process"]
+    return PROCESS.in_process()

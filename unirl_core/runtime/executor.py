@@ -12,7 +12,8 @@ with them, under a bound on policy lag (0: synchronous).
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from collections.abc import Callable
+from typing import Generic, Literal, Protocol, TypeVar
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
@@ -42,3 +43,34 @@ class Executor(Protocol):
 
     def finish_writes(self) -> None:
         """Wait for any version being written in the background; raise its failure."""
+
+
+T = TypeVar("T")
+
+
+class ProcessExecutors(Generic[T]):
+    """A process's executors of one kind of run: one per execution mode, made on first use. The one place that reads
+    ``pool.execution``. Phase functions, ``run_local`` and the Flyte tasks of a process reach the same instance, so
+    what it holds (the resident trainer, the background writer) carries from one phase to the next, as a warm task
+    pod or ``run_local`` needs."""
+
+    def __init__(self, in_process: Callable[[], T], pool: Callable[[], T]) -> None:
+        self._make = {"in-process": in_process, "pool": pool}
+        self._made: dict[str, T] = {}
+
+    def _get(self, mode: str) -> T:
+        if mode not in self._made:
+            self._made[mode] = self._make[mode]()
+        return self._made[mode]
+
+    def for_run(self, cfg) -> T:
+        """The executor for ``cfg``'s ``pool.execution``: the Ray pool's, or in-process."""
+        return self._get("pool" if cfg.pool.execution == "pool" else "in-process")
+
+    def in_process(self) -> T:
+        """The in-process executor (eval samples with its bundles in every mode)."""
+        return self._get("in-process")
+
+    def made(self) -> list[T]:
+        """The executors made so far."""
+        return list(self._made.values())

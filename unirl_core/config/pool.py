@@ -173,6 +173,24 @@ class PoolConfig:
                               "leave it unset to start a local head")
 
 
+def check_pool_features(cfg) -> None:
+    """Refuse what the pool's actors do not run (``cfg``: the RunConfig); each names the field and the way out."""
+    if cfg.pool.execution != "pool":
+        return
+    lm = cfg.lm
+    refused = [
+        ("filter_groups", cfg.filter_groups is not None, "dynamic sampling's extra rounds run in pods mode only"),
+        ("async_training.partial_rollout", cfg.async_training.partial_rollout is not None, "partial rollouts "
+         "continue on the driver's decoder, not on the pool's engines yet (the lag itself runs in the pool)"),
+        ("lm.agent", lm is not None and lm.agent is not None, "agentic rollouts have not run on the pool's engine "
+         "actors (its Arrow projection also drops the turn structure the deck shows)"),
+    ]
+    for name, is_set, why in refused:
+        if is_set:
+            raise field_error(ConfigError, name, "set", "unset with pool.execution='pool'",
+                              f"{why}; remove it or use execution 'pods'")
+
+
 def check_shared(cfg) -> None:
     """What ``pool.placement: shared`` needs of the rest of the run (``cfg``: the RunConfig): the one module holds
     the trainer's current version, so a rollout cannot pin an older one (no policy lag), and it must not be

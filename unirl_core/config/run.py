@@ -21,7 +21,7 @@ from unirl_core.advantage.dynamic_sampling import FilterGroupsConfig
 from unirl_core.config.eval import EvalConfig, check_eval_config
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
-from unirl_core.config.pool import PoolConfig, check_dedicated, check_shared
+from unirl_core.config.pool import PoolConfig, check_dedicated, check_pool_features, check_shared
 from unirl_core.report.wandb_log import WandbConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.rollout.agentic import AgentConfig, check_agent_config
@@ -371,6 +371,7 @@ class RunConfig:
         check_eval_config(self)
         self._check_async()
         self._check_rollout_with_trainer()
+        check_pool_features(self)
         check_shared(self)
         check_dedicated(self)
 
@@ -389,9 +390,6 @@ class RunConfig:
         if self.advantage.drop_zero_std_groups:
             raise field_error(ConfigError, "advantage.drop_zero_std_groups", True, "False with filter_groups",
                               "filter_groups already drops flat groups and refills the batch; remove it")
-        if self.pool.execution == "pool":
-            raise field_error(ConfigError, "filter_groups", "set", "unset with pool.execution='pool'",
-                              "dynamic sampling's extra rounds run in pods mode only; use execution 'pods'")
 
     def _check_rollout_with_trainer(self) -> None:
         if not self.loop.rollout_with_trainer:
@@ -447,10 +445,6 @@ class RunConfig:
         if self.family != "lm" or self.lm.dedicated is not None:
             raise field_error(ConfigError, field, "set", "the trainside LM engine (family lm, deployment direct)",
                               "partial rollouts continue the trainside decoder; remove the section")
-        if self.pool.execution == "pool":
-            raise field_error(ConfigError, field, "set", "unset with pool.execution='pool'", "partial rollouts "
-                              "continue on the driver's decoder, not on the pool's engines yet; remove the section "
-                              "(the lag itself runs in the pool) or use execution 'pods'")
         if not self.async_training.overlap:
             raise field_error(ConfigError, "async_training.overlap", False, f"True with {field}",
                               "the continuation waits for the next publication on the sampler thread")

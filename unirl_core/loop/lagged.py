@@ -1,10 +1,17 @@
-"""Lagged (asynchronous) rollouts for the loop: ``async_training.max_policy_lag: k`` > 0.
+"""The driver's rollout sources: where ``run_local`` gets each step's rollouts, for any
+``async_training.max_policy_lag: k``.
 
 Step ``n`` trains from version ``n - 1`` and its rollout samples with version ``rollout_version(cfg, n) =
-max(0, n - 1 - k)`` (``AsyncTrainingConfig.rollout_version``). ``run_local`` gets its rollouts through
-``LaggedRollouts`` (the rollout manager with a worker thread, or inline; in pool mode the manager dispatches to the
-pool's engine actors, which sample while the trainer actor trains); the Flyte workflow wires the same rule as
-a dependency: rollout ``n`` waits for the publication of version ``n - 1 - k``, not for train ``n - 1``.
+max(0, n - 1 - k)`` (``AsyncTrainingConfig.rollout_version``). ``rollout_source`` picks the source for ``k``; the
+driver makes the same calls on either (``RolloutSource``), so synchronous training is the lag-0 case of one loop:
+
+- ``k = 0``: ``SyncRollouts`` samples step ``n`` at ``take(n)`` with version ``n - 1``, the trainer's own copy
+  (nothing runs beside the driver, so the version is written in the background while the next rollout samples);
+- ``k > 0``: ``LaggedRollouts``, the rollout manager with a worker thread, or inline; in pool mode it dispatches to
+  the pool's engine actors, which sample while the trainer actor trains.
+
+The Flyte workflow wires the same rule as a dependency: rollout ``n`` waits for the publication of version
+``n - 1 - k``, not for train ``n - 1``.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
+from typing import Protocol
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -62,6 +70,65 @@ class _Inline:
         pass
 
 
+class RolloutSource(Protocol):
+    """What the driver asks of a rollout source, once per step in this order: ``take``, ``before_publish`` (after
+    train), ``mark_available`` (after publish), ``quiesce`` (before an eval), ``published`` (after the step)."""
+
+    background_writes: bool
+    """True when nothing reads the store before the next train phase: versions are written in the background."""
+
+    def take(self, step: int) -> tuple[list[SampleBatch], list[dict[str, float]], dict[str, float]]: ...
+
+    def before_publish(self) -> dict[str, float]: ...
+
+    def mark_available(self, ckpt: CheckpointRef) -> None: ...
+
+    def quiesce(self) -> None: ...
+
+    def published(self, ckpt: CheckpointRef) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def rollout_source(cfg: RunConfig, ckpt: CheckpointRef) -> RolloutSource:
+    """The rollout source of a run resumed at ``ckpt``: lagged under ``async_training.max_policy_lag`` > 0 (when
+    steps remain), else the step's own."""
+    if cfg.async_training.max_policy_lag and ckpt.step < cfg.loop.total_steps:
+        return LaggedRollouts(cfg, ckpt)
+    return SyncRollouts(cfg, ckpt)
+
+
+class SyncRollouts:
+    """Lag 0: ``take(n)`` samples every shard of step ``n`` with the version the step trains from, the trainer's
+    copy of it (``rollout_phase(trainer_copy=True)``); the other calls have nothing to do."""
+
+    background_writes = True
+
+    def __init__(self, cfg: RunConfig, ckpt: CheckpointRef) -> None:
+        self.cfg, self._ckpt = cfg, ckpt
+
+    def take(self, step: int) -> tuple[list[SampleBatch], list[dict[str, float]], dict[str, float]]:
+        shards, ckpt = self.cfg.loop.rollout_shards, self._ckpt
+        got = [rollout_phase(self.cfg, ckpt, step=step, shard=s, num_shards=shards, trainer_copy=True)
+               for s in range(shards)]
+        return [b for b, _ in got], [m for _, m in got], {}
+
+    def before_publish(self) -> dict[str, float]:
+        return {}
+
+    def mark_available(self, ckpt: CheckpointRef) -> None:
+        self._ckpt = ckpt
+
+    def quiesce(self) -> None:
+        pass
+
+    def published(self, ckpt: CheckpointRef) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class LaggedRollouts:
     """``run_local``'s rollout source under a lag: a ``RolloutManager`` over ``rollout_phase`` (pinned versions).
 
@@ -105,10 +172,21 @@ class LaggedRollouts:
             self._refs[version] = lagged_checkpoint(self.cfg, self._start, version)
         return self._refs[version]
 
+    background_writes = False  # a lagged rollout reads its version from the store
+
     @property
     def quiesce_before_publish(self) -> bool:
         """True when a publication changes the weights in-flight rollouts sample with (the pool's engines)."""
         return self.in_pool or (self.gate is not None and self.cfg.lm.agent.resume_version == "latest")
+
+    def before_publish(self) -> dict[str, float]:
+        """Drain in-flight rollouts when the publication changes their weights (the pool: the engines get the new
+        version); returns the time it took as ``async/publish_quiesce_s``."""
+        if not self.quiesce_before_publish:
+            return {}
+        t0 = time.perf_counter()
+        self.quiesce()
+        return {"async/publish_quiesce_s": time.perf_counter() - t0}
 
     def quiesce(self) -> None:
         """Pause dispatch and drain in-flight rollouts (before a publish into the engines, or an eval that loads

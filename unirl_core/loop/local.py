@@ -17,7 +17,7 @@ from unirl_core.config.preflight import preflight
 from unirl_core.config.run import RunConfig
 from unirl_core.loop import resume
 from unirl_core.loop.evaluate import eval_phase
-from unirl_core.loop.lagged import LaggedRollouts
+from unirl_core.loop.lagged import RolloutSource, rollout_source
 from unirl_core.loop.metrics import merge_shard_metrics
 from unirl_core.loop.phases import (
     advantage_phase,
@@ -26,7 +26,6 @@ from unirl_core.loop.phases import (
     init_run,
     publish_phase,
     reward_phase,
-    rollout_phase,
     train_phase,
 )
 from unirl_core.report.run_report import RunReport
@@ -149,11 +148,11 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
             scalars.log(0, start)
         _say(f"step 0/{cfg.loop.total_steps} | eval {start.get('eval/reward/mean', math.nan):.4f} (starting policy, "
              "held out)", show)
-    # async_training.max_policy_lag > 0: rollouts come from the rollout manager, sampled with lagged versions
-    lagged = LaggedRollouts(cfg, ckpt) if cfg.async_training.max_policy_lag and ckpt.step < cfg.loop.total_steps \
-        else None
+    # lag 0: each step samples its own rollout; async_training.max_policy_lag > 0: the rollout manager's, sampled
+    # with lagged versions (unirl_core/loop/lagged.py)
+    rollouts = rollout_source(cfg, ckpt)
     try:
-        history = _step_loop(cfg, ckpt, on_step, show, scalars, lagged)
+        history = _step_loop(cfg, ckpt, on_step, show, scalars, rollouts)
     except BaseException:
         try:  # the version in flight completes (or stays invisible); the step's own error is the one raised
             finish_writes()
@@ -161,8 +160,7 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
             log.error("the background checkpoint write also failed: %s", e)
         raise
     finally:
-        if lagged is not None:
-            lagged.close()
+        rollouts.close()
     finish_writes()  # the run ends with its last version written and published
     return history
 
@@ -178,22 +176,14 @@ def evaluate_into_report(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float
 
 
 def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool,
-               scalars: MetricSinks | None, lagged: LaggedRollouts | None) -> list[dict]:
+               scalars: MetricSinks | None, rollouts: RolloutSource) -> list[dict]:
     total = cfg.loop.total_steps
-    shards = cfg.loop.rollout_shards
     history: list[dict] = []
     started = time.perf_counter()
     for step in range(ckpt.step + 1, total + 1):
         t = {}
         t0 = time.perf_counter()
-        parts, per_shard, extra = [], [], {}
-        if lagged is not None:
-            parts, per_shard, extra = lagged.take(step)
-        else:
-            for shard in range(shards):
-                b, m = rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=shards, trainer_copy=True)
-                parts.append(b)
-                per_shard.append(m)
+        parts, per_shard, extra = rollouts.take(step)
         metrics = merge_shard_metrics(per_shard)
         metrics.update(extra)
         batch = SampleBatch.concat(parts)
@@ -212,31 +202,24 @@ def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None
         metrics.update(m)
         t["advantage"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        # without lagged rollouts nothing reads the store until the next train phase: the version is written
-        # on a background thread while the next rollout samples with the trainer's copy of its weights
-        background = lagged is None
-        ckpt, m = train_phase(cfg, batch, ckpt, step=step, asynchronous=background)
+        # lag 0: nothing reads the store until the next train phase, so the version is written on a background
+        # thread while the next rollout samples with the trainer's copy of its weights
+        ckpt, m = train_phase(cfg, batch, ckpt, step=step, asynchronous=rollouts.background_writes)
         metrics.update(m)
         t["train"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        if lagged is not None and lagged.quiesce_before_publish:
-            tq = time.perf_counter()
-            lagged.quiesce()  # pool: the engines get the new weights; no rollout may be mid-sample on them
-            metrics["async/publish_quiesce_s"] = time.perf_counter() - tq
-        published = publish_phase(cfg, ckpt, asynchronous=background)
-        if lagged is not None:
-            lagged.mark_available(ckpt)  # a partial rollout waiting for this version continues
+        metrics.update(rollouts.before_publish())  # pool: no rollout may be mid-sample on the engines' weights
+        published = publish_phase(cfg, ckpt, asynchronous=rollouts.background_writes)
+        rollouts.mark_available(ckpt)  # the next rollout (or a partial one waiting for this version) samples with it
         metrics.update({k: float(v) for k, v in published.items() if k.startswith("pool/")})
         t["publish"] = time.perf_counter() - t1
         if cfg.eval is not None and cfg.eval.due(step, total):
             t1 = time.perf_counter()
-            if lagged is not None:  # eval loads its version into the rollout model the sampler thread uses
-                lagged.quiesce()
+            rollouts.quiesce()  # eval loads its version into the rollout model a sampler thread may use
             finish_writes()  # eval reads the version (and the report) from the store
             metrics.update(evaluate_into_report(cfg, ckpt))  # held-out, deterministic: eval/* in the step's record
             t["eval"] = time.perf_counter() - t1
-        if lagged is not None:
-            lagged.published(ckpt)  # after eval: the version admits the next rollouts (and ends a quiesce)
+        rollouts.published(ckpt)  # after eval: the version admits the next rollouts (and ends a quiesce)
         step_seconds = time.perf_counter() - t0
         metrics.update({f"time/{k}": v for k, v in t.items()})
         metrics.update({"step": float(step), "time/step": step_seconds})

@@ -362,10 +362,6 @@ def check_agent_config(cfg) -> None:
         raise field_error(ConfigError, "lm.deployment.engine", engine, "'trainside' or 'vllm' with lm.agent",
                           "multi-turn rollouts run over the trainside or the vLLM engine (an SGLang turn loop is "
                           "not built); remove lm.agent or use one of those")
-    if cfg.pool.execution == "pool":
-        raise field_error(ConfigError, "pool.execution", "pool", "'pods' with lm.agent", "agentic rollouts have not "
-                          "run on the pool's engine actors (its Arrow projection also drops the turn structure the "
-                          "deck shows); use execution 'pods'")
     lag = cfg.async_training.max_policy_lag
     if lag > 0 and engine != "trainside":
         raise field_error(ConfigError, "async_training.max_policy_lag", lag, f"0 with lm.agent and "

@@ -28,6 +28,7 @@ from unirl_core.checkpoint import (
 )
 from unirl_core.config.loader import to_dict
 from unirl_core.errors import CheckpointError, ConfigError, field_error
+from unirl_core.runtime.executor import ProcessExecutors
 from unirl_core.sft.config import SFTConfig
 from unirl_core.sft.losses import CompletionSFT, FlowMatchingSFT
 from unirl_core.sft.records import Record, load_records, supervised_batch
@@ -40,10 +41,6 @@ EXPORT_DIR = "export"
 """Folder next to the versions holding the last exported model (``save_pretrained`` layout)."""
 EXPORT_MARKER = "export.json"
 """Written last into an export folder: which version it holds. A folder without it is incomplete."""
-
-_TRAINERS: dict[str, TrainBackend] = {}
-_RECORDS: dict[str, list[Record]] = {}
-
 
 def _key(obj: object) -> str:
     return json.dumps(to_dict(obj), sort_keys=True, default=str)
@@ -70,23 +67,45 @@ def store(cfg: SFTConfig) -> CheckpointStore:
                            storage_options=c.storage_options)
 
 
+class SFTResources:
+    """What an SFT process keeps between its phases: one trainer and one run's records (each kept while its
+    config stays; another config replaces it). Owned by the process's in-process executor slot (``PROCESS``)."""
+
+    def __init__(self) -> None:
+        self._trainer: tuple[str, TrainBackend] | None = None
+        self._records: tuple[str, list[Record]] | None = None
+
+    def trainer(self, cfg: SFTConfig) -> TrainBackend:
+        key = f"{cfg.family}:{_key(cfg.section)}:{_key(cfg.train)}:{cfg.loop.seed}"
+        if self._trainer is None or self._trainer[0] != key:
+            self._trainer = None  # one trainer at a time: a model copy plus optimizer state
+            self._trainer = (key, TrainBackend(fresh_bundle(cfg), algorithm(cfg), cfg.train))
+        return self._trainer[1]
+
+    def records(self, cfg: SFTConfig) -> list[Record]:
+        key = _key(cfg.data) + _key(cfg.section)
+        if self._records is None or self._records[0] != key:
+            self._records = (key, load_records(cfg))
+        return self._records[1]
+
+
+def _no_pool() -> SFTResources:
+    raise field_error(ConfigError, "pool.execution", "pool", "in-process for SFT", "SFT runs in its task's process")
+
+
+PROCESS: ProcessExecutors[SFTResources] = ProcessExecutors(SFTResources, _no_pool)
+"""This process's SFT state (in-process only: SFT has no pool executor)."""
+
+
 def trainer(cfg: SFTConfig) -> TrainBackend:
-    """The process's backend (one per process, keyed by model/train/loss config); restore a version into it
-    before training: it holds whatever the last chunk left."""
-    key = f"{cfg.family}:{_key(cfg.section)}:{_key(cfg.train)}:{cfg.loop.seed}"
-    if key not in _TRAINERS:
-        _TRAINERS.clear()
-        _TRAINERS[key] = TrainBackend(fresh_bundle(cfg), algorithm(cfg), cfg.train)
-    return _TRAINERS[key]
+    """The process's backend (keyed by model/train/loss config); restore a version into it before training: it
+    holds whatever the last chunk left."""
+    return PROCESS.in_process().trainer(cfg)
 
 
 def records(cfg: SFTConfig) -> list[Record]:
     """The run's records, read (or generated) once per process."""
-    key = _key(cfg.data) + _key(cfg.section)
-    if key not in _RECORDS:
-        _RECORDS.clear()
-        _RECORDS[key] = load_records(cfg)
-    return _RECORDS[key]
+    return PROCESS.in_process().records(cfg)
 
 
 def step_batch(cfg: SFTConfig, policy, step: int, *, policy_version: int) -> SampleBatch:

@@ -35,7 +35,7 @@ def test_tiny_agent_calc_recipe():
      r"lm.agent.switch_at_turn=1: expected None with resume_version='latest'"),
     ("tiny-agent-calc", ["lm.agent.stale_turns=drop"],
      r"lm.agent.stale_turns='drop': expected one of \('correct', 'mask'\)"),
-    ("tiny-agent-calc", ["pool.execution=pool"], r"pool.execution='pool': expected 'pods' with lm.agent"),
+    ("tiny-agent-calc", ["pool.execution=pool"], r"lm.agent='set': expected unset with pool.execution='pool'"),
 ])
 def test_refused_agent_settings_name_the_field(recipe, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -189,7 +189,7 @@ def compose_report_task(cfg: ComposeRunConfig, batch: SampleBatch, step: int, ro
                         score: dict[str, float], train: dict[str, float], evaluation: dict[str, float],
                         enhancements: dict[str, str], after: str) -> str:
     """Step ``step``'s report page (prompt, enhanced prompt, image per sample) and the run index; logs the progress
-    line. ``after``: the previous step's report (keeps the writes to ``metrics.jsonl`` in step order)."""
+    line. ``after``: the previous step's report (keeps the writes to the report's ``steps.json`` in step order)."""
     metrics = {**rollout, **score, **train, **evaluation, "step": float(step)}
     seconds = sum(metrics.get(f"time/{k}", 0.0) for k in ("rollout", "score", "train"))  # the tasks' own compute
     progress_logger().info(progress_line(step, cfg.loop.total_steps, metrics, seconds))

@@ -24,11 +24,11 @@ def test_enhance_workflow_trains_and_publishes_both_stacks(tmp_path, run_name):
                                     policy_version=2)
         assert CheckpointStore(str(tmp_path / run_name), stack).latest().step == 2
     report = tmp_path / run_name / "report"
-    lines = [json.loads(x) for x in (report / "metrics.jsonl").read_text().splitlines()]
+    lines = [{**r["metrics"], "step": r["step"]} for r in json.loads((report / "steps.json").read_text())]
     assert [h["step"] for h in lines] == [1, 2]
     assert lines[0]["enhancer/train/ratio_mean"] == 1.0 and lines[0]["image/train/ratio_mean"] == 1.0
     assert "eval/reward/mean" in lines[1] and "eval/reward/mean" not in lines[0]
-    page = (report / "step-00000002.html").read_text()
+    page = (report / "step-00000002" / "samples.html").read_text()
     assert "enhanced prompt" in page and page.count("<img") == 8 and "greedy enhancement" in page
     assert 'data-metric="reward/mean"' in (report / "index.html").read_text()
 

@@ -74,6 +74,6 @@ def test_the_flyte_workflow_in_pool_mode_equals_pods(tmp_path):
         out = enhance(recipe="shapes-enhance", overrides=small_overrides(
             tmp_path / mode, "loop.steps_per_chunk=1", "eval=null", *extra, name="flow"))
         assert (out.enhancer.step, out.image.step) == (2, 2)
-        lines = [json.loads(x) for x in (tmp_path / mode / "flow" / "report" / "metrics.jsonl").read_text().splitlines()]
+        lines = [r["metrics"] for r in json.loads((tmp_path / mode / "flow" / "report" / "steps.json").read_text())]
         numbers[mode] = [(h["reward/mean"], h["enhancer/train/loss"], h["image/train/loss"]) for h in lines]
     assert numbers["pool"] == numbers["pods"]

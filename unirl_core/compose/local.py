@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 import math
-import sys
 import time
 from collections.abc import Callable
 
@@ -20,10 +18,9 @@ from unirl_core.compose.phases import (
 )
 from unirl_core.compose.evaluate import evaluate_compose
 from unirl_core.compose.report import write_step_report
-from unirl_core.report.tensorboard import ScalarLog
+from unirl_core.loop.local import drive, open_sinks, say
+from unirl_core.report.wandb_log import MetricSinks
 from unirl_core.types import SampleBatch
-
-log = logging.getLogger(__name__)
 
 
 def progress_line(step: int, total: int, m: dict[str, float], seconds: float) -> str:
@@ -37,12 +34,6 @@ def progress_line(step: int, total: int, m: dict[str, float], seconds: float) ->
     if "eval/reward/mean" in m:
         line += f"eval {f('eval/reward/mean')} (copy {f('eval/copy_reward/mean')}) | "
     return line + f"step {seconds:.1f}s"
-
-
-def _say(line: str, show: bool) -> None:
-    log.info(line)
-    if show:
-        print(line, file=sys.stderr, flush=True)
 
 
 def compose_step(cfg: ComposeRunConfig, refs: Refs, step: int) -> tuple[Refs, SampleBatch, dict[str, float]]:
@@ -63,42 +54,43 @@ def compose_step(cfg: ComposeRunConfig, refs: Refs, step: int) -> tuple[Refs, Sa
     refs = publish_stacks(cfg, refs)
     t["publish"] = time.perf_counter() - t1
     metrics.update({f"time/{k}": v for k, v in t.items()})
-    metrics.update({"step": float(step), "time/step": time.perf_counter() - t0})
     return refs, batch, metrics
 
 
 def run_compose_local(cfg: ComposeRunConfig, *, resume_from: str = "latest", progress: bool | None = None,
                       on_step: Callable[[dict, SampleBatch], None] | None = None) -> list[dict]:
-    """Run the remaining steps of ``cfg.loop.total_steps`` in this process; returns per-step metrics. Each step
-    writes its report page (``<root>/<name>/report``) and, with ``report.tensorboard``, TensorBoard scalars."""
+    """Run the remaining steps of ``cfg.loop.total_steps`` in this process on the loop's driver (``loop.local.drive``);
+    returns per-step metrics (step 0's evaluation first, when there is one). Each step is recorded in the run report
+    (``<root>/<name>/report``) and goes to the metric sinks ``cfg.report`` asks for (TensorBoard, W&B)."""
     show = cfg.report.progress if progress is None else progress
     refs = init_stacks(cfg, resume_from=resume_from)
-    total, history = cfg.loop.total_steps, []
-    tb = ScalarLog(cfg.run_root, storage_options=cfg.checkpoint.storage_options) \
-        if cfg.report.tensorboard and step_of(cfg, refs) < total else None
+    total, first = cfg.loop.total_steps, step_of(cfg, refs) + 1
+    scalars = open_sinks(cfg.report, cfg.run_root, cfg.name, storage_options=cfg.checkpoint.storage_options,
+                         run_config={"recipe": cfg.name, "family": "compose"}) if first <= total else MetricSinks()
+    history = []
     try:
-        if cfg.eval is not None and step_of(cfg, refs) == 0 < total:
+        if cfg.eval is not None and first == 1 <= total:
             metrics, texts = evaluate_compose(cfg, refs, cfg.eval)
             write_step_report(cfg, 0, None, metrics, texts)
+            scalars.log(0, metrics)
             history.append({**metrics, "step": 0.0})
-            _say(f"step 0/{total} | eval {metrics['eval/reward/mean']:.4f} (copy {metrics['eval/copy_reward/mean']:.4f})",
-                 show)
-        for step in range(step_of(cfg, refs) + 1, total + 1):
-            refs, batch, metrics = compose_step(cfg, refs, step)
+            say(f"step 0/{total} | eval {metrics['eval/reward/mean']:.4f} (copy {metrics['eval/copy_reward/mean']:.4f})",
+                show)
+
+        def step(n: int) -> tuple[dict, SampleBatch]:
+            nonlocal refs
+            refs, batch, metrics = compose_step(cfg, refs, n)
             texts = None
-            if cfg.eval is not None and cfg.eval.due(step, total):
+            if cfg.eval is not None and cfg.eval.due(n, total):
                 t0 = time.perf_counter()
                 m, texts = evaluate_compose(cfg, refs, cfg.eval)
                 metrics.update(m)
                 metrics["time/eval"] = time.perf_counter() - t0
-            write_step_report(cfg, step, batch, metrics, texts)
-            if tb is not None:
-                tb.log(step, metrics)
-            history.append(metrics)
-            _say(progress_line(step, total, metrics, metrics["time/step"]), show)
-            if on_step is not None:
-                on_step(metrics, batch)
+            write_step_report(cfg, n, batch, metrics, texts)
+            return metrics, batch
+
+        history += drive(first, total, step, show=show, scalars=scalars, on_step=on_step,
+                         line=lambda n, t, m, seconds, _eta: progress_line(n, t, m, seconds))
     finally:
-        if tb is not None:
-            tb.close()
+        scalars.close()
     return history

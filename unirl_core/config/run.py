@@ -158,7 +158,8 @@ class CheckpointConfig:
     root: str = "runs"
     """fsspec URL of the store root: a local directory (default) or ``s3://bucket/prefix``."""
     keep_last: int = 3
-    """Keep the newest k versions."""
+    """Keep the newest k versions (at least ``async_training.max_policy_lag + 1``: the versions lagged rollouts
+    load)."""
     keep_every: int | None = None
     """Also keep every m-th step forever."""
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -425,9 +426,6 @@ class RunConfig:
             raise field_error(ConfigError, f"{self.family}.algorithm", self.section.algorithm.name,
                               f"an algorithm sampling with the policy weights {where}",
                               "EMA rollouts are not lagged; use lag 0")
-        if self.checkpoint.keep_last < lag + 1:
-            raise field_error(ConfigError, "checkpoint.keep_last", self.checkpoint.keep_last, f">= {lag + 1} {where}",
-                              "a lagged rollout loads version step - 1 - lag; keep that many versions")
         self._check_partial_rollout()
         algo = self.section.algorithm
         corrected = [k for k in ("tis_cap", "mis_bounds") if getattr(algo, k, None) is not None]

@@ -31,6 +31,7 @@ from unirl_core.loop.phases import (
 from unirl_core.report.run_report import RunReport
 from unirl_core.report.tensorboard import ScalarLog
 from unirl_core.report.wandb_log import MetricSinks, WandbLog
+from unirl_core.config.run import ReportConfig
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,9 @@ def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | Non
     # torchrun only rank 0 probes (a probe removes the run folder it created, under another rank's write).
     if os.environ.get("RANK", "0") == "0":
         for note in preflight(cfg):
-            _say(f"preflight: {note}", show)
+            say(f"preflight: {note}", show)
     try:
-        _say(f"run {cfg.name}: opening it (resume_from={resume_from!r}{f', fork_as={fork_as!r}' if fork_as else ''}"
+        say(f"run {cfg.name}: opening it (resume_from={resume_from!r}{f', fork_as={fork_as!r}' if fork_as else ''}"
              f"; an empty run builds model {_model_name(cfg)} for its step-0 version) ...", show)
         ckpt = init_run(cfg, resume_from=resume_from, fork_as=fork_as)
         return _run_steps(resume.forked_config(cfg, fork_as), ckpt, on_step, show)
@@ -82,11 +83,52 @@ def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | Non
         raise
 
 
-def _say(message: str, show: bool) -> None:
+def say(message: str, show: bool) -> None:
     """INFO on this module's logger, and a line on stderr when ``show``."""
     log.info(message)
     if show:
         print(message, file=sys.stderr, flush=True)
+
+
+def open_sinks(report: ReportConfig, run_uri: str, name: str, *, storage_options: dict,
+               run_config: dict) -> MetricSinks:
+    """The per-step metric sinks ``report`` asks for: TensorBoard scalars under ``<run_uri>/tensorboard``, a W&B
+    run (id: the run name, so a resumed run continues it)."""
+    tb = wb = None
+    if report.tensorboard:
+        tb = ScalarLog(run_uri, storage_options=storage_options)
+        log.info("TensorBoard scalars: tensorboard --logdir %s", tb.uri)
+    if report.wandb is not None:
+        try:
+            wb = WandbLog(report.wandb, name, run_config=run_config)
+        except BaseException:
+            if tb is not None:
+                tb.close()
+            raise
+        log.info("W&B run %s (%s)", wb.run_id, wb.url or report.wandb.mode)
+    return MetricSinks(tb, wb)
+
+
+def drive(first: int, total: int, step: Callable[[int], tuple[dict, SampleBatch]], *, show: bool,
+          line: Callable[[int, int, dict, float, float], str], scalars: MetricSinks,
+          on_step: StepCallback | None) -> list[dict]:
+    """The driver's loop, for every kind of run: ``step(n)`` for ``n`` in ``first..total`` (it returns the step's
+    metrics and batch); each step's record gets ``step`` and ``time/step``, goes to ``scalars``, prints ``line`` and
+    is handed to ``on_step``. Returns the records."""
+    history: list[dict] = []
+    started = time.perf_counter()
+    for n in range(first, total + 1):
+        t0 = time.perf_counter()
+        metrics, batch = step(n)
+        seconds = time.perf_counter() - t0
+        metrics.update({"step": float(n), "time/step": seconds})
+        history.append(metrics)
+        eta = (time.perf_counter() - started) / len(history) * (total - n)
+        scalars.log(n, metrics)
+        say(line(n, total, metrics, seconds, eta), show)
+        if on_step is not None:
+            on_step(metrics, batch)
+    return history
 
 
 def _model_name(cfg: RunConfig) -> str:
@@ -118,41 +160,38 @@ def first_step_notes(cfg: RunConfig, ckpt: CheckpointRef) -> list[str]:
 def _run_steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool) -> list[dict]:
     total = cfg.loop.total_steps
     for note in first_step_notes(cfg, ckpt):
-        _say(note, show)
-    tb = wb = None
-    if cfg.report.tensorboard and ckpt.step < total:
-        tb = ScalarLog(f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}", storage_options=cfg.checkpoint.storage_options)
-        log.info("TensorBoard scalars: tensorboard --logdir %s", tb.uri)
-    if cfg.report.wandb is not None and ckpt.step < total:
-        try:
-            wb = WandbLog(cfg.report.wandb, cfg.name, run_config={"recipe": cfg.name, "family": cfg.family})
-        except BaseException:
-            if tb is not None:
-                tb.close()
-            raise
-        log.info("W&B run %s (%s)", wb.run_id, wb.url or cfg.report.wandb.mode)
-    scalars = MetricSinks(tb, wb)
+        say(note, show)
+    scalars = open_sinks(cfg.report, f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}", cfg.name,
+                         storage_options=cfg.checkpoint.storage_options,
+                         run_config={"recipe": cfg.name, "family": cfg.family}) if ckpt.step < total else MetricSinks()
     try:
-        return _steps(cfg, ckpt, on_step, show, scalars if scalars else None)
+        return _steps(cfg, ckpt, on_step, show, scalars)
     finally:
         scalars.close()
 
 
 def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool,
-           scalars: MetricSinks | None) -> list[dict]:
+           scalars: MetricSinks) -> list[dict]:
     if cfg.eval is not None and ckpt.step == 0 and cfg.loop.total_steps > 0 and cfg.eval.due(0, cfg.loop.total_steps):
         # the "before" of the report's held-out before/after; ahead of the rollout manager, which would sample with
         # the rollout model while eval loads weights into it
         start = evaluate_into_report(cfg, ckpt)
-        if scalars is not None:
-            scalars.log(0, start)
-        _say(f"step 0/{cfg.loop.total_steps} | eval {start.get('eval/reward/mean', math.nan):.4f} (starting policy, "
+        scalars.log(0, start)
+        say(f"step 0/{cfg.loop.total_steps} | eval {start.get('eval/reward/mean', math.nan):.4f} (starting policy, "
              "held out)", show)
     # lag 0: each step samples its own rollout; async_training.max_policy_lag > 0: the rollout manager's, sampled
     # with lagged versions (unirl_core/loop/lagged.py)
     rollouts = rollout_source(cfg, ckpt)
+    version = ckpt
+
+    def step(n: int) -> tuple[dict, SampleBatch]:
+        nonlocal version
+        metrics, batch, version = rl_step(cfg, version, n, rollouts)
+        return metrics, batch
+
     try:
-        history = _step_loop(cfg, ckpt, on_step, show, scalars, rollouts)
+        history = drive(ckpt.step + 1, cfg.loop.total_steps, step, show=show, line=progress_line, scalars=scalars,
+                        on_step=on_step)
     except BaseException:
         try:  # the version in flight completes (or stays invisible); the step's own error is the one raised
             finish_writes()
@@ -175,60 +214,48 @@ def evaluate_into_report(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float
     return metrics
 
 
-def _step_loop(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool,
-               scalars: MetricSinks | None, rollouts: RolloutSource) -> list[dict]:
-    total = cfg.loop.total_steps
-    history: list[dict] = []
-    started = time.perf_counter()
-    for step in range(ckpt.step + 1, total + 1):
-        t = {}
-        t0 = time.perf_counter()
-        parts, per_shard, extra = rollouts.take(step)
-        metrics = merge_shard_metrics(per_shard)
-        metrics.update(extra)
-        batch = SampleBatch.concat(parts)
-        t["rollout"] = time.perf_counter() - t0
+def rl_step(cfg: RunConfig, ckpt: CheckpointRef, step: int,
+            rollouts: RolloutSource) -> tuple[dict, SampleBatch, CheckpointRef]:
+    """One RL step from version ``ckpt``: rollout -> reward -> [dynamic sampling] -> advantage -> train -> publish
+    [-> eval]; returns its metrics (with ``time/<phase>``), the trained batch and the new version."""
+    t = {}
+    t0 = time.perf_counter()
+    parts, per_shard, extra = rollouts.take(step)
+    metrics = merge_shard_metrics(per_shard)
+    metrics.update(extra)
+    batch = SampleBatch.concat(parts)
+    t["rollout"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    batch, m = reward_phase(cfg, batch)
+    metrics.update(m)
+    t["reward"] = time.perf_counter() - t1
+    if cfg.filter_groups is not None:
         t1 = time.perf_counter()
-        batch, m = reward_phase(cfg, batch)
+        batch, m = dynamic_sampling_phase(cfg, batch, ckpt, step=step)
         metrics.update(m)
-        t["reward"] = time.perf_counter() - t1
-        if cfg.filter_groups is not None:
-            t1 = time.perf_counter()
-            batch, m = dynamic_sampling_phase(cfg, batch, ckpt, step=step)
-            metrics.update(m)
-            t["dynamic_sampling"] = time.perf_counter() - t1
+        t["dynamic_sampling"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    batch, m = advantage_phase(cfg, batch, ckpt)
+    metrics.update(m)
+    t["advantage"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    # lag 0: nothing reads the store until the next train phase, so the version is written on a background
+    # thread while the next rollout samples with the trainer's copy of its weights
+    ckpt, m = train_phase(cfg, batch, ckpt, step=step, asynchronous=rollouts.background_writes)
+    metrics.update(m)
+    t["train"] = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    metrics.update(rollouts.before_publish())  # pool: no rollout may be mid-sample on the engines' weights
+    published = publish_phase(cfg, ckpt, asynchronous=rollouts.background_writes)
+    rollouts.mark_available(ckpt)  # the next rollout (or a partial one waiting for this version) samples with it
+    metrics.update({k: float(v) for k, v in published.items() if k.startswith("pool/")})
+    t["publish"] = time.perf_counter() - t1
+    if cfg.eval is not None and cfg.eval.due(step, cfg.loop.total_steps):
         t1 = time.perf_counter()
-        batch, m = advantage_phase(cfg, batch, ckpt)
-        metrics.update(m)
-        t["advantage"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        # lag 0: nothing reads the store until the next train phase, so the version is written on a background
-        # thread while the next rollout samples with the trainer's copy of its weights
-        ckpt, m = train_phase(cfg, batch, ckpt, step=step, asynchronous=rollouts.background_writes)
-        metrics.update(m)
-        t["train"] = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        metrics.update(rollouts.before_publish())  # pool: no rollout may be mid-sample on the engines' weights
-        published = publish_phase(cfg, ckpt, asynchronous=rollouts.background_writes)
-        rollouts.mark_available(ckpt)  # the next rollout (or a partial one waiting for this version) samples with it
-        metrics.update({k: float(v) for k, v in published.items() if k.startswith("pool/")})
-        t["publish"] = time.perf_counter() - t1
-        if cfg.eval is not None and cfg.eval.due(step, total):
-            t1 = time.perf_counter()
-            rollouts.quiesce()  # eval loads its version into the rollout model a sampler thread may use
-            finish_writes()  # eval reads the version (and the report) from the store
-            metrics.update(evaluate_into_report(cfg, ckpt))  # held-out, deterministic: eval/* in the step's record
-            t["eval"] = time.perf_counter() - t1
-        rollouts.published(ckpt)  # after eval: the version admits the next rollouts (and ends a quiesce)
-        step_seconds = time.perf_counter() - t0
-        metrics.update({f"time/{k}": v for k, v in t.items()})
-        metrics.update({"step": float(step), "time/step": step_seconds})
-        history.append(metrics)
-        done = len(history)
-        eta = (time.perf_counter() - started) / done * (total - step)
-        if scalars is not None:
-            scalars.log(step, metrics)
-        _say(progress_line(step, total, metrics, step_seconds, eta), show)
-        if on_step is not None:
-            on_step(metrics, batch)
-    return history
+        rollouts.quiesce()  # eval loads its version into the rollout model a sampler thread may use
+        finish_writes()  # eval reads the version (and the report) from the store
+        metrics.update(evaluate_into_report(cfg, ckpt))  # held-out, deterministic: eval/* in the step's record
+        t["eval"] = time.perf_counter() - t1
+    rollouts.published(ckpt)  # after eval: the version admits the next rollouts (and ends a quiesce)
+    metrics.update({f"time/{k}": v for k, v in t.items()})
+    return metrics, batch, ckpt

@@ -210,10 +210,11 @@ class RunReport:
                 out.append(StepRecord(**json.loads(raw)))
         return sorted(out, key=lambda r: r.step)
 
-    def render(self, title: str = "run report", *, smooth: float | None = SMOOTHING) -> str:
+    def render(self, title: str = "run report", *, smooth: float | None = SMOOTHING, curves: tuple[str, ...] = ()) -> str:
         """(Re)write ``index.html`` from every recorded step; returns its URL.
 
-        Sample strips of ``strip_steps`` only; ``smooth``: EMA smoothing of the curves (None: off)."""
+        Sample strips of ``strip_steps`` only; ``smooth``: EMA smoothing of the curves (None: off); ``curves``:
+        further metrics to chart (a composed run's per-stack keys)."""
         records = self.steps()
         config = self._read("config.json")
         grids = {}
@@ -223,7 +224,7 @@ class RunReport:
         evals = self.evals()
         held_out = before_after_html(*evals[0], *evals[-1]) if evals else ""
         self._write("index.html", _page(title, index_body(title, records, config, grids, smooth=smooth,
-                                                          held_out=held_out)))
+                                                          held_out=held_out, curves=curves)))
         return self.index_uri
 
 
@@ -274,7 +275,8 @@ def strip_steps(steps: list[int], k: int = STRIP_STEPS) -> list[int]:
     return sorted({steps[round(i * (len(steps) - 1) / (k - 1))] for i in range(k)})
 
 
-def _chart_groups(records: list[StepRecord], smooth: float | None) -> list[tuple[str, list[str]]]:
+def _chart_groups(records: list[StepRecord], smooth: float | None,
+                  curves: tuple[str, ...] = ()) -> list[tuple[str, list[str]]]:
     """(section title, charts) of the index: reward and its components, eval, policy statistics, loss, time."""
     present = sorted({k for r in records for k in r.metrics})
 
@@ -291,7 +293,7 @@ def _chart_groups(records: list[StepRecord], smooth: float | None) -> list[tuple
     evals = [k for k in present if k.startswith("eval/")]
     stats = [chart(k, series) for k, series in POLICY_STATS if k in present]
     lagged = [chart(k, series) for k, series in ASYNC_STATS if k in present]
-    other = [chart(k) for k in CURVE_METRICS if k in present]
+    other = [chart(k) for k in (*CURVE_METRICS, *curves) if k in present]
     times = sorted(k for k in present if k.startswith("time/"))
     if times:
         other.append(line_chart_svg(pts(times[0]), title="time per phase", label=times[0], smooth=None,
@@ -304,11 +306,11 @@ def _chart_groups(records: list[StepRecord], smooth: float | None) -> list[tuple
 
 
 def index_body(title: str, records: list[StepRecord], config: bytes | None, grids: Mapping[int, str],
-               *, smooth: float | None = SMOOTHING, held_out: str = "") -> str:
+               *, smooth: float | None = SMOOTHING, held_out: str = "", curves: tuple[str, ...] = ()) -> str:
     """Body of ``index.html``: charts, the held-out before/after section (``held_out``), one row per step
     (metrics, samples, page links), the config."""
     sections = "".join(f"<h3>{html.escape(t)}</h3><div class='charts'>{''.join(cs)}</div>"
-                       for t, cs in _chart_groups(records, smooth))
+                       for t, cs in _chart_groups(records, smooth, curves))
     reward_key = next((k for k in REWARD_KEYS if any(k in r.metrics for r in records)), None)
     wanted = dict.fromkeys(k for k in (reward_key, *RATIO_KEYS, "train/loss", "train/kl") if k)
     shown = [k for k in wanted if any(k in r.metrics for r in records)]

@@ -87,9 +87,11 @@ def rollout_weights(cfg: RunConfig) -> str:
 
 
 def store(cfg: RunConfig) -> CheckpointStore:
+    """The run's store. Retention keeps ``checkpoint.keep_last`` versions, and at least the ``max_policy_lag + 1``
+    a lagged rollout may load (version ``step - 1 - lag``)."""
     c = cfg.checkpoint
-    return CheckpointStore(c.root, cfg.name, keep_last=c.keep_last, keep_every=c.keep_every,
-                           storage_options=c.storage_options)
+    return CheckpointStore(c.root, cfg.name, keep_last=max(c.keep_last, cfg.async_training.max_policy_lag + 1),
+                           keep_every=c.keep_every, storage_options=c.storage_options)
 
 
 def reward_service(cfg: RunConfig) -> RewardService:

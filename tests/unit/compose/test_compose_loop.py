@@ -45,7 +45,7 @@ def test_first_update_is_exact_on_both_parts_and_both_stacks_version(tmp_path):
         assert moved == any(s.parts[index].advantage != 0 for s in batch)
     assert any(s.parts[1].advantage != 0 for s in batch)
     assert all(s.parts[0].advantage is not None and s.parts[1].advantage is not None for s in batch)
-    page = (tmp_path / "enh" / "report" / "step-00000001.html").read_text()
+    page = (tmp_path / "enh" / "report" / "step-00000001" / "samples.html").read_text()
     assert "enhanced prompt" in page and page.count("<img") == 8
     assert all(s.parts[0].text is None or f"<td>{s.parts[0].text}</td>" in page for s in batch
                if "<" not in (s.parts[0].text or ""))

@@ -126,6 +126,13 @@ def test_a_failed_rollout_reraises_the_original_error(tmp_path, monkeypatch):
     assert info.value is boom
 
 
+def test_retention_keeps_the_versions_a_lag_loads(tmp_path):
+    """keep_last below lag + 1 is raised to it (a lagged rollout loads version step - 1 - lag), not refused."""
+    cfg = _lm(tmp_path, "async_training.max_policy_lag=2", "checkpoint.keep_last=1", steps=4)
+    run_local(cfg, progress=False)
+    assert [v.step for v in build.store(cfg).versions()] == [2, 3, 4]
+
+
 def test_missing_lagged_version_names_keep_last(tmp_path):
     cfg = _lm(tmp_path, "async_training.max_policy_lag=1", steps=2)
     from unirl_core.loop.phases import init_run
@@ -136,7 +143,6 @@ def test_missing_lagged_version_names_keep_last(tmp_path):
 
 
 @pytest.mark.parametrize("extra,field", [
-    (["checkpoint.keep_last=1"], "checkpoint.keep_last"),
     (["pool.execution=pool", "async_training.partial_rollout={interrupt_at_tokens: 2}"], "async_training.partial_rollout"),
     (["train.old_logp_source=rollout"], "train.old_logp_source"),
     (["filter_groups={max_num_gen_batches: 2}"], "filter_groups"),

@@ -74,8 +74,8 @@ def run_compose_local(cfg: ComposeRunConfig, *, resume_from: str = "latest", pro
             write_step_report(cfg, 0, None, metrics, texts)
             scalars.log(0, metrics)
             history.append({**metrics, "step": 0.0})
-            say(f"step 0/{total} | eval {metrics['eval/reward/mean']:.4f} (copy {metrics['eval/copy_reward/mean']:.4f})",
-                show)
+            say(f"step 0/{total} | eval {metrics['eval/reward/mean']:.4f} "
+                f"(copy {metrics['eval/copy_reward/mean']:.4f})", show)
 
         def step(n: int) -> tuple[dict, SampleBatch]:
             nonlocal refs

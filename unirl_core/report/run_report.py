@@ -210,7 +210,8 @@ class RunReport:
                 out.append(StepRecord(**json.loads(raw)))
         return sorted(out, key=lambda r: r.step)
 
-    def render(self, title: str = "run report", *, smooth: float | None = SMOOTHING, curves: tuple[str, ...] = ()) -> str:
+    def render(self, title: str = "run report", *, smooth: float | None = SMOOTHING,
+               curves: tuple[str, ...] = ()) -> str:
         """(Re)write ``index.html`` from every recorded step; returns its URL.
 
         Sample strips of ``strip_steps`` only; ``smooth``: EMA smoothing of the curves (None: off); ``curves``:

@@ -8,7 +8,7 @@ reports the steps it trained.
     python benchmarks/climb_sweep.py --budget 480 --seeds 0 1 \
         --run "shapes-flow-grpo-climb" --run "shapes-flow-grpo-climb train.lr=2e-4"
 
-Prints one row per run (thirds, z, Spearman, climbs: ``unirl_core.loop.climb``) and writes them as JSON
+Prints one row per run (thirds, z, Spearman, climbs: ``unirl_core.report.climb``) and writes them as JSON
 (``--out``). The rows of ``benchmarks/results/first_run_climb_sweep.md`` come from runs like these.
 """
 
@@ -59,7 +59,7 @@ def run_one(recipe: str, seed: int, root: str, overrides: list[str], out: str, m
 
 def main() -> None:
     from benchmarks.first_run_climb import single_thread_env
-    from unirl_core.loop.climb import climb_stats
+    from unirl_core.report.climb import climb_stats
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="append", required=True, help='"recipe a.b=v c.d=w" (repeatable)')

@@ -1,6 +1,6 @@
 """Does the prompt enhancer learn? Runs a compose recipe (``shapes-enhance``) through ``run_compose_local`` for each
 seed, one after another (2 shared cores: one run at a time), and reports per seed: the training reward per third of
-the run and its climb statistics (``unirl_core.loop.climb``: thirds rising, last tenth >= 3 noise std above the
+the run and its climb statistics (``unirl_core.report.climb``: thirds rising, last tenth >= 3 noise std above the
 first, Spearman >= 0.6), the enhancer's reward per third, what the sampled rewrites look like per third (exact
 copies of the caption, empty rewrites, words), the greedy fixed-noise evaluation (``eval/reward/mean`` vs the copy
 baseline ``eval/copy_reward/mean``, both with the image stack's version of that step) at step 0 and the last step,
@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.common import environment, pin_threads  # noqa: E402
 from unirl_core.compose.engine import enhancement_id  # noqa: E402
-from unirl_core.loop.climb import climb_stats  # noqa: E402
+from unirl_core.report.climb import climb_stats  # noqa: E402
 
 
 def thirds(values: list[float]) -> list[float]:

@@ -1,5 +1,5 @@
 """Does a recipe's reward (or accuracy) climb? Runs it through ``run_local`` for several seeds, one process per
-seed (each single-threaded, side by side), and reports the climb statistics of ``unirl_core.loop.climb`` per seed
+seed (each single-threaded, side by side), and reports the climb statistics of ``unirl_core.report.climb`` per seed
 plus the held-out eval of the starting and the last version (from the run report's ``eval/`` records).
 
     python benchmarks/first_run_climb.py --recipe shapes-climb --seeds 0 1          # the climb recipe's numbers
@@ -91,7 +91,7 @@ def measure(recipe: str, seeds: list[int], root: str, *, metric: str = "reward/m
     """Run ``recipe`` for every seed in subprocesses (``jobs`` side by side; None: all seeds at once); per seed its
     ``metric`` curve, climb statistics, failures against the default ``ClimbCriteria``, held-out eval records and
     seconds."""
-    from unirl_core.loop.climb import climb_stats
+    from unirl_core.report.climb import climb_stats
 
     outs = seeds_in_subprocesses(recipe, list(seeds), root, list(overrides), max(1, jobs or len(seeds)), timeout)
     result = {"recipe": recipe, "metric": metric, "overrides": list(overrides), "seeds": {}}

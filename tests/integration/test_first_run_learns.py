@@ -2,7 +2,7 @@
 process per seed side by side) with the recipes as shipped:
 
 - the default workflow recipe (Flow-GRPO on shapes-sd3, compositional reward: shapes-flow-grpo-count) climbs by
-  ``loop.climb``'s bar on two seeds - each third above the previous, the last tenth >= 3 step-to-step noise std above
+  ``report.climb``'s bar on two seeds - each third above the previous, the last tenth >= 3 step-to-step noise std above
   the first, Spearman >= 0.6 - and its held-out score rises (~13 min on 2 cores, both seeds side by side);
 - the tiny LM's accuracy on sums rises under GRPO on correctness after an SFT warm start (~1.5 min: SFT ~15 s,
   200 GRPO steps ~60 s per seed);

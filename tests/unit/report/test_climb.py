@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from unirl_core.errors import ConfigError
-from unirl_core.loop.climb import ClimbCriteria, climb_stats, spearman
+from unirl_core.report.climb import ClimbCriteria, climb_stats, spearman
 
 
 def test_golden_values():

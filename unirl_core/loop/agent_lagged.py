@@ -37,8 +37,7 @@ log = logging.getLogger(__name__)
 
 def suspends_turns(cfg: RunConfig) -> bool:
     """True when lagged rollouts of ``cfg`` are agentic (they park at turn boundaries on quiesce)."""
-    return (cfg.family == "lm" and cfg.lm.agent is not None and cfg.async_training.max_policy_lag > 0
-            and cfg.pool.execution != "pool")
+    return cfg.family == "lm" and cfg.lm.agent is not None and cfg.async_training.max_policy_lag > 0
 
 
 class LaggedTurns:

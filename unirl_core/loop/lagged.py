@@ -30,7 +30,7 @@ from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, field_error
 from unirl_core.runtime import build
 from unirl_core.loop.agent_lagged import agentic_rollout, suspends_turns
-from unirl_core.loop.executors import in_process
+from unirl_core.loop.executors import executor_for, in_process
 from unirl_core.loop.phases import rollout_phase
 from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.manager import ManagerConfig, RolloutManager, RolloutRequest, check_batch_provenance
@@ -135,26 +135,25 @@ class LaggedRollouts:
     ``take(step)`` returns the step's shard batches, their metrics and ``async/*`` metrics; ``published(ckpt)``
     after every publication lets the manager dispatch what the new version admits (and resumes a ``quiesce``).
 
-    Pool mode (``pool.execution: pool``): no thread; each request is an engine actor call (``submit_rollout``), so
-    rollout ``n + 1`` runs on the engines while the trainer actor trains ``n``. The engines receive every published
-    version in-pool, so ``quiesce()`` drains them before the publish (``quiesce_before_publish``)."""
+    With the executor's own rollout workers (``Executor.rollout_workers``: the pool's engine actors): no thread; each
+    request is a worker call, so rollout ``n + 1`` runs on the engines while the trainer actor trains ``n``. The
+    workers receive every published version, so ``quiesce()`` drains them before the publish
+    (``quiesce_before_publish``)."""
 
     def __init__(self, cfg: RunConfig, ckpt: CheckpointRef) -> None:
         a = cfg.async_training
         shards = cfg.loop.rollout_shards
         self.cfg = cfg
-        self.in_pool = cfg.pool.execution == "pool"
+        # the executor's own rollout workers (the pool's engine actors), started on this (the driver's) thread
+        # before any dispatch; None: the rollouts sample in this process
+        self.workers = executor_for(cfg).rollout_workers(cfg)
         self._refs: dict[int, CheckpointRef] = {ckpt.step: ckpt}
         self._start = ckpt
         self._quiesced = False
-        # an actor call is bounded by pool.call_timeout_s; the manager's futures by the same bound on each wait
-        self._timeout = cfg.pool.call_timeout_s if self.in_pool else None
-        if self.in_pool:
-            from unirl_core.pool.cluster import Pool
-
-            Pool.get(cfg)  # Ray and the actors start on this (the driver's) thread, before any dispatch
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") if a.overlap and not self.in_pool \
-            else _Inline()
+        # a worker call is bounded; the manager's futures by the same bound on each wait
+        self._timeout = self.workers.call_timeout_s if self.workers is not None else None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout") \
+            if a.overlap and self.workers is None else _Inline()
         config = ManagerConfig(max_policy_lag=a.max_policy_lag, num_shards=shards,
                                max_inflight=a.max_inflight or shards * (a.max_policy_lag + 1),
                                last_step=cfg.loop.total_steps)
@@ -177,7 +176,7 @@ class LaggedRollouts:
     @property
     def quiesce_before_publish(self) -> bool:
         """True when a publication changes the weights in-flight rollouts sample with (the pool's engines)."""
-        return self.in_pool or (self.gate is not None and self.cfg.lm.agent.resume_version == "latest")
+        return self.workers is not None or (self.gate is not None and self.cfg.lm.agent.resume_version == "latest")
 
     def before_publish(self) -> dict[str, float]:
         """Drain in-flight rollouts when the publication changes their weights (the pool: the engines get the new
@@ -199,10 +198,9 @@ class LaggedRollouts:
             return self._executor.submit(agentic_rollout, self.cfg, req, gate=self.gate, ref_of=self._ref,
                                          available=lambda: self._available)
         ref = self._ref(req.policy_version)
-        if self.in_pool:
-            from unirl_core.pool.phases import submit_rollout
-
-            fut = submit_rollout(self.cfg, ref, step=req.step, shard=req.shard, num_shards=self.cfg.loop.rollout_shards)
+        if self.workers is not None:
+            fut = self.workers.submit(self.cfg, ref, step=req.step, shard=req.shard,
+                                      num_shards=self.cfg.loop.rollout_shards)
             if not self.cfg.async_training.overlap:
                 wait([fut])  # inline: the same numbers, nothing runs beside the driver
             return fut

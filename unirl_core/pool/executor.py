@@ -7,12 +7,15 @@ here, on the projection, with the same function the in-process executor uses.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Literal
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.pool import phases as pool_phases
+from unirl_core.pool.cluster import Pool
 from unirl_core.runtime.inprocess import publish_in_store
 from unirl_core.runtime.steps import advantage_step
 from unirl_core.types import SampleBatch
@@ -66,8 +69,24 @@ class PoolExecutor:
         pool_phases.prune_versions(cfg)
         return published
 
+    def rollout_workers(self, cfg: RunConfig) -> EngineActors:
+        """The pool's engine actors (Ray and the actors start now, on the caller's thread)."""
+        Pool.get(cfg)
+        return EngineActors(cfg.pool.call_timeout_s)
+
     def finish_writes(self) -> None:
         """Wait for the trainer actor's background write (and its publish); raises its failure."""
         if self.pending_write:
             cfg, ref = self.pending_write.pop("cfg"), self.pending_write.pop("ref")
             pool_phases.wait_written(cfg, ref)
+
+
+@dataclass(frozen=True)
+class EngineActors:
+    """Rollouts on the pool's engine actors, which receive every published version in-pool; each call is bounded
+    by ``pool.call_timeout_s``."""
+
+    call_timeout_s: float
+
+    def submit(self, cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int) -> Future:
+        return pool_phases.submit_rollout(cfg, ckpt, step=step, shard=shard, num_shards=num_shards)

@@ -1,7 +1,7 @@
 """The executor interface: where a step's phases run and who holds the state between them.
 
 The driver (``unirl_core.loop``) picks one executor per process and mode (``loop.executors.executor_for``) and
-talks to it through these six calls; no phase asks where it runs. Two implementations:
+talks to it through these calls; no phase asks where it runs. Two implementations:
 
 - ``runtime.inprocess.InProcessExecutor``: this process holds the rollout bundle, the trainer and the writer;
 - ``pool.executor.PoolExecutor``: the run's Ray actors hold them; this process holds projections.
@@ -13,6 +13,7 @@ with them, under a bound on policy lag (0: synchronous).
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Generic, Literal, Protocol, TypeVar
 
 from unirl_core.checkpoint import CheckpointRef
@@ -43,6 +44,20 @@ class Executor(Protocol):
 
     def finish_writes(self) -> None:
         """Wait for any version being written in the background; raise its failure."""
+
+    def rollout_workers(self, cfg: RunConfig) -> RolloutWorkers | None:
+        """Workers of the executor's own that sample beside the driver and receive every published version (the
+        pool's engine actors), started now; None when rollouts run in this process (lagged rollouts then sample on
+        a thread of the driver's)."""
+
+
+class RolloutWorkers(Protocol):
+    call_timeout_s: float
+    """The bound on one dispatched rollout (and on draining them)."""
+
+    def submit(self, cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int,
+               num_shards: int) -> Future:
+        """Sample shard ``shard`` of step ``step`` with ``ckpt``: a Future of (batch, metrics)."""
 
 
 T = TypeVar("T")

@@ -52,6 +52,10 @@ class InProcessExecutor:
         self.resident: dict[str, object] = {}
         self.resources = Resources()
 
+    def rollout_workers(self, cfg: RunConfig) -> None:
+        """None: rollouts sample in this process (``resources.bundle``)."""
+        return None
+
     # -- rollout -------------------------------------------------------------------------------------------------
     def rollout(self, cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
                 weights: Literal["policy", "ema"], gen_round: int = 0,

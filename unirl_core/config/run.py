@@ -351,17 +351,8 @@ class RunConfig:
     """Rollouts lagging training by up to ``max_policy_lag`` versions (``unirl_core/loop/README.md``); default synchronous."""
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name:
-            raise field_error(ConfigError, "name", self.name, "a non-empty run name without '/'", "e.g. tiny-grpo")
+        check_name_and_family(self, "tiny-grpo")
         _check_full_state(self.checkpoint, self.pool)
-        section = self.diffusion if self.family == "diffusion" else self.lm
-        if section is None:
-            raise field_error(ConfigError, self.family, None, f"a '{self.family}' section for family={self.family!r}",
-                              f"add the '{self.family}' section to the recipe")
-        other = "lm" if self.family == "diffusion" else "diffusion"
-        if getattr(self, other) is not None:
-            raise field_error(ConfigError, other, "set", f"no '{other}' section for family={self.family!r}",
-                              f"remove the '{other}' section")
         self._check_geometry()
         if self.lm is not None:
             check_lm_deployment(self.lm, self.train.old_logp_source)
@@ -522,6 +513,19 @@ class RunConfig:
                                   "excluding invalid samples re-slices the batch; use old_logp_source='replay'")
         if not math.isfinite(self.train.lr):
             raise field_error(ConfigError, "train.lr", self.train.lr, "a finite number", "e.g. 1e-4")
+
+
+def check_name_and_family(cfg, example: str) -> None:
+    """A run name usable as a folder, and exactly the section of ``cfg.family`` (``diffusion`` or ``lm``)."""
+    if not cfg.name or "/" in cfg.name:
+        raise field_error(ConfigError, "name", cfg.name, "a non-empty run name without '/'", f"e.g. {example}")
+    other = "lm" if cfg.family == "diffusion" else "diffusion"
+    if getattr(cfg, cfg.family) is None:
+        raise field_error(ConfigError, cfg.family, None, f"a '{cfg.family}' section for family={cfg.family!r}",
+                          f"add the '{cfg.family}' section to the recipe")
+    if getattr(cfg, other) is not None:
+        raise field_error(ConfigError, other, "set", f"no '{other}' section for family={cfg.family!r}",
+                          f"remove the '{other}' section")
 
 
 def check_rollout_seeds(cfg: RunConfig) -> None:

@@ -16,7 +16,7 @@ from typing import Literal
 
 from unirl_core.config.loader import from_dict
 from unirl_core.config.recipes import load_recipe_dict, recipe_names, recipe_path
-from unirl_core.config.run import CheckpointConfig
+from unirl_core.config.run import CheckpointConfig, check_name_and_family
 from unirl_core.data.toy import ToyArithmeticConfig
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionModelConfig
@@ -183,16 +183,7 @@ class SFTConfig:
     loop: SFTLoopConfig = field(default_factory=SFTLoopConfig)
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name:
-            raise field_error(ConfigError, "name", self.name, "a non-empty run name without '/'", "e.g. sft-shapes")
-        section = self.diffusion if self.family == "diffusion" else self.lm
-        if section is None:
-            raise field_error(ConfigError, self.family, None, f"a '{self.family}' section for family={self.family!r}",
-                              f"add the '{self.family}' section to the recipe")
-        other = "lm" if self.family == "diffusion" else "diffusion"
-        if getattr(self, other) is not None:
-            raise field_error(ConfigError, other, "set", f"no '{other}' section for family={self.family!r}",
-                              f"remove the '{other}' section")
+        check_name_and_family(self, "sft-shapes")
         ck = self.checkpoint
         for name, value, default in (("every_n_steps", ck.every_n_steps, 1), ("full_state", ck.full_state, "file")):
             if value != default:

@@ -168,6 +168,9 @@ class ComposeRunConfig:
     eval: ComposeEvalConfig | None = None
     """Greedy enhancement vs the prompt itself, fixed-noise images of every prompt (``compose/evaluate.py``) at step 0,
     every ``eval.every_n_steps`` and the last step (``run_compose_local``); None: none."""
+    plugins: tuple[str, ...] = ()
+    """Modules imported before this config is checked, registering what the recipe names (prompt sources,
+    environments, scorers, presets): e.g. ``[examples.shapes]`` (``unirl_core/plugins.py``)."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -283,10 +286,10 @@ def stack_configs(cfg: ComposeRunConfig) -> dict[str, RunConfig]:
 
 
 def compose_recipe_names() -> list[str]:
-    return recipe_names(COMPOSE_RECIPE_DIR)
+    return recipe_names(COMPOSE_RECIPE_DIR, "compose")
 
 
 def load_compose_recipe(name_or_path: str, overrides: Sequence[str] = ()) -> ComposeRunConfig:
     """A shipped compose recipe (``unirl_core/compose/recipes``) or a YAML path, ``a.b=value`` overrides applied."""
-    data = load_recipe_dict(name_or_path, overrides, COMPOSE_RECIPE_DIR, "compose recipe")
+    data = load_recipe_dict(name_or_path, overrides, COMPOSE_RECIPE_DIR, "compose recipe", "compose")
     return from_dict(ComposeRunConfig, data, "recipe")

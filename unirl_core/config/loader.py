@@ -6,6 +6,9 @@ path, the value and the allowed choices, so a typo in a recipe never silently fa
 A field typed ``Annotated[T, marker]`` whose marker has ``parse_config(value, path, convert)`` is parsed by
 the marker (e.g. ``unirl_core.algorithms.registry.AlgorithmChoice``: a config picked by its ``name``); other
 ``Annotated`` extras are ignored.
+
+A top-level ``plugins`` list (module names, ``unirl_core.plugins``) is imported before anything is checked, so the
+names its modules register (prompt sources, environments, presets) are known to the fields that pick them.
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.plugins import import_plugins
 
 T = typing.TypeVar("T")
 
 
 def from_dict(cls: type[T], data: Any, path: str = "") -> T:
-    """Build dataclass ``cls`` from plain data (as parsed from YAML/JSON), checking every field."""
+    """Build dataclass ``cls`` from plain data (as parsed from YAML/JSON), checking every field; a top-level
+    ``plugins`` list is imported first."""
+    if isinstance(data, dict) and data.get("plugins"):
+        import_plugins(data["plugins"], f"{path or cls.__name__}.plugins")
     return _convert(cls, data, path or cls.__name__)
 
 

@@ -349,6 +349,9 @@ class RunConfig:
     end (``unirl_core/loop/evaluate.py``); None: none."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """Rollouts lagging training by up to ``max_policy_lag`` versions (``unirl_core/loop/README.md``); default synchronous."""
+    plugins: tuple[str, ...] = ()
+    """Modules imported before this config is checked, registering what the recipe names (prompt sources,
+    environments, scorers, presets): e.g. ``[examples.shapes]`` (``unirl_core/plugins.py``)."""
 
     def __post_init__(self) -> None:
         check_name_and_family(self, "tiny-grpo")

@@ -65,12 +65,6 @@ def toy_arithmetic_reward(completion: str, answer: str) -> float:
     return 0.5 * digit_frac + 0.5 * float(correct)
 
 
-def toy_correct(completion: str, answer: str) -> float:
-    """Exact match: 1.0 when the stripped completion is the answer's integer in decimal digits, else 0.0."""
-    text = completion.strip()
-    return float(text.isdigit() and int(text) == int(answer))
-
-
 class ToyArithmeticScorer:
     """Reward-registry scorer (name ``toy_arithmetic``): ``toy_arithmetic_reward`` per ScoreItem.
 
@@ -89,10 +83,3 @@ class ToyArithmeticScorer:
                                   "build prompts with toy_arithmetic_prompts() (they carry the answer)")
             out.append(self.score(item.text or "", answer))
         return out
-
-
-class ToyCorrectScorer(ToyArithmeticScorer):
-    """Reward-registry scorer (name ``toy_correct``): ``toy_correct`` exact match per ScoreItem. Its mean is the
-    task's accuracy; as the only weighted component it is GRPO on correctness alone."""
-
-    score = staticmethod(toy_correct)

@@ -181,6 +181,9 @@ class SFTConfig:
     ``num_updates_per_batch`` must stay 1 and ``old_logp_source`` 'rollout' (no log-probs in SFT)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     loop: SFTLoopConfig = field(default_factory=SFTLoopConfig)
+    plugins: tuple[str, ...] = ()
+    """Modules imported before this config is checked, registering what the recipe names (prompt sources,
+    environments, scorers, presets): e.g. ``[examples.shapes]`` (``unirl_core/plugins.py``)."""
 
     def __post_init__(self) -> None:
         check_name_and_family(self, "sft-shapes")
@@ -213,16 +216,16 @@ class SFTConfig:
 
 def sft_recipe_names() -> list[str]:
     """Names of the SFT recipes shipped with the package."""
-    return recipe_names(RECIPE_DIR)
+    return recipe_names(RECIPE_DIR, "sft")
 
 
 def sft_recipe_path(name_or_path: str) -> Path:
-    return recipe_path(name_or_path, RECIPE_DIR, "SFT recipe")
+    return recipe_path(name_or_path, RECIPE_DIR, "SFT recipe", "sft")
 
 
 def load_sft_recipe_dict(name_or_path: str, overrides: Sequence[str] = ()) -> dict:
     """The recipe's YAML mapping with ``a.b=value`` overrides applied (not validated yet)."""
-    return load_recipe_dict(name_or_path, overrides, RECIPE_DIR, "SFT recipe")
+    return load_recipe_dict(name_or_path, overrides, RECIPE_DIR, "SFT recipe", "sft")
 
 
 def load_sft_recipe(name_or_path: str, overrides: Sequence[str] = ()) -> SFTConfig:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from unirl_core.data.toy import ToyArithmeticConfig, toy_arithmetic_prompts, toy_correct
+from examples.toy_sums.reward import toy_correct
+from unirl_core.data.toy import ToyArithmeticConfig, toy_arithmetic_prompts
 from unirl_core.errors import ConfigError
 from unirl_core.reward.scorers.base import ScoreItem, build_scorer
 from unirl_core.sft.config import load_sft_recipe

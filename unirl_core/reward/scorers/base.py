@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from unirl_core.errors import ConfigError, RewardError, field_error
+from unirl_core.plugins import discover
 from unirl_core.types import Part
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,6 @@ _REGISTRY: dict[str, str | Callable[..., Scorer]] = {
     "format": "unirl_core.reward.scorers.text:FormatScorer",
     "length_penalty": "unirl_core.reward.scorers.text:LengthPenalty",
     "toy_arithmetic": "unirl_core.data.toy:ToyArithmeticScorer",
-    "toy_correct": "unirl_core.data.toy:ToyCorrectScorer",
     "agent_return": "unirl_core.env.reward:AgentReturnScorer",
     "shapes_compositional": "unirl_core.reward.scorers.shapes:ShapesCompositional",
     "shapes_object": "unirl_core.reward.scorers.shapes:ShapesObjectScore",
@@ -84,11 +84,15 @@ def register_scorer(name: str, factory: str | Callable[..., Scorer], *, replace:
 
 
 def scorer_names() -> list[str]:
+    """The registered names, the plugins' (``unirl_core.plugins``) included."""
+    discover()
     return sorted(_REGISTRY)
 
 
 def build_scorer(name: str, **kwargs) -> Scorer:
     """Instantiate the scorer registered as ``name`` with ``kwargs`` (this may load a model)."""
+    if name not in _REGISTRY:
+        discover()
     if name not in _REGISTRY:
         raise field_error(ConfigError, "reward component name", name, f"one of {scorer_names()}",
                           "register custom scorers with unirl_core.reward.register_scorer")

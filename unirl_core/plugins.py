@@ -1,0 +1,73 @@
+"""Plugins: packages outside the library that register their parts (prompt sources, environments, scorers,
+model presets) and ship recipes, like the demos of ``examples/``.
+
+A plugin is a Python module whose import registers what it brings (``register_prompt_source``, ``register_env``,
+``register_scorer``, ``register_diffusion_preset``, ...). It is imported:
+
+- when a recipe names it: ``plugins: [my_package.my_world]`` at the top of a recipe (RL, SFT or compose); the
+  loader imports every listed module before it validates anything, in every process that rebuilds the config;
+- when a recipe found by name lives in a plugin's ``recipes/<kind>/`` folder (the loader imports that plugin);
+- when a registry misses a name: every subpackage of the packages in :data:`PLUGIN_PACKAGES` is imported once
+  (a Ray actor or a reward server that only sees a name still finds it).
+
+The library itself imports no plugin by a static import (``.importlinter``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from unirl_core.errors import ConfigError, field_error
+
+PLUGIN_PACKAGES: list[str] = ["examples"]
+"""Top-level packages whose subpackages are plugins (recipes searched by name, imported on a registry miss)."""
+
+_DISCOVERED: set[str] = set()
+
+
+def import_plugins(modules: Iterable[str], path: str = "plugins") -> None:
+    """Import each named module (its import registers its parts); ``ConfigError`` naming ``path`` otherwise."""
+    if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+        raise field_error(ConfigError, path, modules, "a list of module names", "e.g. plugins: [examples.shapes]")
+    for i, name in enumerate(modules):
+        if not isinstance(name, str) or not name:
+            raise field_error(ConfigError, f"{path}[{i}]", name, "a module name", "e.g. examples.shapes")
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise field_error(ConfigError, f"{path}[{i}]", name, "an importable module", f"{e}") from e
+
+
+def plugin_modules() -> list[tuple[str, Path]]:
+    """``(module name, folder)`` of every subpackage of :data:`PLUGIN_PACKAGES` (found without importing it)."""
+    out = []
+    for package in PLUGIN_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for info in pkgutil.iter_modules(spec.submodule_search_locations):
+            if info.ispkg:
+                out.append((f"{package}.{info.name}", Path(info.module_finder.path) / info.name))
+    return sorted(out)
+
+
+def discover() -> None:
+    """Import every plugin of :data:`PLUGIN_PACKAGES` once (a registry's fallback for a name it does not know)."""
+    for name, _ in plugin_modules():
+        if name not in _DISCOVERED:
+            _DISCOVERED.add(name)
+            importlib.import_module(name)
+
+
+def plugin_recipe_dirs(kind: str) -> list[tuple[str, Path]]:
+    """``(plugin module, folder)`` of every plugin shipping recipes of ``kind`` (``rl``, ``sft``, ``compose``) in
+    its ``recipes/<kind>/`` folder."""
+    return [(name, folder / "recipes" / kind) for name, folder in plugin_modules()
+            if (folder / "recipes" / kind).is_dir()]

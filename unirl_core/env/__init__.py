@@ -1,4 +1,5 @@
-"""Environments of agentic rollouts: the contract, the registry and the built-in calculator / guessing game."""
+"""Environments of agentic rollouts: the contract, the registry, the sandbox of arithmetic tools and the return
+scorer. The demo environments (calculator, guessing game) are ``examples/agentic``'s."""
 
 from unirl_core.env.base import (
     EnvChoice,

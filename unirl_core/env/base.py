@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.plugins import discover
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +69,6 @@ class EnvEntry:
 
 
 _ENTRIES: dict[str, EnvEntry] = {}
-BUILTIN_ENVS = {"calculator": "unirl_core.env.calculator", "guess_number": "unirl_core.env.guess"}
 
 
 def register_env(name: str, *, config: type, build: Callable[[Any], Environment], replace: bool = False) -> None:
@@ -85,11 +85,9 @@ def register_env(name: str, *, config: type, build: Callable[[Any], Environment]
 
 
 def env_entry(name: str, path: str = "env") -> EnvEntry:
-    """The registered environment ``name`` (built-ins are imported on first use)."""
-    if name not in _ENTRIES and name in BUILTIN_ENVS:
-        import importlib
-
-        importlib.import_module(BUILTIN_ENVS[name])
+    """The registered environment ``name`` (the plugins are imported on a miss: ``unirl_core.plugins``)."""
+    if name not in _ENTRIES:
+        discover()
     entry = _ENTRIES.get(name)
     if entry is None:
         raise field_error(ConfigError, f"{path}.name", name, f"one of {env_names()}",
@@ -98,7 +96,9 @@ def env_entry(name: str, path: str = "env") -> EnvEntry:
 
 
 def env_names() -> list[str]:
-    return sorted(set(_ENTRIES) | set(BUILTIN_ENVS))
+    """The registered names, the plugins' included."""
+    discover()
+    return sorted(_ENTRIES)
 
 
 def build_env(config: Any) -> Environment:
@@ -116,7 +116,7 @@ class EnvChoice:
             env_entry(getattr(value, "name", type(value).__name__), path)
             return value
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            raise field_error(ConfigError, path, value, f"a mapping with a name, e.g. {{name: calculator}} "
+            raise field_error(ConfigError, path, value, f"a mapping with a name, e.g. {{name: <env>}} "
                               f"(one of {env_names()})", "write the env section as key: value pairs with a name")
         entry = env_entry(value["name"], path)
         own = {f.name for f in fields(entry.config) if f.init}

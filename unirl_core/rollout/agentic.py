@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 
 from unirl_core.env.base import EnvChoice, Environment, EnvTask, build_env
-from unirl_core.env.calculator import CalculatorEnvConfig
 from unirl_core.env.reward import RETURN_TARGET
 from unirl_core.errors import ConfigError, EngineError, field_error
 from unirl_core.models.text import decode_completion
@@ -72,9 +71,9 @@ CHATML_OBSERVATION = "\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>a
 class AgentConfig:
     """Multi-turn rollouts of a GRPO run (``lm.agent``; None: single-turn)."""
 
-    env: Annotated[Any, EnvChoice()] = field(default_factory=CalculatorEnvConfig)
-    """The environment, picked by ``name`` from the registry (``calculator``, ``guess_number``); the other
-    keys are its config fields."""
+    env: Annotated[Any, EnvChoice()]
+    """The environment, picked by ``name`` from the registry (``unirl_core.env.register_env``; e.g. ``calculator``,
+    ``guess_number`` of ``examples/agentic``); the other keys are its config fields."""
     max_turns: int = 4
     """Most model turns per trajectory; a trajectory still going after them ends with ``max_turns``."""
     max_response_tokens: int = 128

@@ -2,8 +2,8 @@
 
 import pytest
 
+from examples.agentic.calculator import CalculatorEnvConfig
 from unirl_core.config import load_recipe
-from unirl_core.env.calculator import CalculatorEnvConfig
 from unirl_core.errors import ConfigError
 from unirl_core.rollout.agentic import check_agent_workflow
 
@@ -45,7 +45,7 @@ def test_refused_agent_settings_name_the_field(recipe, overrides, message):
 def test_agent_runs_over_vllm_and_lagged_on_the_trainside_engine():
     cfg = load_recipe("tiny-agent-calc-vllm")
     assert cfg.lm.deployment.engine == "vllm" and cfg.lm.agent.env.name == "calculator"
-    assert load_recipe("tiny-grpo-vllm", ["lm.agent.max_turns=2"]).lm.agent.max_turns == 2
+    assert load_recipe("tiny-grpo-vllm", ["lm.agent.env={name: calculator}", "lm.agent.max_turns=2"]).lm.agent.max_turns == 2
     cfg = load_recipe("tiny-agent-calc", ["async_training.max_policy_lag=1", "lm.agent.switch_at_turn=1"])
     assert cfg.async_training.max_policy_lag == 1 and cfg.lm.agent.switch_at_turn == 1
 

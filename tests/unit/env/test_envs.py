@@ -2,10 +2,10 @@
 
 import pytest
 
+from examples.agentic.calculator import CalculatorEnv, CalculatorEnvConfig, answer_matches
+from examples.agentic.guess import GuessNumberEnv, GuessNumberEnvConfig
 from unirl_core.config.loader import from_dict, to_dict
 from unirl_core.env import Environment, EnvTask, build_env, env_names, register_env
-from unirl_core.env.calculator import CalculatorEnv, CalculatorEnvConfig, answer_matches
-from unirl_core.env.guess import GuessNumberEnv, GuessNumberEnvConfig
 from unirl_core.env.reward import AgentReturnScorer
 from unirl_core.errors import ConfigError, RewardError
 from unirl_core.reward.scorers.base import ScoreItem
@@ -91,9 +91,9 @@ def test_registry_and_env_choice():
     with pytest.raises(ConfigError, match=r"env.depth=3: expected a field of environment 'calculator'"):
         from_dict(AgentConfig, {"env": {"name": "calculator", "depth": 3}})
     with pytest.raises(ConfigError, match=r"lm.agent.max_turns=0: expected an integer >= 1"):
-        AgentConfig(max_turns=0)
+        AgentConfig(env=CalculatorEnvConfig(), max_turns=0)
     with pytest.raises(ConfigError, match="observation_template"):
-        AgentConfig(observation_template="no placeholder")
+        AgentConfig(env=CalculatorEnvConfig(), observation_template="no placeholder")
     with pytest.raises(ConfigError, match=r"env.low/high=\(5, 5\)"):
         GuessNumberEnvConfig(low=5, high=5)
     with pytest.raises(ConfigError, match="name field defaults to 'other'"):

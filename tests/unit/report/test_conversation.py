@@ -1,6 +1,6 @@
 """Agentic conversations in the rollout deck: turn by turn, from what the Part stores (also after Arrow)."""
 
-from unirl_core.env.guess import GuessNumberEnvConfig
+from examples.agentic.guess import GuessNumberEnvConfig
 from unirl_core.io import read_batch, write_batch
 from unirl_core.models.lm import build_tiny_lm
 from unirl_core.report.conversation import conversation_turns, conversations_html

@@ -8,9 +8,10 @@ from typing import Literal
 import pytest
 import torch
 
+from examples.agentic.calculator import CalculatorEnvConfig
+from examples.agentic.guess import GuessNumberEnv, GuessNumberEnvConfig
 from unirl_core.algorithms.grpo import GRPO, GRPOConfig
 from unirl_core.env import EnvTask, StepResult, register_env
-from unirl_core.env.guess import GuessNumberEnv, GuessNumberEnvConfig
 from unirl_core.errors import EngineError
 from unirl_core.io import read_batch, write_batch
 from unirl_core.models.lm import build_layout, build_tiny_lm, replay_log_probs
@@ -115,14 +116,14 @@ def test_finish_reasons():
     assert {agent_finish(p) for p in b.generated} == {"env_error"}
     assert {p.segment.finish_reason for p in b.generated} == {"abort"}
     assert all(int((p.conditions[TURNS_KEY][:, 0] == MODEL).sum()) == 2 for p in b.generated)
-    b, agentic, _ = _rollout(bundle, AgentConfig(max_turns=3, max_response_tokens=200), targets={"answer": "15"})
+    b, agentic, _ = _rollout(bundle, AgentConfig(env=CalculatorEnvConfig(), max_turns=3, max_response_tokens=200), targets={"answer": "15"})
     assert all(agent_finish(p) in ("done", "max_turns", "max_tokens") for p in b.generated)
     assert agentic.last_metrics["agent/finish_done"] > 0
 
 
 def test_reset_failure_names_the_sample():
     bundle = build_tiny_lm(seed=0)
-    engine = AgenticEngine(TrainsideAREngine(bundle, AREngineConfig(forward_batch_size=4)), AgentConfig())
+    engine = AgenticEngine(TrainsideAREngine(bundle, AREngineConfig(forward_batch_size=4)), AgentConfig(env=CalculatorEnvConfig()))
     req = SampleBatch.from_prompts([PromptRecord(prompt_id="p0", prompt="1 + 1 =")], samples_per_prompt=2,
                                    kind="ar", sampling=ARSamplingParams())
     with pytest.raises(EngineError, match=r"batch\[0\] \(p0/0\) env.reset='ConfigError'"):

@@ -13,8 +13,8 @@ from typing import Literal
 import pytest
 import torch
 
+from examples.agentic.guess import GuessNumberEnv, GuessNumberEnvConfig
 from unirl_core.env import StepResult, register_env
-from unirl_core.env.guess import GuessNumberEnv, GuessNumberEnvConfig
 from unirl_core.errors import InvariantError
 from unirl_core.models.lm import build_layout, build_tiny_lm, replay_log_probs
 from unirl_core.rollout.agentic import (

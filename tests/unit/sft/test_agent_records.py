@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from examples.agentic.calculator import CalculatorEnvConfig
 from unirl_core.errors import ConfigError
 from unirl_core.models.lm import build_tiny_lm
 from unirl_core.rollout.agentic import AgentConfig, AgenticEngine
@@ -29,7 +30,7 @@ def test_turn_records_become_masked_segments(tmp_path):
     seg = next(p.segment for p in batch.generated if p.prompt == "12 * 3 =")
     tok, eos = bundle.tokenizer, bundle.tokenizer.eos_token_id
     call = tok("[12*3]", add_special_tokens=False)["input_ids"] + [eos]
-    obs = AgenticEngine(engine, AgentConfig())._encode_observation("36").tolist()  # what a rollout appends
+    obs = AgenticEngine(engine, AgentConfig(env=CalculatorEnvConfig()))._encode_observation("36").tolist()  # what a rollout appends
     answer = tok("36", add_special_tokens=False)["input_ids"] + [eos]
     assert seg.response_ids.tolist() == call + obs + answer
     assert seg.response_mask.tolist() == [True] * len(call) + [False] * len(obs) + [True] * len(answer)

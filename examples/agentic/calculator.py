@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from unirl_core.env.base import EnvTask, StepResult, register_env
+from unirl_core.env import EnvTask, StepResult, register_env
 from unirl_core.env.sandbox import SandboxLimits, ToolError, evaluate, format_number
 from unirl_core.errors import ConfigError, field_error
 

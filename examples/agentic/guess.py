@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from unirl_core.env.base import EnvTask, StepResult, register_env
+from unirl_core.env import EnvTask, StepResult, register_env
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.sde.noise import stable_seed
 

@@ -46,7 +46,7 @@ def sft_rows(cfg, tool_frac: float, seed: int) -> list[dict]:
     env = cfg.lm.agent.env
     rng = random.Random(seed)
     rows = []
-    for rec in toy_arithmetic_prompts(cfg.data.toy):
+    for rec in toy_arithmetic_prompts(cfg.data.section("toy")):
         expr = rec.prompt.rstrip(" =").replace(" ", "")
         answer = rec.targets["answer"]
         if rng.random() < tool_frac:

@@ -36,7 +36,7 @@ from benchmarks.common import environment, pin_threads  # noqa: E402
 
 
 def candidates(colors: list[str]) -> list[str]:
-    from unirl_core.data.shapes import SHAPES
+    from examples.shapes.data import SHAPES
 
     words = {1: "a", 2: "two", 3: "three"}
     return [""] + [f"{words[n]} {c} {s}{'s' if n > 1 else ''}" for n in (1, 2, 3) for c in colors for s in SHAPES]
@@ -55,7 +55,7 @@ def forms(caption: str, colours: frozenset[str]) -> dict[str, str]:
         rng.shuffle(shuffled)
         if shuffled != words:
             break
-    from unirl_core.data.shapes import DEFAULT_COLORS
+    from examples.shapes.data import DEFAULT_COLORS
 
     other = next((c for c in DEFAULT_COLORS if c not in words), None)
     return {"caption": caption, "reversed": " ".join(reversed(words)), "shuffled": " ".join(shuffled),
@@ -77,7 +77,7 @@ def main() -> None:
     from unirl_core.compose import load_compose_recipe
     from unirl_core.compose.config import stack_configs
     from unirl_core.compose.evaluate import _render
-    from unirl_core.data.shapes import DEFAULT_COLORS
+    from examples.shapes.data import DEFAULT_COLORS
     from unirl_core.runtime import build
     from unirl_core.loop.executors import in_process
     from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
@@ -103,7 +103,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     if args.forms:
-        from unirl_core.data.shapes import PALETTE
+        from examples.shapes.data import PALETTE
 
         # the caption the reward wants (a recipe whose prompts leave words out keeps it in targets['caption'])
         alt = {r.prompt_id: forms(r.targets.get("caption", r.prompt), frozenset(PALETTE)) for r in evals}

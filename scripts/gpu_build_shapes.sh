@@ -47,8 +47,8 @@ for i in "${!names[@]}"; do
     mapfile -t args < "$WORK/$name.args"
     $PY -m unirl_core.sft --recipe sft-shapes "${args[@]}" --override "loop.total_steps=$step" >> "$OUT/$name.log" 2>&1
   fi
-  $PY -m unirl_core.models.diffusion_shapes "$run/export" "$OUT/$name.safetensors" >> "$OUT/$name.log" 2>&1
-  $PY -m unirl_core.sft.shapes_eval --source "$run/export" --max-sequence-length 32 --prompts 128 \
+  $PY -m examples.shapes.model "$run/export" "$OUT/$name.safetensors" >> "$OUT/$name.log" 2>&1
+  $PY -m examples.shapes.evaluate --source "$run/export" --max-sequence-length 32 --prompts 128 \
     --grid "$OUT/$name-grid.png" > "$OUT/$name-eval.txt" 2>&1 &
 done
 wait

@@ -20,6 +20,7 @@ from unirl_core.advantage.config import AdvantageConfig
 from unirl_core.checkpoint.ref import step_dirname
 from unirl_core.compose.eval_config import ComposeEvalConfig
 from unirl_core.config.loader import from_dict
+from unirl_core.compose.warm_pairs import warm_pairs_entry
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
 from unirl_core.config.run import CheckpointConfig, DataConfig, DiffusionSection, LMSection, LoopConfig, ReportConfig, RunConfig
 from unirl_core.errors import ConfigError, field_error
@@ -29,7 +30,6 @@ from unirl_core.train.config import TrainConfig
 
 ImageGroups = Literal["enhancement", "prompt"]
 ImageNoise = Literal["independent", "paired"]
-WarmStartPairs = Literal["copy", "add_colour"]
 STACKS: tuple[str, ...] = ("enhancer", "image")
 ENHANCER_REFERENCE = "enhancer-reference"
 """Run (store) name, under the compose run's root, of the warm-started enhancer's weights: the KL reference."""
@@ -89,22 +89,19 @@ class WarmStartConfig:
     """AdamW learning rate of the warm start (its own optimizer; the RL optimizer starts fresh)."""
     seed: int = 0
     """Seed of the prompt order."""
-    pairs: WarmStartPairs = "copy"
-    """What the warm start writes for a prompt: ``copy`` the prompt itself; ``add_colour`` the prompt with one of
-    ``colours`` before its shape words ("two circles" -> "two red circles", each colour equally often; shapes
-    prompts with ``data.shapes.omit: [colour]``): an enhancer that already adds a colour, without knowing which
-    one the reward wants (the stand-in for a pretrained enhancer's habit of adding detail)."""
-    colours: tuple[str, ...] = ("red", "green", "blue", "yellow")
-    """The colours ``add_colour`` draws from (names of the shapes palette)."""
+    pairs: str = "copy"
+    """What the warm start writes for a prompt, a registered maker (``unirl_core.compose.warm_pairs``): ``copy`` the
+    prompt itself, or a plugin's (``add_colour`` of ``examples/compose_enhance``: the prompt with one of
+    ``colours`` added, "two circles" -> "two red circles": an enhancer that already adds a colour, without knowing
+    which one the reward wants, the stand-in for a pretrained enhancer's habit of adding detail)."""
+    colours: tuple[str, ...] = ()
+    """The words a maker that adds one draws from (``add_colour``: colour names of the shapes palette)."""
 
     def __post_init__(self) -> None:
-        from unirl_core.data.shapes import check_colours
-
         object.__setattr__(self, "colours", tuple(self.colours))
-        if self.pairs not in ("copy", "add_colour"):
-            raise field_error(ConfigError, "enhancer.warm_start.pairs", self.pairs, "'copy' or 'add_colour'",
-                              "copy teaches the enhancer to repeat its prompt; add_colour to add a colour word")
-        check_colours("enhancer.warm_start.colours", self.colours)
+        entry = warm_pairs_entry(self.pairs)
+        if entry.check is not None:
+            entry.check(self)
         for name in ("steps", "batch_size"):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= (0 if name == "steps" else 1)):
@@ -205,11 +202,9 @@ class ComposeRunConfig:
                               "keeps (a LoRA reference is the base model before the warm start); set beta: 0 or "
                               "train the enhancer full with keep_reference: true")
         ws = self.enhancer.warm_start
-        if ws.steps and ws.pairs == "add_colour" and (self.data.source != "shapes"
-                                                      or "colour" not in self.data.shapes.omit):
-            raise field_error(ConfigError, "enhancer.warm_start.pairs", ws.pairs,
-                              "shapes prompts with their colour left out (data.source: shapes, "
-                              "data.shapes.omit: [colour])", "set data.shapes.omit: [colour] or pairs: copy")
+        check_run = warm_pairs_entry(ws.pairs).check_run
+        if ws.steps and check_run is not None:
+            check_run(self)
         check_compose_pool(self)
         stack_configs(self)  # every single-family check, per stack
 
@@ -290,6 +285,7 @@ def compose_recipe_names() -> list[str]:
 
 
 def load_compose_recipe(name_or_path: str, overrides: Sequence[str] = ()) -> ComposeRunConfig:
-    """A shipped compose recipe (``unirl_core/compose/recipes``) or a YAML path, ``a.b=value`` overrides applied."""
+    """A shipped compose recipe (``unirl_core/compose/recipes``, a plugin's ``recipes/compose``) or a YAML path,
+    ``a.b=value`` overrides applied."""
     data = load_recipe_dict(name_or_path, overrides, COMPOSE_RECIPE_DIR, "compose recipe", "compose")
     return from_dict(ComposeRunConfig, data, "recipe")

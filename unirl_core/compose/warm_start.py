@@ -2,11 +2,11 @@
 
 Completion cross-entropy (``sft.losses.CompletionSFT``, the SFT lifecycle's loss, on its own ``TrainBackend``) on
 ``prompt -> completion`` pairs (``warm_start.pairs``): the prompt encoded as the trainside engine encodes it, the
-completion the prompt itself (``copy``) or the prompt with a colour added (``add_colour``, each of
-``warm_start.colours`` equally often) plus EOS. A short copy warm start leaves a policy that copies imperfectly
-(sampled at temperature 1 it writes near-copies, other captions and word salad), which is what RL then improves
-on: the reward is the image model's success on the ORIGINAL prompt, so any rewrite that renders better is
-reinforced, copying or not. An ``add_colour`` warm start leaves one that adds a colour it picks at random; RL has
+completion what the registered pairs say (``unirl_core.compose.warm_pairs``: the prompt itself, ``copy``, or e.g.
+the prompt with a colour added, ``add_colour`` of ``examples/compose_enhance``) plus EOS. A short copy warm start
+leaves a policy that copies imperfectly (sampled at temperature 1 it writes near-copies, other captions and word
+salad), which is what RL then improves on: the reward is the image model's success on the ORIGINAL prompt, so any
+rewrite that renders better is reinforced, copying or not. An ``add_colour`` warm start leaves one that adds a colour it picks at random; RL has
 to find which one the reward wants.
 """
 
@@ -17,7 +17,7 @@ import logging
 import torch
 
 from unirl_core.compose.config import WarmStartConfig
-from unirl_core.data.shapes import with_colour
+from unirl_core.compose.warm_pairs import warm_pairs_entry
 from unirl_core.models.lm import LMBundle
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine
 from unirl_core.sft.losses import CompletionSFT
@@ -29,11 +29,8 @@ log = logging.getLogger(__name__)
 
 
 def warm_pairs(records: list[PromptRecord], cfg: WarmStartConfig) -> list[tuple[str, str]]:
-    """(prompt, completion) texts of the warm start: each prompt with itself (``copy``) or once with each of
-    ``cfg.colours`` added before its shape words (``add_colour``)."""
-    if cfg.pairs == "copy":
-        return [(r.prompt, r.prompt) for r in records]
-    return [(r.prompt, with_colour(r.prompt, c)) for r in records for c in cfg.colours]
+    """(prompt, completion) texts of the warm start, made by the registered ``cfg.pairs``."""
+    return warm_pairs_entry(cfg.pairs).make(records, cfg)
 
 
 def pair_segments(bundle: LMBundle, pairs: list[tuple[str, str]], engine: AREngineConfig) -> list[TokenSegment]:

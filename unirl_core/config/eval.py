@@ -62,7 +62,7 @@ def check_eval_config(cfg) -> None:
     if ev.weights == "ema" and cfg.train.ema_decay is None:
         raise field_error(ConfigError, "eval.weights", "ema", "'policy' without train.ema_decay",
                           "set train.ema_decay (e.g. 0.9) so versions carry EMA weights, or eval.weights: policy")
-    if not ev.prompts and cfg.data.source not in ("toy_arithmetic", "shapes"):
+    if not ev.prompts and cfg.data.source in ("inline", "file"):
         raise field_error(ConfigError, "eval.prompts", (), f"held-out prompts for data.source={cfg.data.source!r}",
-                          "list eval.prompts (only generated prompt sets, toy_arithmetic and shapes, can draw "
+                          "list eval.prompts (only generated prompt sets, e.g. toy_arithmetic and shapes, can draw "
                           "held-out prompts themselves)")

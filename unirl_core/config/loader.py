@@ -7,6 +7,11 @@ A field typed ``Annotated[T, marker]`` whose marker has ``parse_config(value, pa
 the marker (e.g. ``unirl_core.algorithms.registry.AlgorithmChoice``: a config picked by its ``name``); other
 ``Annotated`` extras are ignored.
 
+A dataclass with ``SECTIONS_FIELD`` (e.g. ``DataConfig``) takes keys that are none of its fields as the sections of
+registered parts (``cls.section_config(key)`` gives each one's config class; a key no part registered is refused
+naming the field, the valid fields and the registered sections); ``to_dict`` writes them back as top-level keys, so
+a section reads and writes as ``data.shapes: {...}`` although the library does not know it.
+
 A top-level ``plugins`` list (module names, ``unirl_core.plugins``) is imported before anything is checked, so the
 names its modules register (prompt sources, environments, presets) are known to the fields that pick them.
 """
@@ -37,7 +42,11 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
 def to_dict(obj: Any) -> Any:
     """Plain, JSON/YAML-ready data of a (nested) config dataclass."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        sections = getattr(type(obj), "SECTIONS_FIELD", None)
+        if sections is not None:
+            out.update(out.pop(sections))
+        return out
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
@@ -104,6 +113,8 @@ def _dataclass(cls: type, value: Any, path: str) -> Any:
     if not isinstance(value, dict):
         raise field_error(ConfigError, path, value, f"a mapping for {cls.__name__}", "write the section as key: value")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    if getattr(cls, "SECTIONS_FIELD", None) is not None:
+        value = _sections(cls, value, fields, path)
     unknown = sorted(set(value) - set(fields))
     if unknown:
         removed = getattr(cls, "REMOVED_FIELDS", {})
@@ -121,6 +132,50 @@ def _dataclass(cls: type, value: Any, path: str) -> Any:
         return cls(**kwargs)
     except TypeError as e:
         raise ConfigError(f"{path}: {e}") from e
+
+
+class Sectioned:
+    """Base of a config dataclass with ``SECTIONS_FIELD`` (a ``dict`` field), ``SECTIONS_KIND`` (what registers the
+    sections, for errors) and the static ``section_config(key)`` / ``section_names()`` of its registry."""
+
+    def section(self, key: str) -> Any:
+        """The settings under ``data.<key>`` (the registered part's defaults when the recipe has none)."""
+        given = getattr(self, self.SECTIONS_FIELD)
+        if key in given:
+            return given[key]
+        tp = self.section_config(key)
+        if tp is None:
+            raise field_error(ConfigError, f"data.{key}", None, f"the section of a registered {self.SECTIONS_KIND}",
+                              f"registered sections: {self.section_names()}")
+        return tp()
+
+    def check_sections(self) -> None:
+        """Freeze the sections into a dict and refuse one that is not its registered part's settings."""
+        given = dict(getattr(self, self.SECTIONS_FIELD))
+        object.__setattr__(self, self.SECTIONS_FIELD, given)
+        for key, value in given.items():
+            if not isinstance(value, self.section_config(key) or ()):
+                raise field_error(ConfigError, f"data.{key}", value, f"the settings of a registered "
+                                  f"{self.SECTIONS_KIND}'s section", f"registered sections: {self.section_names()}")
+
+
+def _sections(cls: type, value: dict, fields: dict, path: str) -> dict:
+    """``value`` with its keys that are no field of ``cls`` parsed into ``cls.SECTIONS_FIELD`` (see the module
+    docstring); that field's own mapping (a config built in code) is parsed the same way."""
+    name = cls.SECTIONS_FIELD
+    given = value.get(name) or {}
+    if not isinstance(given, dict):
+        raise field_error(ConfigError, f"{path}.{name}", given, "a mapping of sections", "write key: value pairs")
+    raw = {**given, **{k: v for k, v in value.items() if k not in fields}}
+    parsed = {}
+    for key, v in raw.items():
+        tp = cls.section_config(key)
+        if tp is None:
+            raise field_error(ConfigError, f"{path}.{key}", v, f"a field of {cls.__name__} or the section of a "
+                              f"registered {cls.SECTIONS_KIND}", f"valid fields: {sorted(set(fields) - {name})}; "
+                              f"registered sections: {cls.section_names()}")
+        parsed[key] = _convert(tp, v, f"{path}.{key}")
+    return {**{k: v for k, v in value.items() if k in fields}, name: parsed}
 
 
 def _union(tp: Any, value: Any, path: str) -> Any:

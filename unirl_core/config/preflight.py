@@ -22,6 +22,8 @@ from typing import Any
 
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.models.diffusion import is_preset
+from unirl_core.models.presets import tokenizer_preset
 
 NETWORK_ENV = "UNIRL_PREFLIGHT_NETWORK"
 DEFAULT_TIMEOUT = 20.0
@@ -29,8 +31,6 @@ LOCAL_ROOT_FIX = "pass --overrides '[\"checkpoint.root=runs\"]' for a local run"
 # what shipped cluster recipes carry until a user names their bucket
 PLACEHOLDER_ROOTS = ("s3://my-bucket/",)
 
-_TINY_DIFFUSION = ("tiny-sd3", "tiny-flux", "tiny-flux-guidance", "shapes-sd3-init", "shapes-sd3",
-                   "shapes-sd3-long")
 _TINY_LM = ("tiny",)
 _TINY_TOKENIZERS = ("tiny", "qwen2.5")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -124,12 +124,13 @@ def _model_fields(cfg: RunConfig) -> list[tuple[str, str, str]]:
     """(field, value, file that marks a downloaded snapshot) of every model the run loads, tiny presets left out."""
     if cfg.family == "diffusion":
         src = cfg.diffusion.model.source
-        return [] if src in _TINY_DIFFUSION else [("diffusion.model.source", src, "model_index.json")]
+        return [] if is_preset(src) else [("diffusion.model.source", src, "model_index.json")]
     out = []
     lm = cfg.lm.model
     if lm.model not in _TINY_LM:
         out.append(("lm.model.model", lm.model, "config.json"))
-    if lm.tokenizer is not None and lm.tokenizer not in _TINY_TOKENIZERS and lm.tokenizer != lm.model:
+    if (lm.tokenizer is not None and lm.tokenizer not in _TINY_TOKENIZERS and tokenizer_preset(lm.tokenizer) is None
+            and lm.tokenizer != lm.model):
         out.append(("lm.model.tokenizer", lm.tokenizer, "tokenizer_config.json"))
     return out
 

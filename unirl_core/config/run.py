@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from unirl_core.advantage.config import AdvantageConfig, StatTrackerConfig
 from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo import GRPOConfig
 from unirl_core.algorithms.registry import AlgorithmChoice
 from unirl_core.config.deployment_checks import check_lm_deployment
-from unirl_core.config.loader import from_dict
+from unirl_core.config.loader import Sectioned, from_dict
 from unirl_core.config.diffusion_sampling import DiffusionSamplingConfig
 from unirl_core.data.prompts import PromptDataConfig, check_prompts_per_step
-from unirl_core.data.shapes import ShapesPromptsConfig
-from unirl_core.data.toy import ToyArithmeticConfig
+from unirl_core.data import sources as prompt_sources
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.advantage.dynamic_sampling import FilterGroupsConfig
 from unirl_core.config.eval import EvalConfig, check_eval_config
@@ -36,7 +35,6 @@ from unirl_core.train.config import TrainConfig
 from unirl_core.types import ARSamplingParams
 
 Family = Literal["diffusion", "lm"]
-PromptSource = Literal["inline", "toy_arithmetic", "file", "shapes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,20 +102,17 @@ class LMSection:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DataConfig:
+class DataConfig(Sectioned):
     """Where prompts come from and how many go into one step."""
 
-    source: PromptSource = "inline"
-    """``inline`` (``prompts`` below), ``toy_arithmetic`` (built-in verifiable task), ``file`` (jsonl/parquet/HF)
-    or ``shapes`` (captions of the shapes world, scored by the ``shapes_*`` rewards)."""
+    source: Annotated[str, prompt_sources.PROMPT_SOURCE] = "inline"
+    """``inline`` (``prompts`` below), ``file`` (jsonl/parquet/HF) or a registered generated prompt set
+    (``unirl_core.data.sources``): ``toy_arithmetic`` (built-in verifiable task, settings ``data.toy``) or a
+    plugin's (e.g. ``shapes`` of ``examples/shapes``, settings ``data.shapes``)."""
     prompts: tuple[str, ...] = ()
     """Inline prompt texts (``source='inline'``)."""
-    toy: ToyArithmeticConfig = field(default_factory=ToyArithmeticConfig)
-    """Toy arithmetic task shape (``source='toy_arithmetic'``)."""
     file: PromptDataConfig | None = None
     """Prompt file (``source='file'``)."""
-    shapes: ShapesPromptsConfig = field(default_factory=ShapesPromptsConfig)
-    """Shapes-world prompt set (``source='shapes'``): ``num_prompts``, ``seed``, ``world``."""
     prompts_per_step: int = 4
     """Distinct prompts (groups) per step; at most the number of prompts of the source. Each step takes the next
     ``prompts_per_step`` of a stream of per-epoch shuffles; a step spanning two epochs still draws no prompt
@@ -126,8 +121,20 @@ class DataConfig:
     """Siblings per prompt (the GRPO group size)."""
     seed: int = 0
     """Seed of the per-epoch prompt shuffle."""
+    sections: dict[str, Any] = field(default_factory=dict)
+    """The settings of generated prompt sets by section (``data.toy: {...}``, ``data.shapes: {...}``: in a recipe
+    they are keys of ``data`` themselves, see ``unirl_core.config.loader``); a source without its section uses its
+    defaults."""
+
+    SECTIONS_FIELD: ClassVar[str] = "sections"
+    SECTIONS_KIND: ClassVar[str] = "prompt source (unirl_core.data.sources)"
+    section_config = staticmethod(prompt_sources.section_config)
+    section_names = staticmethod(prompt_sources.section_names)
 
     def __post_init__(self) -> None:
+        self.check_sections()
+        if self.source not in prompt_sources.OWN_SOURCES:
+            prompt_sources.prompt_source(self.source)  # refuses a name nobody registered
         if self.source == "inline" and not self.prompts:
             raise field_error(ConfigError, "data.prompts", self.prompts, "at least one prompt for source='inline'",
                               "list prompts or pick source='toy_arithmetic' / 'file'")
@@ -140,11 +147,16 @@ class DataConfig:
                 raise field_error(ConfigError, f"data.{name}", v, "an integer >= 1", "use e.g. 4")
         # The prompt count of these sources is known here; a file's is checked where it is read
         # (``unirl_core.runtime.build``).
-        known = {"inline": (len(self.prompts), "data.prompts"),
-                 "toy_arithmetic": (self.toy.num_prompts, "data.toy.num_prompts"),
-                 "shapes": (self.shapes.num_prompts, "data.shapes.num_prompts")}.get(self.source)
-        if known is not None:
-            check_prompts_per_step(self.prompts_per_step, *known)
+        if self.source == "inline":
+            check_prompts_per_step(self.prompts_per_step, len(self.prompts), "data.prompts")
+        elif self.source != "file":
+            entry = prompt_sources.prompt_source(self.source)
+            check_prompts_per_step(self.prompts_per_step, self.generator().num_prompts,
+                                   f"data.{entry.section}.num_prompts")
+
+    def generator(self) -> Any:
+        """The settings of the generated prompt set ``source`` names (not for ``inline`` / ``file``)."""
+        return self.section(prompt_sources.prompt_source(self.source).section)
 
     @property
     def samples_per_step(self) -> int:

@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from unirl_core.data.sources import register_prompt_source
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.types import PromptRecord
 
@@ -83,3 +84,6 @@ class ToyArithmeticScorer:
                                   "build prompts with toy_arithmetic_prompts() (they carry the answer)")
             out.append(self.score(item.text or "", answer))
         return out
+
+
+register_prompt_source("toy_arithmetic", section="toy", config=ToyArithmeticConfig, build=toy_arithmetic_prompts)

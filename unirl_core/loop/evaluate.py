@@ -2,8 +2,8 @@
 
 Diffusion samples with the Euler ODE (``sde_type: ode``) from a fixed NoiseRecipe (``eval.seed``), so the same
 version always gives the same images; LMs decode greedily (``top_k: 1``, no stop change). The prompts are
-``eval.prompts`` or, for generated prompt sets (``toy_arithmetic``, ``shapes``), the same generator with another
-seed (``data.<source>.seed + HELD_OUT_SEED``), keeping only texts the training set does not contain. The weights are
+``eval.prompts`` or, for generated prompt sets (``unirl_core.data.sources``: ``toy_arithmetic``, a plugin's such as
+``shapes``), the same generator with another seed (``data.<section>.seed + HELD_OUT_SEED``), keeping only texts the training set does not contain. The weights are
 the version's policy or its EMA (``eval.weights``). Metrics are ``eval/*``: the run report charts them, run_local
 adds them to the step's record, the Flyte ``eval_task`` returns them to the report task.
 
@@ -32,18 +32,14 @@ def eval_prompts(cfg) -> list[PromptRecord]:
     if ev.prompts:
         return [PromptRecord(prompt_id=f"eval-{i:05d}", prompt=p) for i, p in enumerate(ev.prompts)]
     d = cfg.data
-    draw = 4 * (ev.num_prompts + (d.toy.num_prompts if d.source == "toy_arithmetic" else d.shapes.num_prompts))
-    if d.source == "toy_arithmetic":
-        from unirl_core.data.toy import toy_arithmetic_prompts
-
-        recs = toy_arithmetic_prompts(dataclasses.replace(d.toy, seed=d.toy.seed + HELD_OUT_SEED, num_prompts=draw))
-    elif d.source == "shapes":
-        from unirl_core.data.shapes import shapes_prompts
-
-        recs = shapes_prompts(dataclasses.replace(d.shapes, seed=d.shapes.seed + HELD_OUT_SEED, num_prompts=draw))
-    else:
+    if d.source in ("inline", "file"):
         raise field_error(ConfigError, "eval.prompts", (), f"held-out prompts for data.source={d.source!r}",
                           "list eval.prompts")
+    from unirl_core.data.sources import prompt_source
+
+    gen = d.generator()
+    draw = 4 * (ev.num_prompts + gen.num_prompts)
+    recs = prompt_source(d.source).build(dataclasses.replace(gen, seed=gen.seed + HELD_OUT_SEED, num_prompts=draw))
     from unirl_core.runtime import build
 
     seen = {r.prompt for r in build.dataset(cfg).records}  # held out: no text the training stream can draw

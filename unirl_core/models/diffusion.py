@@ -26,14 +26,20 @@ from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.cuda_graphs import TrainGraphs
 from unirl_core.models.lora import apply_lora, lora_disabled, lora_layers
 from unirl_core.models.precision import compute_context
+from unirl_core.models.presets import diffusion_preset
 
 logger = logging.getLogger(__name__)
 
 DiffusionFamily = Literal["sd3", "flux"]
 FAMILIES: tuple[str, ...] = ("sd3", "flux")
-TINY_PRESETS = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-flux-guidance": "flux", "shapes-sd3-init": "sd3",
-                "shapes-sd3": "sd3", "shapes-sd3-long": "sd3"}
-"""Presets built in code (no download); their T5 context is 32 tokens."""
+TINY_PRESETS = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-flux-guidance": "flux"}
+"""Presets built in code (no download); their T5 context is 32 tokens. Plugins add theirs
+(``unirl_core.models.presets``; see ``is_preset``)."""
+
+
+def is_preset(source: str) -> bool:
+    """A model built in code (the library's tiny presets or a plugin's), no download."""
+    return source in TINY_PRESETS or diffusion_preset(source) is not None
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 LORA_TARGETS: dict[str, tuple[str, ...]] = {
@@ -78,9 +84,9 @@ class DiffusionModelConfig:
     """Which diffusion model to load and how to train it."""
 
     source: str = "tiny-sd3"
-    """``tiny-sd3`` / ``tiny-flux`` / ``tiny-flux-guidance`` (built from config), ``shapes-sd3-init`` / ``shapes-sd3``
-    (the shapes-world model, random or with its shipped weights: ``diffusion_shapes.py``), or a local dir / hub id
-    for ``from_pretrained``."""
+    """``tiny-sd3`` / ``tiny-flux`` / ``tiny-flux-guidance`` (built from config), a plugin's preset
+    (``unirl_core.models.presets``, e.g. ``shapes-sd3`` of ``examples/shapes``), or a local dir / hub id for
+    ``from_pretrained``."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of every component (and, by default, of the stored trajectory)."""
     device: str = "cpu"
@@ -151,7 +157,7 @@ class DiffusionBundle:
         self._train_graphs: TrainGraphs | None = None
         self._lora_probe: nn.Module | None = None
         self.max_sequence_length = config.max_sequence_length or (
-            32 if config.source in TINY_PRESETS else (256 if family == "sd3" else 512))
+            32 if is_preset(config.source) else (256 if family == "sd3" else 512))
         vae = getattr(pipeline, "vae", None)
         self.vae_scale_factor = (2 ** (len(vae.config.block_out_channels) - 1) if vae is not None
                                  else pipeline.vae_scale_factor)
@@ -162,7 +168,7 @@ class DiffusionBundle:
         """Load (or build the tiny preset), cast, move, freeze the frozen parts and attach LoRA."""
         pipe, family = _load_pipeline(config)
         pipe.to(config.device)
-        if config.source in TINY_PRESETS and DTYPES[config.dtype] != torch.float32:
+        if is_preset(config.source) and DTYPES[config.dtype] != torch.float32:
             pipe.to(dtype=DTYPES[config.dtype])  # from_pretrained already loaded in the asked dtype
         for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
             comp = getattr(pipe, name, None)
@@ -428,12 +434,9 @@ def _load_pipeline(config: DiffusionModelConfig):
 
     if config.source == "tiny-sd3":
         return diffusion_tiny.tiny_sd3_pipeline(seed=config.seed), "sd3"
-    if config.source in ("shapes-sd3-init", "shapes-sd3", "shapes-sd3-long"):
-        from unirl_core.models import diffusion_shapes
-
-        if config.source in diffusion_shapes.SHIPPED:
-            return diffusion_shapes.shipped_shapes_pipeline(config.source), "sd3"
-        return diffusion_shapes.shapes_sd3_pipeline(seed=config.seed), "sd3"
+    preset = diffusion_preset(config.source)
+    if preset is not None:
+        return preset.build(config), preset.family
     if config.source in ("tiny-flux", "tiny-flux-guidance"):
         return diffusion_tiny.tiny_flux_pipeline(seed=config.seed,
                                                  guidance_embeds=config.source == "tiny-flux-guidance"), "flux"

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.models.presets import tokenizer_preset
 
 logger = logging.getLogger(__name__)
 
@@ -96,17 +97,13 @@ def qwen25_tokenizer():
 
 
 def load_tokenizer(name_or_path: str | Path):
-    """``tiny`` / ``qwen2.5`` / ``shapes-words`` presets, else ``AutoTokenizer.from_pretrained`` (local dir or hub id).
-
-    ``shapes-words``: the shapes world's word-level tokenizer (``models.diffusion_shapes.VOCAB``, 39 tokens, ``<s> text
-    </s>``, no chat template): an LM over it can only write words the shapes-sd3 text encoders know (the
-    ``shapes-enhance`` prompt enhancer)."""
+    """``tiny`` / ``qwen2.5`` presets, a plugin's (``unirl_core.models.presets``, e.g. ``shapes-words`` of
+    ``examples/shapes``), else ``AutoTokenizer.from_pretrained`` (local dir or hub id)."""
     if name_or_path == "tiny":
         return build_tiny_tokenizer()
-    if name_or_path == "shapes-words":
-        from unirl_core.models.diffusion_shapes import word_tokenizer
-
-        return word_tokenizer(512)
+    preset = tokenizer_preset(name_or_path)
+    if preset is not None:
+        return preset()
     if name_or_path == "qwen2.5":
         return qwen25_tokenizer()
     from transformers import AutoTokenizer

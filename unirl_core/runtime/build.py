@@ -28,8 +28,7 @@ from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_weights
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.data.prompts import PromptDataset, check_prompts_per_step, load_prompts
-from unirl_core.data.shapes import shapes_prompts
-from unirl_core.data.toy import toy_arithmetic_prompts
+from unirl_core.data.sources import prompt_source
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionBundle
 from unirl_core.models.lm import load_lm
@@ -106,10 +105,8 @@ def _build_dataset(cfg: RunConfig) -> PromptDataset:
     if d.source == "inline":
         records = [PromptRecord(prompt_id=f"p{i:04d}", prompt=p) for i, p in enumerate(d.prompts)]
         return PromptDataset(records, seed=d.seed)
-    if d.source == "toy_arithmetic":
-        return PromptDataset(toy_arithmetic_prompts(d.toy), seed=d.seed)
-    if d.source == "shapes":
-        return PromptDataset(shapes_prompts(d.shapes), seed=d.seed)
+    if d.source != "file":
+        return PromptDataset(prompt_source(d.source).build(d.generator()), seed=d.seed)
     ds = load_prompts(d.file)
     check_prompts_per_step(d.prompts_per_step, len(ds), f"data.file.path={d.file.path!r}")
     return ds

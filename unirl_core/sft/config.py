@@ -2,7 +2,7 @@
 
 It reuses the sections of the RL run where they mean the same thing (``DiffusionModelConfig``, ``LMConfig``,
 ``TrainConfig``, ``CheckpointConfig``) and adds what only SFT has: the record source, the loss knobs and the
-length of the run. Recipes are YAML files in ``unirl_core/sft/recipes`` (``sft-*.yaml``) or any path; they are
+length of the run. Recipes are YAML files in ``unirl_core/sft/recipes`` (``sft-*.yaml``), a plugin's ``recipes/sft`` or any path; they are
 parsed by the same strict loader as the RL recipes (unknown keys and wrong types name the dotted path).
 """
 
@@ -12,21 +12,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from unirl_core.config.loader import from_dict
+from unirl_core.config.loader import Sectioned, from_dict
 from unirl_core.config.recipes import load_recipe_dict, recipe_names, recipe_path
 from unirl_core.config.run import CheckpointConfig, check_name_and_family
-from unirl_core.data.toy import ToyArithmeticConfig
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
 from unirl_core.rollout.agentic import CHATML_OBSERVATION
+from unirl_core.sft import sources as record_sources
 from unirl_core.train.config import TrainConfig
 
 SFTFamily = Literal["diffusion", "lm"]
 SigmaSampling = Literal["logit_normal", "uniform"]
-RecordSource = Literal["jsonl", "shapes", "toy_arithmetic"]
 
 RECIPE_DIR = Path(__file__).resolve().parent / "recipes"
 
@@ -101,42 +100,37 @@ class SFTLMSection:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShapesSourceConfig:
-    """The generated shapes world (``unirl_core.data.shapes.make_dataset``)."""
-
-    num_records: int = 4096
-    """Images generated once per process (a fixed training set)."""
-    seed: int = 0
-    """Seed of the generator."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SFTDataConfig:
+class SFTDataConfig(Sectioned):
     """Where records come from and how many go into one step."""
 
-    source: RecordSource = "jsonl"
-    """``jsonl`` (``path``: one JSON object per line), ``shapes`` (generated captioned images) or
-    ``toy_arithmetic`` (prompts and answers of the toy task, ``toy``)."""
+    source: Annotated[str, record_sources.RECORD_SOURCE] = "jsonl"
+    """``jsonl`` (``path``: one JSON object per line) or a registered record source (``unirl_core.sft.sources``):
+    ``toy_arithmetic`` (prompts and answers of the toy task, settings ``data.toy``: the warm start that teaches an
+    LM the answer format before GRPO on correctness) or a plugin's (e.g. ``shapes`` of ``examples/shapes``:
+    generated captioned images, settings ``data.shapes``)."""
     path: str | None = None
     """JSONL file. Diffusion rows: ``{"caption": ..., "image": <png path, relative to the file>}``;
     LM rows: ``{"prompt": ..., "completion": ...}``."""
-    shapes: ShapesSourceConfig = field(default_factory=ShapesSourceConfig)
-    """Generator settings (``source='shapes'``); the image size is ``diffusion.height``."""
-    toy: ToyArithmeticConfig = field(default_factory=ToyArithmeticConfig)
-    """Toy arithmetic prompts (``source='toy_arithmetic'``): each prompt with its answer as the completion, the
-    warm start that teaches an LM the answer format before GRPO on correctness."""
     batch_size: int = 16
     """Records per step (one optimizer update per step; split into ``train.micro_batch_size`` pieces)."""
     seed: int = 0
     """Seed of the per-epoch shuffle of the records."""
+    sections: dict[str, Any] = field(default_factory=dict)
+    """The settings of registered record sources by section (``data.toy: {...}``: in a recipe they are keys of
+    ``data`` themselves, see ``unirl_core.config.loader``); a source without its section uses its defaults."""
+
+    SECTIONS_FIELD: ClassVar[str] = "sections"
+    SECTIONS_KIND: ClassVar[str] = "record source (unirl_core.sft.sources)"
+    section_config = staticmethod(record_sources.section_config)
+    section_names = staticmethod(record_sources.section_names)
 
     def __post_init__(self) -> None:
-        if self.source not in ("jsonl", "shapes", "toy_arithmetic"):
-            raise field_error(ConfigError, "data.source", self.source, "'jsonl', 'shapes' or 'toy_arithmetic'",
-                              "pick a record source")
+        self.check_sections()
+        if self.source != "jsonl":
+            record_sources.record_source(self.source)  # refuses a name nobody registered
         if self.source == "jsonl" and not self.path:
             raise field_error(ConfigError, "data.path", self.path, "a .jsonl file for source='jsonl'",
-                              "set data.path, or use source='shapes' for generated images")
+                              "set data.path, or use a generated record source")
         if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
             raise field_error(ConfigError, "data.batch_size", self.batch_size, "an integer >= 1", "use e.g. 16")
 
@@ -205,9 +199,15 @@ class SFTConfig:
         if self.loop.export_ema and self.train.ema_decay is None:
             raise field_error(ConfigError, "loop.export_ema", True, "False unless train.ema_decay is set",
                               "set train.ema_decay (e.g. 0.99) or export the trained weights")
-        if self.family == "lm" and self.data.source == "shapes":
-            raise field_error(ConfigError, "data.source", "shapes", "'jsonl' for family='lm'",
-                              "the shapes world makes images; give prompt/completion rows in a .jsonl file")
+        if self.data.source != "jsonl":
+            entry = record_sources.record_source(self.data.source)
+            if self.family not in entry.families:
+                ok = ["jsonl", *(n for n in record_sources.RECORD_SOURCES.names()[1:]
+                                 if self.family in record_sources.record_source(n).families)]
+                raise field_error(ConfigError, "data.source", self.data.source,
+                                  f"{' or '.join(repr(n) for n in ok)} for family={self.family!r}",
+                                  f"{self.data.source!r} feeds {' / '.join(entry.families)} runs; give records in a "
+                                  ".jsonl file")
 
     @property
     def section(self) -> SFTDiffusionSection | SFTLMSection:

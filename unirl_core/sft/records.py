@@ -22,6 +22,7 @@ import torch
 from unirl_core.errors import ConfigError, InvariantError, field_error
 from unirl_core.rollout.agentic import conversation_segment
 from unirl_core.sft.config import SFTConfig
+from unirl_core.sft.sources import record_source
 from unirl_core.sft.losses import TARGET_IMAGE
 from unirl_core.types import Part, Sample, SampleBatch, TokenSegment
 
@@ -121,32 +122,19 @@ def _read_text_rows(path: Path) -> list[Record]:
     return out
 
 
-def shapes_records(cfg: SFTConfig) -> list[Record]:
-    """Generated captioned images of the shapes world, ``diffusion.height`` pixels square."""
-    from unirl_core.data import shapes
-
-    size = cfg.diffusion.height
-    if cfg.diffusion.width != size:
-        raise field_error(ConfigError, "diffusion.width", cfg.diffusion.width, f"= diffusion.height ({size})",
-                          "the shapes world renders square images")
-    src = cfg.data.shapes
-    return [ImageRecord(c, np.asarray(img, dtype=np.uint8))
-            for c, img in shapes.make_dataset(src.num_records, seed=src.seed, size=size)]
-
-
 def toy_records(cfg: SFTConfig) -> list[Record]:
     """The toy arithmetic prompts (``data.toy``), each with its answer as the completion."""
     from unirl_core.data.toy import toy_arithmetic_prompts
 
-    if cfg.family != "lm":
-        raise field_error(ConfigError, "data.source", "toy_arithmetic", "an lm run", "use source='shapes' or 'jsonl'")
-    return [TextRecord(r.prompt, r.targets["answer"]) for r in toy_arithmetic_prompts(cfg.data.toy)]
+    return [TextRecord(r.prompt, r.targets["answer"]) for r in toy_arithmetic_prompts(cfg.data.section("toy"))]
 
 
 def load_records(cfg: SFTConfig) -> list[Record]:
     """All records of the run, checked against the model section (image size)."""
-    source = {"jsonl": read_jsonl, "shapes": shapes_records, "toy_arithmetic": toy_records}[cfg.data.source]
-    records = source(cfg)
+    if cfg.data.source == "jsonl":
+        records = read_jsonl(cfg)
+    else:
+        records = record_source(cfg.data.source).records(cfg)
     if cfg.family == "diffusion":
         want = (cfg.diffusion.height, cfg.diffusion.width, 3)
         for i, r in enumerate(records):

@@ -27,8 +27,8 @@ def test_pairs_copy_the_prompt_or_add_each_colour_once():
 
 @pytest.mark.parametrize(("kwargs", "names"), [
     ({"pairs": "paraphrase"}, "enhancer.warm_start.pairs='paraphrase'"),
-    ({"colours": ("red", "teal")}, "enhancer.warm_start.colours=['red', 'teal']"),
-    ({"colours": ()}, "enhancer.warm_start.colours=[]"),
+    ({"pairs": "add_colour", "colours": ("red", "teal")}, "enhancer.warm_start.colours=['red', 'teal']"),
+    ({"pairs": "add_colour", "colours": ()}, "enhancer.warm_start.colours=[]"),
 ])
 def test_bad_warm_start_values_name_the_field(kwargs, names):
     with pytest.raises(ConfigError) as info:
@@ -65,6 +65,6 @@ def test_shipped_colour_recipe_warm_start_adds_a_colour_without_preferring_one(t
 
 
 def _with(prompt: str, colour: str) -> str:
-    from unirl_core.data.shapes import with_colour
+    from examples.shapes.data import with_colour
 
     return with_colour(prompt, colour)

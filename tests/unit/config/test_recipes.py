@@ -54,7 +54,7 @@ def test_shapes_prompt_count_is_checked_at_load():
     with pytest.raises(ConfigError, match=r"data.prompts_per_step=4: expected at most the number of prompts "
                                           r"\(3 in data.shapes.num_prompts\)"):
         load_recipe("shapes-nft", ["data.shapes.num_prompts=3"])
-    assert load_recipe("shapes-nft", ["data.shapes.num_prompts=6"]).data.shapes.num_prompts == 6
+    assert load_recipe("shapes-nft", ["data.shapes.num_prompts=6"]).data.section("shapes").num_prompts == 6
 
 
 def test_missing_section_and_unknown_recipe():

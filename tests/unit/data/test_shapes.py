@@ -9,7 +9,7 @@ import torch
 
 from unirl_core.config.loader import from_dict
 from unirl_core.config.run import DataConfig
-from unirl_core.data.shapes import (
+from examples.shapes.data import (
     PALETTE,
     CaptionError,
     ObjectGroup,
@@ -154,15 +154,15 @@ def test_data_source_shapes_builds_a_prompt_dataset():
     cfg = Cfg()
     cfg.data = data
     ds = _build_dataset(cfg)
-    assert len(ds) == 12 and ds.records == shapes_prompts(data.shapes)
-    assert [r.prompt for r in ds.records] == prompt_list(12, seed=5, config=data.shapes.world)
+    assert len(ds) == 12 and ds.records == shapes_prompts(data.section("shapes"))
+    assert [r.prompt for r in ds.records] == prompt_list(12, seed=5, config=data.section("shapes").world)
     assert all(len(parse_caption(r.prompt).groups) == 1 for r in ds.records)
     with pytest.raises(ConfigError, match="max_count"):
         from_dict(DataConfig, {"source": "shapes", "shapes": {"world": {"max_count": 5}}})
 
 
 def test_omit_colour_prompts_leave_the_colour_out_and_keep_the_caption_as_target():
-    from unirl_core.data.shapes import ShapesPromptsConfig
+    from examples.shapes.data import ShapesPromptsConfig
 
     full = shapes_prompts(ShapesPromptsConfig(num_prompts=40, seed=3, world=ShapesWorldConfig(max_groups=3)))
     hidden = shapes_prompts(ShapesPromptsConfig(num_prompts=40, seed=3, world=ShapesWorldConfig(max_groups=3),
@@ -173,7 +173,7 @@ def test_omit_colour_prompts_leave_the_colour_out_and_keep_the_caption_as_target
         assert h.prompt == " ".join(w for w in f.prompt.split() if w not in PALETTE)
         assert h.prompt != f.prompt
     data = from_dict(DataConfig, {"source": "shapes", "shapes": {"omit": ["colour"]}})
-    assert data.shapes.omit == ("colour",)
+    assert data.section("shapes").omit == ("colour",)
     with pytest.raises(ConfigError, match="omit"):
         from_dict(DataConfig, {"source": "shapes", "shapes": {"omit": ["size"]}})
     with pytest.raises(ConfigError, match="shapes.omit"):
@@ -181,7 +181,7 @@ def test_omit_colour_prompts_leave_the_colour_out_and_keep_the_caption_as_target
 
 
 def test_with_colour_puts_back_the_colour_omit_left_out():
-    from unirl_core.data.shapes import CaptionError, ShapesPromptsConfig, omit_words, with_colour
+    from examples.shapes.data import CaptionError, ShapesPromptsConfig, omit_words, with_colour
 
     world = ShapesWorldConfig(max_groups=3, colors=("blue",))
     for r in shapes_prompts(ShapesPromptsConfig(num_prompts=30, seed=4, world=world, omit=("colour",))):
@@ -197,7 +197,7 @@ def test_with_colour_puts_back_the_colour_omit_left_out():
 
 
 def test_distinct_prompts_take_each_caption_once_in_draw_order():
-    from unirl_core.data.shapes import ShapesPromptsConfig
+    from examples.shapes.data import ShapesPromptsConfig
 
     world = ShapesWorldConfig(max_groups=1, colors=("blue",))  # 3 counts x 3 shapes: 9 captions
     drawn = shapes_prompts(ShapesPromptsConfig(num_prompts=300, seed=7, world=world))

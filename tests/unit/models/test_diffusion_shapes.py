@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from unirl_core.data.shapes import make_dataset
+from examples.shapes.data import make_dataset
 from unirl_core.models.diffusion import DiffusionBundle, DiffusionModelConfig
-from unirl_core.models.diffusion_shapes import VOCAB, pixel_autoencoder, word_tokenizer
+from examples.shapes.model import VOCAB, pixel_autoencoder, word_tokenizer
 from unirl_core.sft.losses import encode_images
 
 torch.set_num_threads(1)
@@ -80,7 +80,7 @@ def test_sft_on_the_shapes_world_reduces_the_loss(tmp_path):
 
 
 def test_pack_weights_round_trips_a_pipeline_folder(tmp_path, monkeypatch):
-    from unirl_core.models import diffusion_shapes as ds
+    from examples.shapes import model as ds
 
     pipe = ds.shapes_sd3_pipeline(seed=3)
     pipe.save_pretrained(tmp_path / "export")
@@ -99,8 +99,8 @@ def test_pack_weights_round_trips_a_pipeline_folder(tmp_path, monkeypatch):
 def test_shipped_weights_draw_gradable_shapes(source):
     """The shipped shapes-sd3 scores 0.150 on these 16 held-out prompts (random init: 0.0); the bound leaves room
     for CPU-dependent rounding in the 20 ODE steps. shapes-sd3-long is its own weights, not a copy."""
-    from unirl_core.models import diffusion_shapes as ds
-    from unirl_core.sft.shapes_eval import evaluate_model
+    from examples.shapes import model as ds
+    from examples.shapes.evaluate import evaluate_model
 
     bundle = DiffusionBundle.build(DiffusionModelConfig(source=source, finetune="full", reference_copy=False))
     metrics, _, pngs = evaluate_model(bundle, num_prompts=16)

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from tests.unit.reward.reward_images import noise_png, to_png
-from unirl_core.data.shapes import (
+from examples.shapes.data import (
     Scene,
     ShapeObject,
     caption,
@@ -20,7 +20,7 @@ from unirl_core.data.shapes import (
 )
 from unirl_core.errors import RewardError
 from unirl_core.reward import RewardConfig, RewardService, ScoreItem, build_scorer
-from unirl_core.reward.scorers.shapes import (
+from examples.shapes.reward import (
     ShapesDetectorConfig,
     detect,
     shapes_accuracy,
@@ -193,7 +193,7 @@ def test_denoising_helps_strong_noise_and_blur_at_32_px():
 
 
 def test_one_reward_config_detects_each_image_once_and_scores_as_without_the_cache(monkeypatch):
-    import unirl_core.reward.scorers.shapes as shapes
+    import examples.shapes.reward as shapes
 
     rng = np.random.default_rng(3)
     items = [_item(c, _degrade(im, rng)) for c, im in _sampled(12, 21, 32)]

@@ -65,11 +65,6 @@ _REGISTRY: dict[str, str | Callable[..., Scorer]] = {
     "length_penalty": "unirl_core.reward.scorers.text:LengthPenalty",
     "toy_arithmetic": "unirl_core.data.toy:ToyArithmeticScorer",
     "agent_return": "unirl_core.env.reward:AgentReturnScorer",
-    "shapes_compositional": "unirl_core.reward.scorers.shapes:ShapesCompositional",
-    "shapes_object": "unirl_core.reward.scorers.shapes:ShapesObjectScore",
-    "shapes_count": "unirl_core.reward.scorers.shapes:ShapesCountScore",
-    "shapes_color": "unirl_core.reward.scorers.shapes:ShapesColorScore",
-    "shapes_position": "unirl_core.reward.scorers.shapes:ShapesPositionScore",
 }
 
 

@@ -5,7 +5,7 @@ colour whose background-to-colour segment lies nearest (greys compete, so unsatu
 if within ``max_color_distance`` and at least half way along it; 4-connected components of one colour that
 are big enough are candidates; each is fitted by a circle, a square and a triangle of the same area and
 centroid, rendered anti-aliased (and blurred, for blurry generators), and takes the shape of best soft IoU
-against the component's soft mask. ``unirl_core.data.shapes.evaluate`` then checks the prompt's constraints.
+against the component's soft mask. ``examples.shapes.data.evaluate`` then checks the prompt's constraints.
 
 Scorers (registry names): ``shapes_compositional`` (all constraints, ``mode`` fraction or all-or-nothing)
 and ``shapes_object`` / ``shapes_count`` / ``shapes_color`` / ``shapes_position`` (one constraint kind
@@ -26,7 +26,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
-from unirl_core.data.shapes import (
+from examples.shapes.data import (
     BACKGROUND,
     CONSTRAINT_KINDS,
     PALETTE,
@@ -272,7 +272,7 @@ def _prompt(item: ScoreItem) -> ShapesPrompt:
     except CaptionError as e:
         where = "targets['caption']" if "caption" in item.targets else "prompt"
         raise RewardError(f"{where} {text!r} is not a shapes-world caption ({e}); the shapes scorers only "
-                          "score prompts from unirl_core.data.shapes (data.source: shapes)") from e
+                          "score prompts from examples.shapes.data (data.source: shapes)") from e
 
 
 _SCENES: OrderedDict[tuple[bytes, ShapesDetectorConfig], Scene] = OrderedDict()

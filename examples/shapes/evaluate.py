@@ -1,9 +1,9 @@
 """Score a shapes-world model: sample held-out shapes prompts and grade them with the ``shapes_compositional``
-rule (``unirl_core.reward.scorers.shapes``). The renderer's own images of the same prompts are graded too,
+rule (``examples.shapes.reward``). The renderer's own images of the same prompts are graded too,
 as the detector's ceiling.
 
-    python -m unirl_core.sft.shapes_eval --source shapes-sd3 --prompts 64
-    python -m unirl_core.sft.shapes_eval --source runs/sft-shapes/export --prompts 64 --grid samples.png
+    python -m examples.shapes.evaluate --source shapes-sd3 --prompts 64
+    python -m examples.shapes.evaluate --source runs/sft-shapes/export --prompts 64 --grid samples.png
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import json
 
 import numpy as np
 
-from unirl_core.data.shapes import ShapesPromptsConfig, make_dataset, shapes_prompts
+from examples.shapes.data import ShapesPromptsConfig, make_dataset, shapes_prompts
+from examples.shapes.reward import ShapesCompositional, shapes_accuracy
 from unirl_core.reward.scorers.base import ScoreItem
-from unirl_core.reward.scorers.shapes import ShapesCompositional, shapes_accuracy
 
 EVAL_SEED = 1000
 """Prompt seed of the evaluation set (the SFT recipe trains on seed 0's records)."""
@@ -71,7 +71,7 @@ def save_grid(pngs: list[bytes], path: str, *, columns: int = 8, scale: int = 3)
 def main(argv: list[str] | None = None) -> None:
     from unirl_core.models.diffusion import DiffusionBundle, DiffusionModelConfig
 
-    ap = argparse.ArgumentParser(prog="python -m unirl_core.sft.shapes_eval", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m examples.shapes.evaluate", description=__doc__)
     ap.add_argument("--source", default="shapes-sd3", help="a preset name or a pipeline folder (an SFT export)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)

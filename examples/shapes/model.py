@@ -219,5 +219,5 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m unirl_core.models.diffusion_shapes <sft export folder> <out.safetensors>")
+        sys.exit("usage: python -m examples.shapes.model <sft export folder> <out.safetensors>")
     print(pack_weights(sys.argv[1], sys.argv[2]))

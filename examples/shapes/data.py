@@ -1,7 +1,7 @@
 """A synthetic caption -> image world: flat coloured circles, squares and triangles on white.
 
 It gives a small text-to-image model something it can learn on a CPU and a reward that checks
-composition by rule (``unirl_core.reward.scorers.shapes``). A prompt is one to three object groups
+composition by rule (``examples.shapes.reward``). A prompt is one to three object groups
 (colour, shape, count 1-3, shapes distinct across groups) and, for two groups, an optional spatial
 relation. ``caption`` writes it as English, ``parse_caption`` reads it back exactly.
 

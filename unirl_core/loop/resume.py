@@ -87,6 +87,7 @@ RESUME_RULES: dict[str, Rule] = {
     "lm.agent": "fork",  # the environment and turn limits shape every trajectory
     "pool": "apply",  # where the phases execute, not what they compute
     "report": "ignore",  # what the run shows (TensorBoard scalars, progress lines), not what it trains
+    "plugins": "apply",  # which modules register parts; what the run uses of them is named by the other keys
 }
 """Dotted config prefix -> what a resume may do when the value differs from the version's config."""
 

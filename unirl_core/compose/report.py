@@ -29,7 +29,8 @@ def samples_html(batch: SampleBatch, *, max_rows: int = MAX_ROWS) -> str:
     for s in batch.samples[:max_rows]:
         ar, img = s.parts[0], s.parts[-1]
         pic = f'<img src="{thumbnail_data_uri(img.media)}" width="64">' if img.media else ""
-        comps = ", ".join(f"{html.escape(k)}={v:.3g}" for k, v in img.rewards.items() if v or k == "shapes_compositional")
+        comps = ", ".join(f"{html.escape(k)}={v:.3g}" for i, (k, v) in enumerate(img.rewards.items())
+                          if v or i == 0)  # the first component (the recipe's main one) even at 0
         rows.append(f"<tr><td>{html.escape(s.sample_id)}</td><td>{html.escape(img.prompt)}</td>"
                     f"<td>{html.escape(ar.text or '')}</td><td>{pic}</td><td>{_f(img.reward)}</td>"
                     f"<td>{_f(img.advantage)}</td><td>{_f(ar.reward)}</td><td>{_f(ar.advantage)}</td>"

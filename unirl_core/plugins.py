@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import pkgutil
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ PLUGIN_PACKAGES: list[str] = ["examples"]
 """Top-level packages whose subpackages are plugins (recipes searched by name, imported on a registry miss)."""
 
 _DISCOVERED: set[str] = set()
+_LOCK = threading.RLock()  # a lookup from another thread waits for a discovery under way
 
 
 def import_plugins(modules: Iterable[str], path: str = "plugins") -> None:
@@ -60,10 +62,11 @@ def plugin_modules() -> list[tuple[str, Path]]:
 
 def discover() -> None:
     """Import every plugin of :data:`PLUGIN_PACKAGES` once (a registry's fallback for a name it does not know)."""
-    for name, _ in plugin_modules():
-        if name not in _DISCOVERED:
-            _DISCOVERED.add(name)
-            importlib.import_module(name)
+    with _LOCK:
+        for name, _ in plugin_modules():
+            if name not in _DISCOVERED:
+                _DISCOVERED.add(name)
+                importlib.import_module(name)
 
 
 def plugin_recipe_dirs(kind: str) -> list[tuple[str, Path]]:

@@ -29,6 +29,7 @@ from tasks.setup import init_task, setup_task
 from tasks.train import TRAIN_TASKS
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config import RunConfig
+from unirl_core.config.recipes import recipe_names
 
 
 @workflow
@@ -96,19 +97,28 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
     return state
 
 
-@workflow
 def grpo(recipe: str = "shapes-flow-grpo-count", overrides: list[str] = [],  # noqa: B006 (flytekit copies defaults)
          resume: str = "latest", max_steps: int = 0, fork_as: str = "") -> CheckpointRef:
-    """Train ``recipe`` (a shipped recipe name or a YAML path) with ``a.b=value`` overrides.
+    """Train a recipe: pyflyte run workflows/grpo.py grpo --recipe tiny-grpo --overrides '["loop.total_steps=4"]'
 
-    ``resume``: ``latest`` continues the run's newest published version (a new run starts from a fresh
-    step-0 version), ``never`` requires an empty run, or one version folder of the run (URI, or a path
-    relative to the current directory); an older version than the published one needs ``fork_as``.
-    ``max_steps``: stop this execution after that many steps (0: run to ``loop.total_steps``).
-    ``fork_as``: start a new run of this name from the ``resume`` version (the original run is untouched).
-    Overrides that differ from the version's config apply when safe (``train.lr``, ``loop.total_steps``, ...)
-    and are refused when they change the trajectory layout (unless forking) or the model."""
+    Recipes: {recipes}. Each recipe file's first line is the exact command that runs it.
+
+    Overrides that differ from a resumed version's config apply when safe (``train.lr``, ``loop.total_steps``, ...)
+    and are refused when they change the trajectory layout (unless forking) or the model.
+
+    Args:
+        recipe: a recipe name (above) or the path of your own YAML file.
+        overrides: a JSON list of "a.b=value" strings, e.g. '["loop.total_steps=4", "train.lr=1e-4"]'.
+        resume: latest (continue the published version; a new run starts at step 0), never (the run must be
+            empty), or one version folder of the run (URI or path); an older version needs fork_as.
+        max_steps: stop this execution after that many steps (0: run to loop.total_steps).
+        fork_as: start a new run of this name from the resume version (the original run is untouched).
+    """
     setup = setup_task(recipe=recipe, overrides=overrides)
     start = init_task(cfg=setup.cfg, resume=resume, fork_as=fork_as)
     return grpo_chunk(cfg=start.cfg, cluster=setup.cluster, session=setup.session, ckpt=start.ckpt,
                       max_steps=max_steps)
+
+
+grpo.__doc__ = grpo.__doc__.format(recipes=", ".join(recipe_names()))  # the library's and the plugins' recipes
+grpo = workflow(grpo)

@@ -18,6 +18,20 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def test_help_lists_the_recipes_and_the_override_syntax():
+    """``--help`` names every recipe (the library's and the plugins') and shows the overrides' form by example."""
+    from unirl_core.config.recipes import recipe_names
+
+    pyflyte = Path(sys.executable).with_name("pyflyte")
+    proc = subprocess.run([str(pyflyte), "run", "workflows/grpo.py", "grpo", "--help"], cwd=REPO,
+                          env={**os.environ, "COLUMNS": "400"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = recipe_names()
+    assert {"tiny-grpo", "shapes-flow-grpo-count", "tiny-agent-calc"} <= set(names)
+    assert all(re.search(rf"[ ,]{re.escape(n)}[,.]", proc.stdout) for n in names), proc.stdout
+    assert """--overrides '["loop.total_steps=4"]'""" in proc.stdout
+
+
 @pytest.mark.slow
 def test_pyflyte_run_grpo_prints_progress(tmp_path):
     name = f"cli-{uuid.uuid4().hex[:8]}"

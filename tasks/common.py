@@ -115,12 +115,17 @@ def session_id() -> str:
 LOCAL_MAX_CHUNKS = 16
 
 
+def local_execution() -> bool:
+    """True inside a local execution (``pyflyte run`` without ``--remote``): its tasks run in this process."""
+    state = FlyteContextManager.current_context().execution_state
+    return state is not None and state.is_local_execution()
+
+
 def chunk_steps(steps_per_chunk: int, total_steps: int) -> int:
     """Steps one chained chunk wires: ``steps_per_chunk`` (``loop.steps_per_chunk``) on a cluster; in a local
     execution at least ``ceil(total_steps / LOCAL_MAX_CHUNKS)``, so a long local run never nests its sandbox
     folders past the file-name limit. Chunking changes no step's work, only how the DAG is cut."""
-    state = FlyteContextManager.current_context().execution_state
-    if state is None or not state.is_local_execution():
+    if not local_execution():
         return steps_per_chunk
     return max(steps_per_chunk, -(-total_steps // LOCAL_MAX_CHUNKS))
 

@@ -16,6 +16,7 @@ from tasks.common import (
     DECK,
     SMALL_TIMEOUT,
     deck,
+    local_execution,
     phase,
     progress_logger,
     say_resume_on_interrupt,
@@ -55,7 +56,8 @@ def setup_task(recipe: str, overrides: list[str]) -> Setup:
     cfg.loop.check_workflow()
     cfg.checkpoint.check_workflow(cfg.pool.execution)
     check_agent_workflow(cfg)
-    for note in preflight(cfg):
+    # a local execution starts any vLLM server here; on a cluster the engine's pod has its own interpreter
+    for note in preflight(cfg, engines_here=local_execution()):
         progress_logger().warning("preflight: %s", note)
     for note in setup_pool(cfg):  # pool.kuberay: the RayCluster spec, validated and written next to the run
         progress_logger().warning("pool: %s", note)

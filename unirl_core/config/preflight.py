@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import threading
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from unirl_core.config.run import RunConfig
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import is_preset
 from unirl_core.models.presets import tokenizer_preset
+from unirl_core.rollout.vllm.config import PYTHON_ENV, default_python
 
 NETWORK_ENV = "UNIRL_PREFLIGHT_NETWORK"
 DEFAULT_TIMEOUT = 20.0
@@ -36,11 +38,34 @@ _TINY_TOKENIZERS = ("tiny", "qwen2.5")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def preflight(cfg: RunConfig, *, timeout: float = DEFAULT_TIMEOUT, network: bool | None = None) -> list[str]:
+def preflight(cfg: RunConfig, *, timeout: float = DEFAULT_TIMEOUT, network: bool | None = None,
+              engines_here: bool = True) -> list[str]:
     """Run every check of ``cfg``; returns notes about checks that were skipped (empty when all ran).
-    ``network``: ask the hub about hub ids (None: unless ``UNIRL_PREFLIGHT_NETWORK=0``)."""
+    ``network``: ask the hub about hub ids (None: unless ``UNIRL_PREFLIGHT_NETWORK=0``). ``engines_here``: a
+    dedicated engine the run starts starts on this machine (its interpreter is checked)."""
     check_checkpoint_root(cfg, timeout=timeout)
+    if engines_here:
+        check_vllm_python(cfg, timeout=timeout)
     return check_models(cfg, timeout=timeout, network=network)
+
+
+def check_vllm_python(cfg: RunConfig, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """A run that starts its own vLLM server (``lm.deployment.engine: vllm`` without ``lm.vllm.base_url``) needs an
+    interpreter with vLLM installed: refused now, naming the field and the install script, not when the server
+    dies at its start with ``No module named 'vllm'``."""
+    if cfg.family != "lm" or cfg.lm.deployment.engine != "vllm" or cfg.lm.vllm is None or cfg.lm.vllm.base_url:
+        return
+    python = cfg.lm.vllm.python or default_python()
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+    try:
+        ok = subprocess.run([python, "-c", probe], capture_output=True, timeout=timeout).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        raise field_error(ConfigError, "lm.vllm.python", cfg.lm.vllm.python,
+                          f"an interpreter with vLLM installed (this run would start {python}, which has none)",
+                          f"run `bash scripts/install_vllm.sh` (it makes .venv-vllm, used by default), or set "
+                          f"lm.vllm.python / ${PYTHON_ENV} to one that has vLLM")
 
 
 def _bounded(fn: Callable[[], Any], timeout: float) -> tuple[bool, BaseException | None]:

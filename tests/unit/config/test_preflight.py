@@ -129,3 +129,19 @@ def test_run_local_preflights_before_building_anything(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^checkpoint.root='s3://my-bucket/"):
         local.run_local(load_recipe("sd35m-pickscore"), progress=False)
     assert built == []
+
+
+def test_a_vllm_run_without_vllm_names_the_install_script(tmp_path):
+    """The run would start its server with an interpreter that has no vLLM (this test's own: the main venv has
+    none): refused before anything is built, naming lm.vllm.python and scripts/install_vllm.sh."""
+    import importlib.util
+    import sys
+
+    assert importlib.util.find_spec("vllm") is None  # the project's venv never has vLLM (it lives in .venv-vllm)
+    cfg = load_recipe("tiny-grpo-vllm", [f"checkpoint.root={tmp_path}", f"lm.vllm.python={sys.executable}"])
+    with pytest.raises(ConfigError, match=r"lm\.vllm\.python=.*expected an interpreter with vLLM installed.*"
+                                          r"scripts/install_vllm\.sh"):
+        preflight(cfg, timeout=30)
+    attached = load_recipe("tiny-grpo-vllm", [f"checkpoint.root={tmp_path}", f"lm.vllm.python={sys.executable}",
+                                              "lm.vllm.base_url=http://127.0.0.1:9"])
+    preflight(attached, timeout=30)  # a server the run attaches to is not started here: no interpreter needed

@@ -174,9 +174,16 @@ def check_models(cfg: RunConfig, *, timeout: float = DEFAULT_TIMEOUT, network: b
         if os.path.isdir(os.path.expanduser(value)):
             continue
         if not _HUB_ID.match(value):
+            parts = value.rstrip("/").split("/")
+            fix = ("fix the path (relative paths start at the task's working directory) or name a tiny preset for "
+                   "an offline run")
+            if len(parts) >= 2 and parts[-1] == "export":  # <checkpoint.root>/<run>/export: an SFT run's export
+                fix = (f"it is the export of SFT run {parts[-2]!r}, which is not there yet: train it first "
+                       f"(`python -m unirl_core.sft --recipe {parts[-2]}` exports to <its checkpoint.root>/"
+                       f"{parts[-2]}/export), "
+                       f"or {fix}")
             raise field_error(ConfigError, field, value, "an existing local model directory or a hub id (org/name)",
-                              "fix the path (relative paths start at the task's working directory) or name a "
-                              "tiny preset for an offline run")
+                              fix)
         if _offline():
             if not _in_hub_cache(value, marker):
                 raise field_error(ConfigError, field, value,

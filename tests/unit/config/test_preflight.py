@@ -145,3 +145,11 @@ def test_a_vllm_run_without_vllm_names_the_install_script(tmp_path):
     attached = load_recipe("tiny-grpo-vllm", [f"checkpoint.root={tmp_path}", f"lm.vllm.python={sys.executable}",
                                               "lm.vllm.base_url=http://127.0.0.1:9"])
     preflight(attached, timeout=30)  # a server the run attaches to is not started here: no interpreter needed
+
+
+def test_a_missing_sft_export_names_the_sft_command(tmp_path):
+    """toy-sums starts from the export of SFT run sft-toy-sums: before that run, the refusal names its command."""
+    cfg = load_recipe("toy-sums", [f"checkpoint.root={tmp_path}", f"lm.model.model={tmp_path}/sft-toy-sums/export"])
+    with pytest.raises(ConfigError, match=r"lm\.model\.model=.*export of SFT run 'sft-toy-sums'.*"
+                                          r"python -m unirl_core\.sft --recipe sft-toy-sums"):
+        preflight(cfg, timeout=30)

@@ -10,6 +10,7 @@ from images import train_image
 from tasks.common import CPU_TASK, SMALL_TIMEOUT, progress_logger
 from unirl_core.config import RunConfig
 from unirl_core.loop.local import progress_line
+from unirl_core.loop.resume import ended_message
 from unirl_core.report.phase_html import advantage_html, publish_html, reward_html, rollout_html, train_html
 from unirl_core.report.run_report import RunReport, StepRecord, step_seconds
 from unirl_core.report.tensorboard import ScalarLog
@@ -81,4 +82,6 @@ def report_task(cfg: RunConfig, session: str, step: int, batch: SampleBatch, rol
     if url:
         progress_logger().info("W&B run: %s", url)
     progress_logger().info(progress(report.steps(), rec, cfg.loop.total_steps, session))
+    if step >= cfg.loop.total_steps:
+        progress_logger().info(ended_message(cfg, step, decks=True))
     return step

@@ -48,6 +48,9 @@ def test_pyflyte_run_grpo_prints_progress(tmp_path):
     assert [ln.split(" |")[0] for ln in lines] == ["step 1/2", "step 2/2"], out[-4000:]
     assert all("| ratio 1.0000 |" in ln for ln in lines) and "eval " in lines[-1], lines
     assert "step-00000002" in out and (tmp_path / name / "report" / "index.html").is_file()
+    # the end of the run says where it wrote what
+    assert f"report:      {tmp_path}/{name}/report/index.html" in out, out[-2000:]
+    assert f"tensorboard --logdir {tmp_path}/{name}/tensorboard" in out and "Flyte decks:" in out
 
 
 @pytest.mark.slow

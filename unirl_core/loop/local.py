@@ -201,6 +201,8 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
     finally:
         rollouts.close()
     finish_writes()  # the run ends with its last version written and published
+    if history:
+        say(resume.ended_message(cfg, int(history[-1]["step"])), show)
     return history
 
 

@@ -307,6 +307,20 @@ def finished_message(cfg: RunConfig, ref: CheckpointRef) -> str | None:
             f"to train again from scratch, use another run name (name=<new name>).")
 
 
+def ended_message(cfg: RunConfig, step: int, *, decks: bool = False) -> str:
+    """Where a run that reached step ``step`` left what it wrote: report, versions, TensorBoard scalars."""
+    run = f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}"
+    lines = [f"run {cfg.name!r} reached step {step} of {cfg.loop.total_steps}:",
+             f"  report:      {run}/report/index.html (charts, every step's samples and phase pages)",
+             f"  checkpoints: {run}/step-XXXXXXXX (LATEST names the published one, where a resume continues)"]
+    if cfg.report.tensorboard:
+        lines.append(f"  TensorBoard: tensorboard --logdir {run}/tensorboard")
+    if decks:
+        lines.append("  Flyte decks: the same phase pages, in the report's step folders (a local execution keeps "
+                     "flytekit's own copies in its temp folders)")
+    return "\n".join(lines)
+
+
 def interrupted_message(cfg: RunConfig, resume_command: str) -> str:
     """What was published last in ``cfg``'s run and the command that continues it."""
     try:

@@ -46,6 +46,10 @@ def test_progress_lines_on_stderr_by_default_with_default_logging(tmp_path, capf
     assert any("building model tiny" in ln for ln in notes) and any("restoring checkpoint step 0" in ln for ln in notes)
     assert sum("building model" in ln for ln in notes) == 1  # once, at the start of the first step
     assert err.index(next(ln for ln in err if "building model" in ln)) < err.index(steps[0])
+    # the end says where the run wrote what (no TensorBoard line: it is off)
+    tail = err[err.index(steps[-1]):]
+    assert any(ln.startswith(f"  report:      {tmp_path}/tiny-grpo/report/index.html") for ln in tail), tail
+    assert not any("TensorBoard:" in ln for ln in err)
 
 
 @pytest.mark.parametrize("how", ["argument", "config"])

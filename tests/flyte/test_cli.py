@@ -32,6 +32,37 @@ def test_help_lists_the_recipes_and_the_override_syntax():
     assert """--overrides '["loop.total_steps=4"]'""" in proc.stdout
 
 
+def _pyflyte(*args: str, **env: str) -> subprocess.CompletedProcess:
+    pyflyte = Path(sys.executable).with_name("pyflyte")
+    return subprocess.run([str(pyflyte), *args], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bad_input_is_one_message_and_a_flag_shows_the_traceback(tmp_path):
+    """A recipe typo, a refused override or broken YAML: the library's message alone (naming the field, the value
+    and the fix), exit 1; UNIRL_TRACEBACK=1 (or pyflyte -v) prints flytekit's traceback as before."""
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("name: x\nfamily: lm\n  bad: [\n")
+    for args, want in ((["--recipe", "tiny-grpoo"], r"recipe='tiny-grpoo': expected a shipped recipe"),
+                       (["--recipe", "tiny-grpo", "--overrides", '["train.lrr=1"]'],
+                        r"recipe\.train\.lrr=1: expected a field of TrainConfig"),
+                       (["--recipe", str(bad_yaml)], r"recipe bad\.yaml: not valid YAML")):
+        proc = _pyflyte("run", "workflows/grpo.py", "grpo", *args)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1, out[-3000:]
+        assert re.search(r"ConfigError in tasks\.setup\.setup_task: " + want, out), out[-3000:]
+        assert "Traceback" not in out and len(out.splitlines()) <= 12, out
+    traced = _pyflyte("run", "workflows/grpo.py", "grpo", "--recipe", "tiny-grpoo", UNIRL_TRACEBACK="1")
+    assert traced.returncode == 1 and len((traced.stdout + traced.stderr).splitlines()) > 30
+
+
+def test_non_json_overrides_show_the_form_by_example():
+    proc = _pyflyte("run", "workflows/grpo.py", "grpo", "--overrides", "loop.total_steps=2", COLUMNS="300")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert """a JSON list of "a.b=value" strings, e.g. --overrides '["loop.total_steps=4", "train.lr=1e-4"]'""" in \
+        " ".join((proc.stdout + proc.stderr).split()).replace("│ ", "").replace(" │", "")
+
+
 @pytest.mark.slow
 def test_pyflyte_run_grpo_prints_progress(tmp_path):
     name = f"cli-{uuid.uuid4().hex[:8]}"

@@ -119,9 +119,14 @@ def test_ctrl_c_prints_the_last_published_version_and_a_working_resume_command(t
     assert found and int(found[1]) == published, text[-4000:]
     assert found[2] == str(tmp_path / name / f"step-{published:08d}")
     command = shlex.split(found[3])
+    assigned = {}  # the thread variables the run ran with, in front of the command (a shell sets them)
+    while re.fullmatch(r"[A-Z_]+=\S*", command[0]):
+        key, value = command.pop(0).split("=", 1)
+        assigned[key] = value
+    assert assigned.get("OMP_NUM_THREADS") == "1" and set(assigned) <= {"OMP_NUM_THREADS", "MKL_NUM_THREADS"}
     assert command == [*argv, "--resume", "latest"]
     # the printed command continues the run (one step of it here)
-    proc = subprocess.run([*command, "--max_steps", "1"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([*command, "--max_steps", "1"], cwd=REPO, env={**env, **assigned}, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert f"step {published + 1}/400" in proc.stderr and f"step {published + 2}/400" not in proc.stderr

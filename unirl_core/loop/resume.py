@@ -28,7 +28,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_version_json
@@ -334,15 +334,21 @@ def interrupted_message(cfg: RunConfig, resume_command: str) -> str:
             f"redone on resume. Resume with: {resume_command}")
 
 
-def pyflyte_resume_command(argv: Sequence[str]) -> str | None:
-    """The command that continues the local ``pyflyte run`` of ``argv``: the same line with ``--resume latest``;
-    a fork's line stays as it is (run again, it continues the fork). None when ``argv`` is not a local
-    ``pyflyte run``."""
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""The environment variables that set a process's CPU threads (recorded with a run, repeated by its resume line)."""
+
+
+def pyflyte_resume_command(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
+    """The command that continues the local ``pyflyte run`` of ``argv``: the same line with ``--resume latest``
+    (a fork's line stays as it is: run again, it continues the fork), after the thread variables of ``env``
+    (default: this process's) that are set. None when ``argv`` is not a local ``pyflyte run``."""
     args = list(argv)
     if not args or "pyflyte" not in os.path.basename(args[0]) or "run" not in args or "--remote" in args:
         return None
+    env = os.environ if env is None else env
+    prefix = "".join(f"{k}={shlex.quote(env[k])} " for k in THREAD_VARIABLES if env.get(k))
     if any(a == "--fork_as" or a.startswith("--fork_as=") for a in args):
-        return shlex.join(args)
+        return prefix + shlex.join(args)
     out: list[str] = []
     skip = False
     for a in args:
@@ -352,7 +358,7 @@ def pyflyte_resume_command(argv: Sequence[str]) -> str | None:
             skip = True
         elif not a.startswith("--resume="):
             out.append(a)
-    return shlex.join([*out, "--resume", "latest"])
+    return prefix + shlex.join([*out, "--resume", "latest"])
 
 
 def library_resume_command(cfg: RunConfig, resume_from: str, fork_as: str | None) -> str:

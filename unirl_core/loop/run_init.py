@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+
+import torch
 
 from unirl_core.checkpoint import CheckpointRef, load_checkpoint, save_train_checkpoint
 from unirl_core.config.loader import to_dict
@@ -51,9 +54,11 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None
             raise field_error(ConfigError, "fork_as", fork_as, f"a version of run {cfg.name!r} to fork from",
                               f"{build.store(cfg).uri} holds none; train the run first, or fork another run "
                               "(name=<that run>)")
+        parent_threads = apply_recorded_threads(cfg)
         cfg = resume.forked_config(cfg, fork_as)
-        ref = _fork(cfg, ref)
+        ref = _fork(cfg, ref, parent_threads)
     elif ref is not None:
+        apply_recorded_threads(cfg)
         _apply_config_changes(cfg, ref)
     if ref is not None:
         if (note := resume.finished_message(cfg, ref)) is not None:
@@ -70,6 +75,7 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None
         build.export_initial_policy(cfg, fresh)  # as built, before the backend makes fp32 master weights
     backend = TrainBackend(fresh, build.algorithm(cfg), cfg.train)
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra={}, publish=True)
+    build.store(cfg).record({"event": "start", "utc": resume.utc_now(), "threads": threads_now()})
     # The model built for step 0 is pinned by a reference cycle: the first build of a process runs transformers'
     # lazy imports, whose frames (kept by a traceback in a cycle) chain back through f_back to the building
     # function's frame and its ``model`` local. Without a collection now its memory (a whole copy of the weights)
@@ -113,7 +119,32 @@ def _apply_config_changes(cfg: RunConfig, ref: CheckpointRef) -> None:
                              "changes": {c.key: [c.old, c.new] for c in applied}})
 
 
-def _fork(cfg: RunConfig, parent: CheckpointRef) -> CheckpointRef:
+def threads_now() -> dict[str, object]:
+    """This process's CPU thread settings: torch's intra-op threads (what sets the order of a CPU float reduction,
+    so a resume with another count is not bit-exact) and the variables that set them."""
+    return {"torch": torch.get_num_threads(), **{k: os.environ.get(k) for k in resume.THREAD_VARIABLES}}
+
+
+def apply_recorded_threads(cfg: RunConfig) -> dict[str, object] | None:
+    """Set torch's thread count to the one run ``cfg.name`` started with (``<run>/history.json``), saying so at
+    WARNING when it differs from this process's; returns the record (None for a run started before it was kept:
+    nothing to apply). Applies to this process (``run_local``, a local execution); a cluster's task pods get their
+    threads from their CPU resources."""
+    recorded = next((e["threads"] for e in reversed(build.store(cfg).history())
+                     if isinstance(e, dict) and isinstance(e.get("threads"), dict)), None)
+    if recorded is None or not isinstance(recorded.get("torch"), int):
+        return None
+    now = torch.get_num_threads()
+    if recorded["torch"] != now:
+        torch.set_num_threads(recorded["torch"])
+        resume.tell(f"run {cfg.name!r} trained with {recorded['torch']} torch thread(s) ("
+                    + ", ".join(f"{k}={recorded.get(k)}" for k in resume.THREAD_VARIABLES)
+                    + f"); this process had {now}: set to {recorded['torch']}, so the resumed steps add up floats "
+                    "in the same order (bit-exact with an uninterrupted run)")
+    return recorded
+
+
+def _fork(cfg: RunConfig, parent: CheckpointRef, parent_threads: dict[str, object] | None = None) -> CheckpointRef:
     """Copy ``parent`` (a version of another run) into run ``cfg.name`` at the same step, with its lineage;
     an existing fork of the same version is continued instead."""
     store = build.store(cfg)
@@ -140,7 +171,7 @@ def _fork(cfg: RunConfig, parent: CheckpointRef) -> CheckpointRef:
                      train_state=loaded.train_state, config=to_dict(cfg), extra={**loaded.extra, "lineage": lineage},
                      policy_version=parent.policy_version, meta=dict(loaded.manifest.meta), publish=True)
     store.record({"event": "fork", "utc": lineage["forked_utc"], "from": parent.uri, "step": parent.step,
-                  "changes": lineage["changes"]})
+                  "changes": lineage["changes"], **({"threads": parent_threads} if parent_threads else {})})
     changed = f" with changed settings: {'; '.join(str(c) for c in applied)}" if applied else ""
     resume.tell(f"forked run {parent.run!r} at step {parent.step} ({parent.uri}) into run {cfg.name!r} ({ref.uri})"
                 f"{changed}; run {parent.run!r} is untouched. Later sessions continue the fork with name={cfg.name} "

@@ -56,7 +56,8 @@ def test_safe_override_applies_on_resume_and_reaches_the_optimizer(tmp_path, cap
     assert "train.lr: 0.002 -> 0.001" in _warnings(caplog)
     run = tmp_path / RUN
     assert json.loads((run / "step-00000002" / "config.json").read_text())["train"]["lr"] == 1e-3
-    (event,) = json.loads((run / "history.json").read_text())
+    start, event = json.loads((run / "history.json").read_text())
+    assert start["event"] == "start" and start["threads"]["torch"] == torch.get_num_threads()
     assert event["event"] == "resume" and event["step"] == 1
     assert event["changes"] == {"loop.total_steps": [1, 2], "train.lr": [0.002, 0.001]}
 
@@ -171,12 +172,12 @@ def test_ctrl_c_says_what_was_published_and_how_to_resume(tmp_path, caplog, caps
 def test_pyflyte_resume_command():
     cmd = resume.pyflyte_resume_command(
         [".venv/bin/pyflyte", "run", "workflows/grpo.py", "grpo", "--recipe", "tiny-grpo", "--overrides",
-         '["loop.total_steps=20", "train.lr=1e-3"]', "--resume", "runs/x/step-00000003"])
+         '["loop.total_steps=20", "train.lr=1e-3"]', "--resume", "runs/x/step-00000003"], env={})
     assert cmd == (".venv/bin/pyflyte run workflows/grpo.py grpo --recipe tiny-grpo --overrides "
                    "'[\"loop.total_steps=20\", \"train.lr=1e-3\"]' --resume latest")
     fork = ["pyflyte", "run", "workflows/grpo.py", "grpo", "--resume=runs/x/step-00000003", "--fork_as", "y"]
-    assert resume.pyflyte_resume_command(fork) == "pyflyte run workflows/grpo.py grpo " \
-                                                  "--resume=runs/x/step-00000003 --fork_as y"
+    assert resume.pyflyte_resume_command(fork, env={"OMP_NUM_THREADS": "1", "HOME": "/h"}) == \
+        "OMP_NUM_THREADS=1 pyflyte run workflows/grpo.py grpo --resume=runs/x/step-00000003 --fork_as y"
     assert resume.pyflyte_resume_command(["pytest", "-q"]) is None
     assert resume.pyflyte_resume_command(["pyflyte", "run", "--remote", "workflows/grpo.py", "grpo"]) is None
 
@@ -202,3 +203,31 @@ def test_resume_rules_name_every_config_section():
     assert rules["lm.model.dtype"] == rules["lm.model.finetune"] == rules["diffusion.model.lora.rank"] == "never"
     assert rules["diffusion.sampling.num_steps"] == rules["lm.engine.system_prompt"] == "fork"
     assert rules["name"] == rules["checkpoint.root"] == "ignore"
+
+
+def test_a_resume_applies_the_thread_count_the_run_started_with(tmp_path):
+    """CPU float reductions depend on torch's thread count: a run records its count at its start and a resume
+    sets it, so the resumed run is bit-exact with the uninterrupted one (tiny-flow-grpo resumed with 2 threads
+    instead of 1 without it: weights differ by ~4e-4 after one step)."""
+    from unirl_core.checkpoint import load_weights
+    from unirl_core.runtime import build
+
+    def cfg(root, steps):
+        return load_recipe("tiny-flow-grpo", [f"checkpoint.root={root}", f"loop.total_steps={steps}", "eval=null",
+                                              "report.tensorboard=false"])
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = run_local(cfg(tmp_path / "whole", 3), progress=False)
+        run_local(cfg(tmp_path / "cut", 2), progress=False)
+        events = build.store(cfg(tmp_path / "cut", 3)).history()
+        assert events[0]["event"] == "start" and events[0]["threads"]["torch"] == 1
+        torch.set_num_threads(2)
+        rest = run_local(cfg(tmp_path / "cut", 3), progress=False)
+        assert torch.get_num_threads() == 1  # applied
+        assert rest[-1]["train/loss"] == whole[-1]["train/loss"]
+        a, b = (load_weights(build.store(cfg(tmp_path / r, 3)).latest()) for r in ("whole", "cut"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        torch.set_num_threads(before)

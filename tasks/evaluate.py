@@ -21,7 +21,7 @@ from tasks.common import (
     deck,
     phase,
 )
-from tasks.report import run_report
+from tasks.report import run_report, write_scalars
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config import RunConfig
 from unirl_core.report.phase_html import reward_html
@@ -37,6 +37,8 @@ def _evaluate(cfg: RunConfig, ckpt: CheckpointRef, weights: str | None) -> dict[
     metrics.update(m)
     deck("eval", reward_html(batch, metrics))
     run_report(cfg).record_eval(ckpt.step, batch, metrics)  # per-prompt samples for the report's before/after
+    if ckpt.step == 0:  # the starting policy: no report task carries its eval/* into TensorBoard
+        write_scalars(cfg, 0, metrics)
     return metrics
 
 

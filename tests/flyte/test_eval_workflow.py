@@ -4,8 +4,10 @@ the standalone evaluate workflow on a published version (same deterministic numb
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.flyte.conftest import tiny_overrides
 from workflows.evaluate import evaluate
@@ -24,6 +26,12 @@ def test_grpo_evaluates_each_due_step_and_evaluate_reproduces_it(tmp_path, run_n
     index = (tmp_path / run_name / "report" / "index.html").read_text()
     assert 'data-metric="eval/reward/mean"' in index
     assert "held-out evaluation: step 0 vs step 2" in index  # the start eval's record, next to the last one
+    # the eval chart holds the starting policy too (steps 0, 1, 2), and so does TensorBoard
+    chart = re.search(r'<svg class="curve" data-metric="eval/reward/mean".*?</svg>', index, flags=re.S).group(0)
+    assert chart.count("<circle") >= 3
+    tb = EventAccumulator(str(tmp_path / run_name / "tensorboard"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("eval/reward/mean")] == [0, 1, 2]
     assert sorted(p.name for p in (tmp_path / run_name / "report" / "eval").glob("*[0-9].json")) == [
         "step-00000000.json", "step-00000001.json", "step-00000002.json"]
     out = evaluate(recipe="tiny-flow-grpo", overrides=overrides, version="latest", weights="")

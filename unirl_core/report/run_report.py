@@ -225,7 +225,8 @@ class RunReport:
         evals = self.evals()
         held_out = before_after_html(*evals[0], *evals[-1]) if evals else ""
         self._write("index.html", _page(title, index_body(title, records, config, grids, smooth=smooth,
-                                                          held_out=held_out, curves=curves)))
+                                                          held_out=held_out, curves=curves,
+                                                          evals=[e for e, _ in evals])))
         return self.index_uri
 
 
@@ -276,8 +277,37 @@ def strip_steps(steps: list[int], k: int = STRIP_STEPS) -> list[int]:
     return sorted({steps[round(i * (len(steps) - 1) / (k - 1))] for i in range(k)})
 
 
-def _chart_groups(records: list[StepRecord], smooth: float | None,
-                  curves: tuple[str, ...] = ()) -> list[tuple[str, list[str]]]:
+EVAL_BOOKKEEPING = ("eval/samples", "eval/sample_seconds", "eval/seconds", "eval/step", "eval/reward/num_samples",
+                   "eval/reward/num_invalid", "eval/reward/seconds")
+"""Eval metrics not charted (they are in every record's metrics.json)."""
+
+
+def _eval_charts(records: list[StepRecord], evals: list[EvalRecord]) -> list[str]:
+    """The held-out evaluation over the run: every evaluated version, the starting policy (step 0) included (its
+    own record; no training step has it). One chart of the eval reward with its components' means beside it,
+    then one per other eval metric (not the reward's spread or the bookkeeping)."""
+    series: dict[str, dict[int, float]] = {}
+    for step, metrics in [(r.step, r.metrics) for r in records] + [(e.step, e.metrics) for e in evals]:
+        for k, v in metrics.items():
+            if k.startswith("eval/") and k not in EVAL_BOOKKEEPING and isinstance(v, (int, float)):
+                series.setdefault(k, {})[step] = float(v)
+
+    def pts(k: str) -> list[tuple[int, float]]:
+        return sorted(series[k].items())
+
+    comps = [k for k in series if k.startswith("eval/reward/") and k.endswith("/mean") and k != "eval/reward/mean"]
+    spread = {"eval/reward/std", "eval/reward/min", "eval/reward/max"}
+    charts = []
+    if "eval/reward/mean" in series:
+        charts.append(line_chart_svg(pts("eval/reward/mean"), title="eval/reward/mean", smooth=None,
+                                     series={k: pts(k) for k in comps} or None))
+    rest = [k for k in sorted(series) if k != "eval/reward/mean" and k not in spread
+            and ("eval/reward/mean" not in series or k not in comps)]
+    return charts + [line_chart_svg(pts(k), title=k, smooth=None) for k in rest]
+
+
+def _chart_groups(records: list[StepRecord], smooth: float | None, curves: tuple[str, ...] = (),
+                  evals: list[EvalRecord] = ()) -> list[tuple[str, list[str]]]:
     """(section title, charts) of the index: reward and its components, eval, policy statistics, loss, time."""
     present = sorted({k for r in records for k in r.metrics})
 
@@ -291,7 +321,6 @@ def _chart_groups(records: list[StepRecord], smooth: float | None,
     reward_key = next((k for k in REWARD_KEYS if k in present), None)
     comps = [k for k in present if k.startswith("reward/") and k != reward_key
              and (k.endswith("/mean") or k.count("/") == 1) and k not in REWARD_STAT_KEYS]
-    evals = [k for k in present if k.startswith("eval/")]
     stats = [chart(k, series) for k, series in POLICY_STATS if k in present]
     lagged = [chart(k, series) for k, series in ASYNC_STATS if k in present]
     other = [chart(k) for k in (*CURVE_METRICS, *curves) if k in present]
@@ -300,18 +329,19 @@ def _chart_groups(records: list[StepRecord], smooth: float | None,
         other.append(line_chart_svg(pts(times[0]), title="time per phase", label=times[0], smooth=None,
                                     series={k: pts(k) for k in times[1:]} or None, ylabel="seconds"))
     groups = [("reward", ([chart(reward_key)] if reward_key else []) + [chart(k) for k in comps]),
-              ("eval", [chart(k) for k in evals]), ("policy statistics (ratio, clip, KL, logp drift)", stats),
+              ("eval", _eval_charts(records, evals)), ("policy statistics (ratio, clip, KL, logp drift)", stats),
               ("asynchronous rollouts (staleness, buffer, trainer wait)", lagged),
               ("optimisation and timings", other)]
     return [(t, [c for c in cs if c]) for t, cs in groups if any(cs)]
 
 
 def index_body(title: str, records: list[StepRecord], config: bytes | None, grids: Mapping[int, str],
-               *, smooth: float | None = SMOOTHING, held_out: str = "", curves: tuple[str, ...] = ()) -> str:
+               *, smooth: float | None = SMOOTHING, held_out: str = "", curves: tuple[str, ...] = (),
+               evals: list[EvalRecord] = ()) -> str:
     """Body of ``index.html``: charts, the held-out before/after section (``held_out``), one row per step
     (metrics, samples, page links), the config."""
     sections = "".join(f"<h3>{html.escape(t)}</h3><div class='charts'>{''.join(cs)}</div>"
-                       for t, cs in _chart_groups(records, smooth, curves))
+                       for t, cs in _chart_groups(records, smooth, curves, evals))
     reward_key = next((k for k in REWARD_KEYS if any(k in r.metrics for r in records)), None)
     wanted = dict.fromkeys(k for k in (reward_key, *RATIO_KEYS, "train/loss", "train/kl") if k)
     shown = [k for k in wanted if any(k in r.metrics for r in records)]

@@ -133,3 +133,22 @@ def test_index_charts_lagged_rollout_metrics():
     assert "asynchronous rollouts" in body and "async/staleness_mean" in body and "train/is_weight_mean" in body
     sync = [StepRecord(step=s, time=float(s), metrics={"reward/mean": 0.1 * s}) for s in range(1, 5)]
     assert "asynchronous rollouts" not in index_body("run", sync, None, {})
+
+
+def test_eval_charts_hold_every_evaluated_version_the_start_included():
+    """The eval section: the starting policy (step 0, an eval record only) and each evaluated step on one reward
+    chart with the components beside it; no chart for the reward's spread or the bookkeeping."""
+    from unirl_core.report.eval_report import EvalRecord
+    from unirl_core.report.run_report import StepRecord, _eval_charts
+
+    evald = {"eval/reward/mean": 0.4, "eval/reward/acc/mean": 0.5, "eval/reward/std": 0.1, "eval/seconds": 2.0,
+             "eval/samples": 8.0, "eval/response_tokens_mean": 3.0}
+    records = [StepRecord(step=s, time=0.0, metrics={"reward/mean": 0.1 * s, **(evald if s == 4 else {})})
+               for s in range(1, 5)]
+    start = EvalRecord(step=0, metrics={**evald, "eval/reward/mean": 0.2, "eval/reward/acc/mean": 0.3})
+    charts = _eval_charts(records, [start, EvalRecord(step=4, metrics=evald)])
+    titles = [re.search(r'data-metric="([^"]+)"', c).group(1) for c in charts]
+    assert titles == ["eval/reward/mean", "eval/response_tokens_mean"]
+    reward = charts[0]
+    assert reward.count("<circle") == 4  # two versions (step 0 and 4), the mean and the acc component each
+    assert "eval/reward/acc/mean" in reward  # the legend

@@ -94,7 +94,12 @@ def line_chart_svg(points: Points, *, title: str, smooth: float | None = 0.6,
         legend.append((f"EMA {smooth:g}", COLORS[0], 2.0))
     rows = (len(legend) + 2) // 3 if series else 0
     full_h = height + 16 * rows + (6 if rows else 0)
-    left, right, top, bottom = 60.0, 14.0, 26.0, 42.0
+    xt = nice_ticks(x0, x1, 6, integer=True)
+    yt = nice_ticks(y0, y1, 5)
+    ylabels = [_tick_label(t, yt) for t in yt]
+    # room for the longest y tick label (~6.5 px a character at font-size 11) and the rotated axis label
+    left = max(60.0, 14.0 + 6.5 * max(map(len, ylabels)) + (14.0 if ylabel else 0.0))
+    right, top, bottom = 14.0, 26.0, 42.0
     pw, ph = width - left - right, height - top - bottom
 
     def sx(x: float) -> float:
@@ -108,19 +113,17 @@ def line_chart_svg(points: Points, *, title: str, smooth: float | None = 0.6,
             f'viewBox="0 0 {width} {full_h}" font-family="sans-serif" font-size="11">'),
            f'<rect width="{width}" height="{full_h}" fill="white"/>',
            f'<text x="{left + pw / 2:.1f}" y="17" text-anchor="middle" font-size="13">{html.escape(title)}</text>']
-    xt = nice_ticks(x0, x1, 6, integer=True)
-    yt = nice_ticks(y0, y1, 5)
     for t in xt:
         x = sx(t)
         out.append(f'<path d="M{x:.1f} {top}V{top + ph}" stroke="#e4e4e4" stroke-width="0.6"/>'
                    f'<path d="M{x:.1f} {top + ph}V{top + ph + 5}" stroke="black" stroke-width="1.07"/>'
                    f'<text x="{x:.1f}" y="{top + ph + 17:.1f}" text-anchor="middle">{int(t)}</text>')
-    for t in yt:
+    for t, label in zip(yt, ylabels):
         y = sy(t)
-        out.append(f'<path d="M{left} {y:.1f}H{left + pw}" stroke="#e4e4e4" stroke-width="0.6"/>'
-                   f'<path d="M{left - 5} {y:.1f}H{left}" stroke="black" stroke-width="1.07"/>'
-                   f'<text x="{left - 7}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(t, yt)}</text>')
-    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="black" '
+        out.append(f'<path d="M{left:g} {y:.1f}H{left + pw:g}" stroke="#e4e4e4" stroke-width="0.6"/>'
+                   f'<path d="M{left - 5:g} {y:.1f}H{left:g}" stroke="black" stroke-width="1.07"/>'
+                   f'<text x="{left - 7:g}" y="{y + 4:.1f}" text-anchor="end">{label}</text>')
+    out.append(f'<rect x="{left:g}" y="{top}" width="{pw:g}" height="{ph}" fill="none" stroke="black" '
                'stroke-width="1.07"/>')
     out.append(f'<text x="{left + pw / 2:.1f}" y="{top + ph + 33:.1f}" text-anchor="middle" font-size="12.5">step</text>')
     if ylabel:

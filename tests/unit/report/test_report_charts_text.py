@@ -152,3 +152,15 @@ def test_eval_charts_hold_every_evaluated_version_the_start_included():
     reward = charts[0]
     assert reward.count("<circle") == 4  # two versions (step 0 and 4), the mean and the acc component each
     assert "eval/reward/acc/mean" in reward  # the legend
+
+
+@pytest.mark.parametrize("values", [[1.2e-7, 3.4e-7, 2.2e-7], [-12345.5, 20000.25, 1.0], [0.5, 0.75, 0.6]])
+def test_y_tick_labels_fit_left_of_the_axis(values):
+    """Every y tick label (right-aligned at the axis) fits inside the chart at ~6.5 px a character, however many
+    digits the range needs (a fixed margin cut long labels off)."""
+    from unirl_core.report.charts import line_chart_svg
+
+    svg = line_chart_svg(list(enumerate(values, 1)), title="train/logp_absdiff_mean", ylabel="nats")
+    labels = re.findall(r'<text x="([\d.]+)" y="[\d.]+" text-anchor="end">([^<]+)</text>', svg)
+    assert len(labels) >= 3
+    assert all(float(x) - 6.5 * len(text) >= 14 for x, text in labels), labels  # clear of the rotated ylabel

@@ -74,7 +74,7 @@ def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | Non
             say(f"preflight: {note}", show)
     try:
         say(f"run {cfg.name}: opening it (resume_from={resume_from!r}{f', fork_as={fork_as!r}' if fork_as else ''}"
-             f"; an empty run builds model {_model_name(cfg)} for its step-0 version) ...", show)
+            f"; an empty run builds model {_model_name(cfg)} for its step-0 version) ...", show)
         ckpt = init_run(cfg, resume_from=resume_from, fork_as=fork_as)
         return _run_steps(resume.forked_config(cfg, fork_as), ckpt, on_step, show)
     except KeyboardInterrupt:
@@ -178,7 +178,7 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
         start = evaluate_into_report(cfg, ckpt)
         scalars.log(0, start)
         say(f"step 0/{cfg.loop.total_steps} | eval {start.get('eval/reward/mean', math.nan):.4f} (starting policy, "
-             "held out)", show)
+            "held out)", show)
     # lag 0: each step samples its own rollout; async_training.max_policy_lag > 0: the rollout manager's, sampled
     # with lagged versions (unirl_core/loop/lagged.py)
     rollouts = rollout_source(cfg, ckpt)

@@ -19,6 +19,7 @@ from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.loop import resume
 from unirl_core.runtime import build
 from unirl_core.train.backend import TrainBackend
+from unirl_core.train.distributed import current_world
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None
         build.export_initial_policy(cfg, fresh)  # as built, before the backend makes fp32 master weights
     backend = TrainBackend(fresh, build.algorithm(cfg), cfg.train)
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra={}, publish=True)
-    build.store(cfg).record({"event": "start", "utc": resume.utc_now(), "threads": threads_now()})
+    _record(build.store(cfg), {"event": "start", "utc": resume.utc_now(), "threads": threads_now()})
     # The model built for step 0 is pinned by a reference cycle: the first build of a process runs transformers'
     # lazy imports, whose frames (kept by a traceback in a cycle) chain back through f_back to the building
     # function's frame and its ``model`` local. Without a collection now its memory (a whole copy of the weights)
@@ -115,8 +116,15 @@ def _apply_config_changes(cfg: RunConfig, ref: CheckpointRef) -> None:
     resume.tell(f"run {cfg.name!r} resumes from step {ref.step} with changed settings, applied from step "
                 f"{ref.step + 1} on: {'; '.join(str(c) for c in applied)} (recorded in {build.store(cfg).uri}/"
                 "history.json; the next version's config.json holds the new values)")
-    build.store(cfg).record({"event": "resume", "utc": resume.utc_now(), "from": ref.uri, "step": ref.step,
-                             "changes": {c.key: [c.old, c.new] for c in applied}})
+    _record(build.store(cfg), {"event": "resume", "utc": resume.utc_now(), "from": ref.uri, "step": ref.step,
+                               "changes": {c.key: [c.old, c.new] for c in applied}})
+
+
+def _record(store, event: dict) -> None:
+    """Append ``event`` to the run's ``history.json``: rank 0 only in a multi-rank run (every rank runs
+    ``init_run``; two writers of one file race)."""
+    if current_world()[0] == 0:
+        store.record(event)
 
 
 def threads_now() -> dict[str, object]:
@@ -170,8 +178,8 @@ def _fork(cfg: RunConfig, parent: CheckpointRef, parent_threads: dict[str, objec
     ref = store.save(parent.step, weights=loaded.weights, ema_weights=loaded.ema_weights,
                      train_state=loaded.train_state, config=to_dict(cfg), extra={**loaded.extra, "lineage": lineage},
                      policy_version=parent.policy_version, meta=dict(loaded.manifest.meta), publish=True)
-    store.record({"event": "fork", "utc": lineage["forked_utc"], "from": parent.uri, "step": parent.step,
-                  "changes": lineage["changes"], **({"threads": parent_threads} if parent_threads else {})})
+    _record(store, {"event": "fork", "utc": lineage["forked_utc"], "from": parent.uri, "step": parent.step,
+                    "changes": lineage["changes"], **({"threads": parent_threads} if parent_threads else {})})
     changed = f" with changed settings: {'; '.join(str(c) for c in applied)}" if applied else ""
     resume.tell(f"forked run {parent.run!r} at step {parent.step} ({parent.uri}) into run {cfg.name!r} ({ref.uri})"
                 f"{changed}; run {parent.run!r} is untouched. Later sessions continue the fork with name={cfg.name} "

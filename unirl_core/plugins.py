@@ -19,8 +19,9 @@ import importlib
 import importlib.util
 import pkgutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 from unirl_core.errors import ConfigError, field_error
 
@@ -74,3 +75,37 @@ def plugin_recipe_dirs(kind: str) -> list[tuple[str, Path]]:
     its ``recipes/<kind>/`` folder."""
     return [(name, folder / "recipes" / kind) for name, folder in plugin_modules()
             if (folder / "recipes" / kind).is_dir()]
+
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Entries by name that the library and its plugins register (prompt sources, presets, warm-start pairs):
+    one entry a name (re-registering the same one is a no-op, another one needs ``replace``), a lookup that
+    imports the plugins once before it misses (:func:`discover`)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.entries: dict[str, T] = {}
+
+    def add(self, name: str, entry: T, *, replace: bool = False,
+            same: Callable[[T, T], bool] = lambda a, b: a is b) -> None:
+        """Register ``entry`` as ``name``; ``same(old, new)``: whether a re-registration is the same entry."""
+        if name in self.entries and not replace and not same(self.entries[name], entry):
+            raise field_error(ConfigError, f"{self.kind} name", name, "a name not yet registered",
+                              "pick another name or pass replace=True")
+        self.entries[name] = entry
+
+    def find(self, name: Any, *, discover_on_miss: bool = True) -> T | None:
+        """The entry registered as ``name``, the plugins imported first when it is not (unless told not to)."""
+        if not isinstance(name, str):
+            return None
+        if name not in self.entries and discover_on_miss:
+            discover()
+        return self.entries.get(name)
+
+    def names(self) -> list[str]:
+        """Every registered name, the plugins' included."""
+        discover()
+        return sorted(self.entries)

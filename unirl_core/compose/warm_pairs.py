@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unirl_core.errors import ConfigError, field_error
-from unirl_core.plugins import discover
+from unirl_core.plugins import Registry
 from unirl_core.types import PromptRecord
 
 
@@ -30,28 +30,22 @@ class WarmPairs:
     """Refusals of the whole composed run (e.g. what the prompt set must be), when the warm start runs."""
 
 
-_ENTRIES: dict[str, WarmPairs] = {}
+PAIRS: Registry[WarmPairs] = Registry("warm-start pairs")
 
 
 def register_warm_pairs(name: str, *, make: Callable[[list[PromptRecord], Any], list[tuple[str, str]]],
                         check: Callable[[Any], None] | None = None, check_run: Callable[[Any], None] | None = None,
                         replace: bool = False) -> None:
-    if name in _ENTRIES and not replace and _ENTRIES[name].make is not make:
-        raise field_error(ConfigError, "warm-start pairs name", name, "a name not yet registered",
-                          "pick another name or pass replace=True")
-    _ENTRIES[name] = WarmPairs(name, make, check, check_run)
+    PAIRS.add(name, WarmPairs(name, make, check, check_run), replace=replace, same=lambda a, b: a.make is b.make)
 
 
 def warm_pairs_names() -> list[str]:
-    discover()
-    return sorted(_ENTRIES)
+    return PAIRS.names()
 
 
 def warm_pairs_entry(name: str, path: str = "enhancer.warm_start.pairs") -> WarmPairs:
     """The maker registered as ``name``; ``ConfigError`` naming ``path``, the value and the registered names."""
-    if name not in _ENTRIES:
-        discover()
-    entry = _ENTRIES.get(name)
+    entry = PAIRS.find(name)
     if entry is None:
         raise field_error(ConfigError, path, name, f"one of {warm_pairs_names()}",
                           "copy teaches the enhancer to repeat its prompt; register other pairs with "

@@ -18,16 +18,16 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from unirl_core.errors import ConfigError, field_error
-from unirl_core.plugins import discover
+from unirl_core.plugins import Registry, discover
 from unirl_core.types import PromptRecord
 
 
-class SourceRegistry:
+class SourceRegistry(Registry):
     """Named sources with a settings section each (entries: ``name``, ``section``, ``config``, ...)."""
 
     def __init__(self, kind: str, own: tuple[str, ...], register_with: str) -> None:
-        self.kind, self.own, self.register_with = kind, own, register_with
-        self._entries: dict[str, Any] = {}
+        super().__init__(kind)
+        self.own, self.register_with = own, register_with
 
     def add(self, entry: Any, replace: bool) -> None:
         name = entry.name
@@ -37,22 +37,18 @@ class SourceRegistry:
         if not (is_dataclass(entry.config) and isinstance(entry.config, type)):
             raise field_error(ConfigError, f"{self.kind} {name!r} config", entry.config, "a dataclass",
                               "declare its settings as a frozen dataclass")
-        clash = [e.name for e in self._entries.values() if e.section == entry.section and e.name != name]
-        if not replace and ((name in self._entries and self._entries[name].config is not entry.config) or clash):
+        if not replace and any(e.section == entry.section and e.name != name for e in self.entries.values()):
             raise field_error(ConfigError, f"{self.kind} name", name, "a name and section not yet registered",
                               "pick another name or pass replace=True")
-        self._entries[name] = entry
+        super().add(name, entry, replace=replace, same=lambda a, b: a.config is b.config)
 
     def names(self) -> list[str]:
         """The ``data.source`` values: the config's own and the registered ones (the plugins' included)."""
-        discover()
-        return [*self.own, *sorted(self._entries)]
+        return [*self.own, *super().names()]
 
     def get(self, name: str, path: str = "data.source") -> Any:
         """The entry registered as ``name``; ``ConfigError`` naming ``path``, the value and the registered names."""
-        if name not in self._entries:
-            discover()
-        entry = self._entries.get(name)
+        entry = self.find(name)
         if entry is None:
             raise field_error(ConfigError, path, name, f"one of {self.names()}", f"pick a {self.kind}, or register "
                               f"yours with {self.register_with} (in a module the recipe lists in plugins:)")
@@ -61,7 +57,7 @@ class SourceRegistry:
     def section_config(self, section: str) -> type | None:
         """The settings class of the source whose section is ``section`` (None: no source has it)."""
         for attempt in range(2):
-            for e in self._entries.values():
+            for e in self.entries.values():
                 if e.section == section:
                     return e.config
             if attempt == 0:
@@ -70,7 +66,7 @@ class SourceRegistry:
 
     def section_names(self) -> list[str]:
         discover()
-        return sorted(e.section for e in self._entries.values())
+        return sorted(e.section for e in self.entries.values())
 
 
 @dataclass(frozen=True)

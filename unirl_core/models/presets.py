@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unirl_core.errors import ConfigError, field_error
-from unirl_core.plugins import discover
+from unirl_core.plugins import Registry
 
 
 @dataclass(frozen=True)
@@ -29,39 +29,30 @@ class DiffusionPreset:
     """``build(model_config)``: the diffusers pipeline (float32, on the CPU; the bundle casts and moves it)."""
 
 
-_DIFFUSION: dict[str, DiffusionPreset] = {}
-_TOKENIZERS: dict[str, Callable[[], Any]] = {}
+DIFFUSION: Registry[DiffusionPreset] = Registry("diffusion preset")
+TOKENIZERS: Registry[Callable[[], Any]] = Registry("tokenizer preset")
 
 
 def register_diffusion_preset(name: str, *, family: str, build: Callable[[Any], Any], replace: bool = False) -> None:
     if family not in ("sd3", "flux"):
         raise field_error(ConfigError, f"diffusion preset {name!r} family", family, "'sd3' or 'flux'", "pick one")
-    if name in _DIFFUSION and not replace and _DIFFUSION[name].build is not build:
-        raise field_error(ConfigError, "diffusion preset name", name, "a name not yet registered",
-                          "pick another name or pass replace=True")
-    _DIFFUSION[name] = DiffusionPreset(name, family, build)
+    DIFFUSION.add(name, DiffusionPreset(name, family, build), replace=replace, same=lambda a, b: a.build is b.build)
 
 
 def register_tokenizer_preset(name: str, *, build: Callable[[], Any], replace: bool = False) -> None:
-    if name in _TOKENIZERS and not replace and _TOKENIZERS[name] is not build:
-        raise field_error(ConfigError, "tokenizer preset name", name, "a name not yet registered",
-                          "pick another name or pass replace=True")
-    _TOKENIZERS[name] = build
+    TOKENIZERS.add(name, build, replace=replace)
 
 
-def _lookup(table: dict, name: Any) -> Any:
-    if not isinstance(name, str):
-        return None
-    if name not in table and "/" not in name and not os.path.exists(name):
-        discover()
-    return table.get(name)
+def _miss_discovers(name: Any) -> bool:
+    """A plain name (no ``/``, no existing path) may be a plugin's preset; a path or hub id never is."""
+    return isinstance(name, str) and "/" not in name and not os.path.exists(name)
 
 
 def diffusion_preset(name: Any) -> DiffusionPreset | None:
     """The registered diffusion preset ``name``, else None (a directory or hub id)."""
-    return _lookup(_DIFFUSION, name)
+    return DIFFUSION.find(name, discover_on_miss=_miss_discovers(name))
 
 
 def tokenizer_preset(name: Any) -> Callable[[], Any] | None:
     """The builder of the registered tokenizer preset ``name``, else None."""
-    return _lookup(_TOKENIZERS, name)
+    return TOKENIZERS.find(name, discover_on_miss=_miss_discovers(name))

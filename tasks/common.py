@@ -143,8 +143,7 @@ GENERIC_RESUME = ("pyflyte run workflows/grpo.py grpo --recipe <recipe> --overri
 def say_resume_on_interrupt(cfg) -> None:
     """Local executions: on Ctrl-C, say (WARNING + stderr) which version of ``cfg``'s run was published last
     and the command that resumes it. Remote executions: nothing (Flyte owns a pod's signals)."""
-    state = FlyteContextManager.current_context().execution_state
-    if state is None or not state.is_local_execution():
+    if not local_execution():
         return
     if not _INTERRUPTED_RUN:
         FlyteContextManager.add_signal_handler(_on_sigint)

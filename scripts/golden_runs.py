@@ -41,6 +41,8 @@ COMPOSE_POOL = ["shapes-enhance"]
 SFT = ["sft-toy-sums", "sft-shapes"]  # the other two read a records file the user writes
 RESUME = ["tiny-grpo", "tiny-flow-grpo"]
 STEPS = 3
+# the recorded case ran tiny-agent-calc from random init; the recipe now starts from its SFT export
+RECIPE_EXTRA = {"tiny-agent-calc": ["lm.model.model=tiny"]}
 RESUME_FIRST = 2  # the resume cases: steps run by the recorded commit before this checkout runs the rest
 # toy-sums is left out: its model is the export of the SFT recipe sft-toy-sums (a case of its own)
 
@@ -93,7 +95,8 @@ def run_case(case: str, root: Path, steps: int, resume_at: int | None = None) ->
 
         extra = ["pool.execution=pool"] if kind == "pool" else []
         total = resume_at if resume_at is not None else steps
-        cfg = load_recipe(recipe, [*common, f"loop.total_steps={total}", f"name={recipe}", *extra])
+        cfg = load_recipe(recipe, [*common, f"loop.total_steps={total}", f"name={recipe}", *extra,
+                                   *RECIPE_EXTRA.get(recipe, [])])
         hist = run_local(cfg, resume_from="never" if kind != "resume" or resume_at is not None else "latest",
                          progress=False)
     elif kind in ("compose", "compose-pool"):

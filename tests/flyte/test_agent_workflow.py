@@ -9,7 +9,7 @@ from tests.flyte.conftest import tiny_overrides
 from unirl_core.checkpoint import CheckpointRef
 from workflows.grpo import grpo
 
-AGENT = ["data.prompts_per_step=2", "data.samples_per_prompt=4", "train.micro_batch_size=8",
+AGENT = ["lm.model.model=tiny", "data.prompts_per_step=2", "data.samples_per_prompt=4", "train.micro_batch_size=8",
          "lm.engine.forward_batch_size=8", "eval.num_prompts=4", "eval.every_n_steps=2"]
 
 

@@ -40,7 +40,7 @@ def test_bad_diffusion_fields_are_named(override, needle):
 
 
 def test_lm_rejects_the_image_source():
-    with pytest.raises(ConfigError, match="data.source='shapes': expected 'jsonl' or 'toy_arithmetic' for family='lm'"):
+    with pytest.raises(ConfigError, match="data.source='shapes': expected 'jsonl' or 'calc_tool' or 'toy_arithmetic' for family='lm'"):
         load_sft_recipe("sft-tiny-lm", ["data.source=shapes"])
 
 

@@ -170,6 +170,8 @@ def _entry_md(e: dict) -> str:
 
 def render_md(record: dict) -> str:
     head = f"# {record['benchmark']}\n\n{record.get('description', '')}\n\n"
+    if record.get("headline"):
+        head += f"Headline: {record['headline']}.\n\n"
     if record.get("script"):
         head += f"Script: `{record['script']}`. "
     if "cells" not in record:

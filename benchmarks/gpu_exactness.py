@@ -34,7 +34,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, environment, write_record  # noqa: E402
+from common import environment, write_record  # noqa: E402
 
 from unirl_core.train import TrainBackend, TrainConfig  # noqa: E402
 from unirl_core.train.distributed import init_distributed  # noqa: E402
@@ -181,8 +181,7 @@ def main() -> None:
             cell += f"_{args.lm_shape}_t{args.new_tokens or 128}_mb{mb}" + ("_ckpt" if args.grad_ckpt else "")
         md = "| step | ratio min | ratio max | max abs dlogp |\n|---|---|---|---|\n" + "".join(
             f"| {i} | {r['ratio_min']} | {r['ratio_max']} | {r['logp_absdiff_max']} |\n" for i, r in enumerate(rows))
-        write_record("exactness", out, md + f"\nexact: {exact}", cell=cell, env=out["env"],
-                     results_dir=Path(os.environ.get("OUT", RESULTS)))
+        write_record("exactness", out, md + f"\nexact: {exact}", cell=cell, env=out["env"])
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -12,9 +12,9 @@ not a ``latest.*`` record (or ``golden/``, a test fixture) is a problem too: fla
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -117,7 +117,9 @@ def check_page(page: Path, results: Path = RESULTS) -> list[str]:
 
 
 def main() -> None:
-    targets = [Path(a).resolve() for a in sys.argv[1:]] or pages()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("page", nargs="*", help="markdown pages to check (default: every page the rule covers)")
+    targets = [Path(a).resolve() for a in ap.parse_args().page] or pages()
     problems = [p for page in targets for p in check_page(page)]
     print("\n".join(problems) or f"{len(targets)} pages: every quoted figure is in its record")
     if problems:

@@ -15,7 +15,7 @@ What it runs (all shipped paths, CPU):
 Reported: held-out accuracy (reward = 1 for a correct final answer) and the tool-call rate (trajectories with
 more than one model turn) before/after, the train reward per step, the first update's ratio, wall time.
 
-    OMP_NUM_THREADS=1 python benchmarks/agent_calc.py --out benchmarks/results/agent_calc.json
+    OMP_NUM_THREADS=1 python benchmarks/agent_calc.py --cell seed0    # writes results/agent_calc/latest.{json,md}
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_record
 from unirl_core.config.recipes import load_recipe
 from unirl_core.runtime import build
 from unirl_core.loop.evaluate import eval_phase
@@ -53,7 +54,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rl-steps", type=int, default=40)
     ap.add_argument("--root", default=None, help="checkpoint root (default: a temporary folder)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--cell", default="seed0", help="cell of results/agent_calc/latest.json this run replaces")
+    ap.add_argument("--no-record", action="store_true", help="print only, write no record")
     ap.add_argument("--override", action="append", default=[], help="extra RL recipe overrides")
     ap.add_argument("--sft-override", action="append", default=[], help="extra SFT recipe overrides")
     args = ap.parse_args()
@@ -93,8 +95,11 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
     }
     print(json.dumps({k: result[k] for k in ("before", "after", "first_update_ratio", "seconds")}, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if not args.no_record:
+        md = (f"| | accuracy | tool-call rate |\n|---|---|---|\n"
+              f"| before RL | {result['before']['accuracy']:.3f} | {result['before']['tool_call_rate']:.3f} |\n"
+              f"| after RL | {result['after']['accuracy']:.3f} | {result['after']['tool_call_rate']:.3f} |")
+        print(f"wrote {write_record('agent_calc', result, md, cell=args.cell)}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -33,11 +32,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import write_record  # noqa: E402
 from unirl_core.models.lm import LMBundle, LMConfig, build_tiny_lm  # noqa: E402
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine  # noqa: E402
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # Qwen3-0.6B's published shape (config.json of Qwen/Qwen3-0.6B), random init.
 QWEN3_06B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -153,7 +151,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--name", default=None, help="results file stem (default bench_ar_rollout_<preset>_<device>)")
+    ap.add_argument("--name", default=None, help="cell of results/ar_rollout/latest.json (default <preset>_<device>)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     dtype = getattr(torch, args.dtype)
@@ -187,7 +185,7 @@ def main() -> None:
 
 def report(args, rows) -> None:
     hw = hardware()
-    name = args.name or f"bench_ar_rollout_{args.preset}_{args.device.split(':')[0]}"
+    cell = args.name or f"{args.preset}_{args.device.split(':')[0]}"
     setup = (f"preset={args.preset} device={args.device} dtype={args.dtype} batch={args.batch} "
              f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} repeats={args.repeats} (median)")
     print(setup)
@@ -195,15 +193,13 @@ def report(args, rows) -> None:
     for r in rows:
         print(f"{r['method']:<20}{r['tokens']:>8}{r['median_s']:>11.3f}{r['tok_per_s']:>11.1f}"
               f"{r['ratio_vs_hf_generate']:>12.2f}x")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"setup": vars(args), "hardware": hw, "rows": rows}, indent=2))
     md = [f"### AR rollout throughput ({args.preset}, {args.device})", "", f"Setup: {setup}.",
           f"Hardware: {hw.get('gpu', hw['cpu'])}, {hw['cores']} cores, OMP_NUM_THREADS={hw['omp_num_threads']}; "
           f"torch {hw['torch']}, transformers {hw['transformers']}.", "",
           "| method | tokens | median s | tok/s | vs model.generate |", "|---|---:|---:|---:|---:|"]
     md += [f"| {r['method']} | {r['tokens']} | {r['median_s']:.3f} | {r['tok_per_s']:.1f} | "
            f"{r['ratio_vs_hf_generate']:.2f}x |" for r in rows]
-    (RESULTS / f"{name}.md").write_text("\n".join(md) + "\n")
+    write_record("ar_rollout", {"setup": vars(args), "rows": rows}, "\n".join(md), cell=cell, env=hw)
 
 
 if __name__ == "__main__":

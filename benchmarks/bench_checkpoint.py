@@ -151,7 +151,7 @@ def main() -> None:
         else:
             rows.append([r["target"], r["op"], f"{r['bytes'] / 1e6:.0f} MB", f"{r['store_gbps']:.2f} GB/s",
                          f"{r['raw_gbps']:.2f} GB/s", f"{r['ratio']:.2f}"])
-    report("bench_checkpoint", "Checkpoint store: throughput and LoRA publish latency",
+    report("checkpoint", "Checkpoint store: throughput and LoRA publish latency",
            ["target", "operation", "payload", "store", "raw baseline", "store/raw"], rows, {"rows": results},
            notes="Store = safetensors + sha256 of every file + manifest written last + LATEST pointer + retention "
                  "(+ fsync locally); raw = one plain safetensors file write/read (S3: one PUT/GET) of the same "

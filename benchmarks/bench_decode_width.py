@@ -15,7 +15,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -27,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ar_rollout import build_bundle, hardware, prompts  # noqa: E402
+from common import write_record  # noqa: E402
 
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine  # noqa: E402
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main() -> None:
@@ -73,9 +72,10 @@ def main() -> None:
           f"slices of {a.slice}")
     print(f"decode in slices of {a.slice}: {row['sliced_median_s']:.3f} s | one batch of {n}: "
           f"{row['wide_median_s']:.3f} s | median pair ratio {pair:.2f}x")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"bench_decode_width_{a.preset}_{a.device.split(':')[0]}.json"
-    out.write_text(json.dumps({"setup": vars(a), "hardware": hardware(), "times": times, **row}, indent=2))
+    md = (f"| decode in slices of {a.slice} s | one batch of {n} s | median pair ratio wide / sliced |\n|---|---|---|\n"
+          f"| {row['sliced_median_s']:.3f} | {row['wide_median_s']:.3f} | {pair:.2f}x |")
+    out = write_record("decode_width", {"setup": vars(a), "times": times, **row}, md,
+                       cell=f"{a.preset}_{a.device.split(':')[0]}", env=hardware())
     print(f"wrote {out}")
 
 

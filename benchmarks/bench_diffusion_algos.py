@@ -144,10 +144,10 @@ def main() -> None:
     for name, err in failed.items():
         rows.append([name, "failed", err, "", ""])
         data.append({"algorithm": name, "error": err})
-    name = f"bench_diffusion_algos_{args.preset}_{args.device.split(':')[0]}"
+    cell = f"{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
-        name += "_smoke"
-    report(name, f"Diffusion algorithms: one train step (micro-batch {b}; trained steps per row) vs Flow-GRPO "
+        cell += "_smoke"
+    report("diffusion_algos", f"Diffusion algorithms: one train step (micro-batch {b}; trained steps per row) vs Flow-GRPO "
                  f"({args.preset}, {height} px)",
            ["algorithm", "step s (median)", "vs flow_grpo (median of pairs)", "peak GiB", "trained steps"],
            rows, {"micro_batch": b, "height": height, "repeats": args.repeats, "results": data},
@@ -157,7 +157,7 @@ def main() -> None:
                  "EMA); nft trains the conditional velocity only (B rows per forward instead of CFG's 2B). "
                  f"mixgrpo_window4: Flow-GRPO on a rollout whose SDE window is steps {WINDOW} (ODE elsewhere), "
                  "only the window trained; flow_grpo_no_cfg: Flow-GRPO on a guidance-1 rollout (B rows per forward). "
-                 "Peak: CUDA only (nan on CPU).")
+                 "Peak: CUDA only (nan on CPU).", cell=cell)
 
 
 if __name__ == "__main__":

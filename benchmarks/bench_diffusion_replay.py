@@ -149,17 +149,17 @@ def main() -> None:
                      "ours_s": t_ours, "ratio": ratio, "first_update_ratio_min": exact["ratio_min"],
                      "first_update_ratio_max": exact["ratio_max"], "logp_absdiff_max": exact["logp_absdiff_max"]})
     sync(args.device)
-    name = f"bench_diffusion_replay_{args.preset}_{args.device.split(':')[0]}"
+    cell = f"{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
-        name += "_smoke"
-    report(name, f"Flow-GRPO replay fwd+bwd vs plain fwd+bwd of the same transformer ({args.preset}, {args.device})",
+        cell += "_smoke"
+    report("diffusion_replay", f"Flow-GRPO replay fwd+bwd vs plain fwd+bwd of the same transformer ({args.preset}, {args.device})",
            ["preset", "finetune", "micro-batch", "trained steps", "plain ms", "ours ms", "ours / plain (throughput)",
             "first-update ratio", "max abs dlogp"],
            rows, data,
            notes=f"Median of {repeats} interleaved runs after a warmup; ratio = median of per-pair time ratios; CFG scale {args.guidance} (2B rows per "
                  "forward). The last two columns check the exactness contract on this device (rollout by the engine's "
                  "inner loop in eval/no-grad, replay in train mode with grad): expected exactly 1 and 0. "
-                 "CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: >= 0.95.")
+                 "CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: >= 0.95.", cell=cell)
 
 
 if __name__ == "__main__":

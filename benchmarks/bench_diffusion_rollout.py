@@ -185,17 +185,17 @@ def main() -> None:
         data.append({"preset": args.preset, "batch": b, "steps": steps, "height": p["height"], "dtype": p["dtype"],
                      "device": args.device, "plain_image_steps_per_s": ips_plain, "ours_image_steps_per_s": ips_ours,
                      "ratio": ratio, "plain_s": t_plain, "ours_s": t_ours})
-    name = f"bench_diffusion_rollout_{args.preset}_{args.device.split(':')[0]}"
+    cell = f"{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
-        name += "_smoke"
+        cell += "_smoke"
     if args.cfg_batch != "joint":
-        name += f"_cfg-{args.cfg_batch}"
-    report(name, f"Diffusion rollout: trainside (SDE + recording) vs plain diffusers loop ({args.preset}, {args.device})",
+        cell += f"_cfg-{args.cfg_batch}"
+    report("diffusion_rollout", f"Diffusion rollout: trainside (SDE + recording) vs plain diffusers loop ({args.preset}, {args.device})",
            ["preset", "batch", "steps", "plain img-steps/s", "ours img-steps/s", "ours / plain"], rows, data,
            notes=f"Median of {repeats} interleaved runs after a warmup; ratio = median of per-pair time ratios; CFG scale {args.guidance} (ours: cfg_batch "
                  f"{args.cfg_batch}, joint = 2B rows per forward, split = two forwards of B); "
                  "ours records latents, fp32 Flow-GRPO log-probs and sigmas on every step. "
-                 "CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: ours / plain >= 0.97.")
+                 "CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: ours / plain >= 0.97.", cell=cell)
 
 
 if __name__ == "__main__":

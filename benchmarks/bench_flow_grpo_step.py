@@ -240,10 +240,10 @@ def main() -> None:
         del sides, ref, ref_bundle
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    name = f"bench_flow_grpo_step_{args.preset}_{args.device.split(':')[0]}" + ("_ckpt" if args.grad_ckpt else "")
+    cell = f"{args.preset}_{args.device.split(':')[0]}" + ("_ckpt" if args.grad_ckpt else "")
     if args.layers or args.height:
-        name += "_smoke"
-    report(name, f"Flow-GRPO train step, all 10 steps trained: TrainBackend vs reference-style loop ({args.preset})",
+        cell += "_smoke"
+    report("flow_grpo_step", f"Flow-GRPO train step, all 10 steps trained: TrainBackend vs reference-style loop ({args.preset})",
            ["micro-batch", "ours cfg_batch", "reference s", "ours s", "ours/ref (medians)", "ours/ref (median of pairs)",
             "reference peak GiB", "ours peak GiB", "first-update ratio", "max abs dlogp"], rows, data,
            notes=f"Median of {args.repeats} interleaved pairs after a warmup step each; peak = max allocated during "
@@ -251,7 +251,7 @@ def main() -> None:
                  "graphed side's graph pool (``+graphs``: diffusion.model.cuda_graphs always; its resident "
                  "activations). "
                  "LoRA r32, CFG 4.5, KL beta 0.01, clip 1e-4, 512 px unless --height. Target: ours/ref <= 0.9, "
-                 "peak <= reference.")
+                 "peak <= reference.", cell=cell)
 
 
 if __name__ == "__main__":

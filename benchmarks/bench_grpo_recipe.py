@@ -66,7 +66,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-RESULTS = HERE / "results"
+from common import RESULTS, write_record  # noqa: E402
+
 PRESETS = {
     "tiny": dict(shape="tiny", dtype="float32", prompts=2, group=4, new_tokens=8, prompt_len=8, micro_batch=4,
                  decode_batch=8, loss="grpo", grad_ckpt=False, lr=1e-3, sides="loop,backend,trl"),
@@ -463,8 +464,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of every side")
     ap.add_argument("--checkpoint-root", default=None, help="where the loop side writes its versions (a tmp dir)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per side and round")
-    ap.add_argument("--results", default=str(RESULTS))
-    ap.add_argument("--name", default="", help="suffix of the results file (e.g. the shape when not the preset's)")
+    ap.add_argument("--results", default=str(RESULTS), help="results folder (holds <benchmark>/latest.json)")
+    ap.add_argument("--name", default="", help="suffix of the record's cell name (e.g. the shape when not the preset's)")
     ap.add_argument("--memory-report", default=None,
                     help="CUDA: write DIR/<side>_peak.txt, the allocations alive at each side's peak "
                          "(benchmarks/cuda_peak.py; slows allocation, so not a timing run)")
@@ -559,9 +560,12 @@ def report(a, sides: list[str], runs: dict[str, list[dict]], *, final: bool = Tr
     print(f"wrote {_write(a, rows, runs, hardware())}")
 
 
+BENCHMARKS = {"tiny": "grpo_recipe_tiny_cpu", "0.6b": "grpo_recipe_qwen3_0.6b", "math": "grpo_recipe_math",
+              "4b": "grpo_recipe_qwen3_4b"}
+
+
 def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> Path:
-    out = Path(a.results)
-    out.mkdir(parents=True, exist_ok=True)
+    """The run is a cell of its preset's record, named by the flags that differ from the preset's defaults."""
     tag = f"_master-{a.master_weights}" if a.master_weights else ""
     tag += f"_full-every-{a.full_state_every}" if a.full_state_every else ""
     tag += f"_chunk-{a.logprob_chunk}" if a.logprob_chunk else ""
@@ -570,13 +574,18 @@ def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> 
     tag += f"_opt-{a.optimizer_impl}" if a.optimizer_impl else ""
     tag += f"_trl-{a.trl_optim}" if a.trl_optim else ""
     tag += f"_{a.name}" if a.name else ""
-    path = out / f"bench_grpo_recipe_{a.preset}_{a.device.split(':')[0]}{tag}.json"
+    device = a.device.split(":")[0]
+    usual = "cpu" if a.preset == "tiny" else "cuda"
+    cell = (f"{device}_" if device != usual else "") + (tag.lstrip("_") or "default")
     # Folders of this machine stay out of the record (results dir, checkpoint root): only whether one was given.
     args = {k: (("<set>" if v else v) if k in ("results", "checkpoint_root", "memory_report") else v)
             for k, v in vars(a).items() if k not in ("worker", "out")}
-    path.write_text(json.dumps({"setup": args, "hardware": hardware, "rows": rows, "runs": runs}, indent=2))
-    return path
-
+    md = ["| side | median s | min s | median pair ratio vs TRL | peak MiB |", "|---|---:|---:|---:|---:|"]
+    md += [f"| {r['side']} | {r.get('median_step_s', float('nan')):.3f} | {r.get('min_step_s', float('nan')):.3f} | "
+           f"{r.get('median_pair_ratio_vs_trl', float('nan')):.3f} | {r.get('peak_mib', float('nan')):.0f} |"
+           for r in rows]
+    return write_record(BENCHMARKS[a.preset], {"setup": args, "rows": rows, "runs": runs}, "\n".join(md),
+                        cell=cell, env=hardware, results_dir=Path(a.results))
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ar_rollout import hardware  # noqa: E402
+from common import write_record  # noqa: E402
 
 from unirl_core.algorithms.grpo import GRPO, GRPOConfig  # noqa: E402
 from unirl_core.data import PromptDataset, ToyArithmeticConfig, toy_arithmetic_prompts, toy_arithmetic_reward  # noqa: E402
@@ -46,7 +46,6 @@ from unirl_core.models.lm import build_tiny_lm  # noqa: E402
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine  # noqa: E402
 from unirl_core.types import ARSamplingParams, SampleBatch  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def ours(args, records, logp_source: str) -> tuple[list[float], list[float], list[float]]:
@@ -208,10 +207,6 @@ def report(args, rows, ratio, min_ratio) -> None:
               f"{r['reward_last']:.3f}")
     print(f"step time ratio unirl_core / TRL = {ratio:.2f}x median of pair ratios, {min_ratio:.2f}x min "
           "(target <= 0.5x)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_grpo_step.json").write_text(json.dumps(
-        {"setup": vars(args), "hardware": hw, "rows": rows, "ratio_ours_over_trl": ratio,
-         "min_ratio_ours_over_trl": min_ratio}, indent=2))
     md = ["### GRPO optimizer step vs TRL GRPOTrainer (CPU)", "", f"Setup: {setup}.",
           f"Hardware: {hw['cpu']}, {hw['cores']} cores, OMP_NUM_THREADS={hw['omp_num_threads']}; torch {hw['torch']}, "
           f"transformers {hw['transformers']}.", "",
@@ -227,7 +222,9 @@ def report(args, rows, ratio, min_ratio) -> None:
            "num_iterations=1."]
     md += ["", f"Step time ratio unirl_core / TRL: **{ratio:.2f}x** median of pair ratios, {min_ratio:.2f}x min "
            "(target <= 0.5x)."]
-    (RESULTS / "bench_grpo_step.md").write_text("\n".join(md) + "\n")
+    write_record("grpo_step", {"setup": vars(args), "rows": rows, "ratio_ours_over_trl": ratio,
+                               "min_ratio_ours_over_trl": min_ratio}, "\n".join(md), env=hw,
+                 headline=f"ours / TRL step time {ratio:.2f}x (median of pair ratios)")
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--sides", nargs="+", default=[s for s in SIDES if s != "lag1-tis"], choices=list(SIDES))
-    ap.add_argument("--name", default="lagged_tiny_grpo_cpu", help="results/<name>.{json,md}")
+    ap.add_argument("--name", default="tiny_grpo_cpu", help="cell of results/lagged/latest.json")
     args = ap.parse_args()
     pin_threads(1)
     if any(side.startswith("pool") for side in args.sides):
@@ -117,11 +117,11 @@ def main() -> None:
              "worker thread's rollout overlaps the driver's reward/advantage/train/publish; torch releases the GIL "
              "inside kernels, but Python-level work (tokenizer, sampling loop, checkpoint I/O) serialises, and this "
              "machine's 2 cores are shared with other jobs.")
-    report(args.name, "Lagged rollouts (max_policy_lag 1) vs synchronous, tiny-grpo, CPU",
+    report("lagged", "Lagged rollouts (max_policy_lag 1) vs synchronous, tiny-grpo, CPU",
            ["side", "steps/s", "median step s", "median wait s", "median quiesce s", "first step s",
             "reward 1st third", "reward 2nd third",
             "reward 3rd third", "max staleness"], rows,
-           {side: [{k: v for k, v in r.items()} for r in runs] for side, runs in out.items()}, notes)
+           {side: [{k: v for k, v in r.items()} for r in runs] for side, runs in out.items()}, notes, cell=args.name)
 
 
 if __name__ == "__main__":

@@ -120,14 +120,14 @@ def main() -> None:
             data[key]["max_abs_diff_vs_full"] = diff
     vocab = next(iter(results.values()))["vocab"]
     full_logits_mib = args.batch * args.response * vocab * 4 / 2**20
-    report("bench_lm_logprob_memory",
+    report("lm_logprob_memory",
            f"LM log-prob replay, B={args.batch} P={args.prompt} R={args.response} V={vocab} (tiny Qwen3 body, CPU fp32)",
            ["variant", "mode", "replay peak MiB", "x full", "seconds", "x full", "max |logp - full|"], rows,
            {"batch": args.batch, "prompt": args.prompt, "response": args.response, "vocab": vocab,
             "one_fp32_BxRxV_mib": full_logits_mib, "variants": data},
            notes=f"One fp32 [B, R, V] copy is {full_logits_mib:.0f} MiB. Peak = process RSS high-water mark minus the "
                  "RSS before the replay (each variant in its own subprocess). grad = forward + backward with "
-                 "entropy; no_grad = forward only. The chunked path computes only the valid response tokens.")
+                 "entropy; no_grad = forward only. The chunked path computes only the valid response tokens.", cell="tiny_cpu")
 
 
 if __name__ == "__main__":

@@ -188,9 +188,8 @@ def pool_main(args) -> None:
              "OMP_NUM_THREADS=1." + (f" Pool overrides on both pool sides: {' '.join(args.pool_override)}."
                                      if args.pool_override else ""))
     suffix = "".join("_" + o.split("=")[-1] for o in args.pool_override)
-    report("bench_orchestration_pool" + suffix, "Local Flyte run in pool mode vs run_local, steady state", header, rows,
-           data,
-           notes)
+    report("orchestration", "Local Flyte run in pool mode vs run_local, steady state", header, rows,
+           data, notes, cell="pool" + suffix)
 
 
 def main() -> None:
@@ -247,7 +246,7 @@ def main() -> None:
              "artifacts + index.html), flytekit's local task machinery (its async literal conversion is most of it). "
              "When a step computes for only a few hundred ms (tiny-grpo), that fixed per-task cost dominates the "
              "ratio; with real models a step computes for seconds to minutes. OMP_NUM_THREADS=1.")
-    report("bench_orchestration", "Orchestration overhead of a local Flyte run", header, rows, data, notes)
+    report("orchestration", "Orchestration overhead of a local Flyte run", header, rows, data, notes, cell="local_flyte")
 
 
 if __name__ == "__main__":

@@ -183,30 +183,30 @@ def main() -> None:
     items = [ScoreItem.from_part(s.generated) for s in batch]
     from importlib.metadata import version
     versions = {m: version(m) for m in ("rapidocr", "onnxruntime", "fastapi", "uvicorn", "httpx", "math-verify")}
-    name = "reward_quick" if args.quick else "reward"
+    prefix = "quick_" if args.quick else ""
     header = ["case", "local ms", "remote ms", "wall ratio (median of pairs)", "wall ratio (best of N)",
               "CPU ratio (client+server)", "<= 1.2x"]
     if args.only in ("all", "throughput"):
         load_before = os.getloadavg()[0]
         rows_t, data_t = throughput(items, args, repeats)
         load = f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
-        report(name + "_throughput", "Reward scorer throughput (CPU, 1 thread, 256x256 PNG)",
+        report("reward", "Reward scorer throughput (CPU, 1 thread, 256x256 PNG)",
                ["scorer", "images/s", "vs baseline (same run)"], rows_t, {**data_t, "versions": versions},
                notes=f"OCR on {args.ocr_images} images (median of {min(repeats, 3)} runs), JPEG and decode on "
                      f"{n} (median of {repeats}). "
-                     f"Versions: {versions}. Shared machine: {load}.")
+                     f"Versions: {versions}. Shared machine: {load}.", cell=prefix + "throughput")
     if args.only == "throughput":
         return
     load_before = os.getloadavg()[0]
     rows_r, data_r = remote_vs_local(batch, repeats)
     load = f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
-    report(name + "_remote", f"Remote vs local scoring of a {n}-image batch (CPU, 256x256 PNG)",
+    report("reward", f"Remote vs local scoring of a {n}-image batch (CPU, 256x256 PNG)",
            header, rows_r, {**data_r, "versions": versions, "load": load},
            notes="Server: `python -m unirl_core.reward.server` on 127.0.0.1, one scoring thread; the client "
                  "sends Arrow IPC with raw PNG bytes. Both sides share the same CPU cores. Local and remote "
                  f"runs alternate; JPEG pairs: {2 * repeats + 1}, OCR pairs: {max(1, repeats // 4)}. "
                  "CPU ratio sums client and server CPU time (insensitive to scheduling delays on a loaded "
-                 f"machine). Shared machine: {load}.")
+                 f"machine). Shared machine: {load}.", cell=prefix + "remote")
 
 
 if __name__ == "__main__":

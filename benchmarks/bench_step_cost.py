@@ -357,9 +357,9 @@ def run_preset(name: str, args) -> None:
              "flytekit literal conversion and blob upload/download (see bench_orchestration), the report task (and "
              f"join_shards with more than one rollout shard){sub_note}.")
     suffix = "_smoke" if smoke else ""
-    report(f"bench_step_cost_{name}_{device.split(':')[0]}{suffix}",
+    report("step_cost",
            f"Step cost by component: fresh process per phase (pods) vs warm in-process loop ({name}, {device})",
-           header, rows, data, notes)
+           header, rows, data, notes, cell=f"{name}_{device.split(':')[0]}{suffix}")
     if not args.keep:  # after the report: deleting a full fine-tune's state takes a while
         shutil.rmtree(state, ignore_errors=True)
 

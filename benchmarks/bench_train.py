@@ -187,17 +187,17 @@ def main() -> None:
     rows = [["plain PyTorch loop", f"{tp * 1e3:.1f}", f"{cp * 1e3:.1f}", f"{tokens / tp:,.0f}", "1.00", "1.00"],
             ["TrainBackend.step", f"{tb * 1e3:.1f}", f"{cb * 1e3:.1f}", f"{tokens / tb:,.0f}", f"{tp / tb:.3f}",
              f"{cp / cb:.3f}"]]
-    name = f"bench_train_{args.preset}_{dev.type}" + ("" if args.precision is None else f"_{precision}")
+    cell = f"{args.preset}_{dev.type}" + ("" if args.precision is None else f"_{precision}")
     data = {"preset": args.preset, "device": str(dev), "precision": precision, "params": n_params, **p,
             "iters": args.iters, "plain_median_s": tp, "backend_median_s": tb, "throughput_ratio": tp / tb,
             "plain_cpu_median_s": cp, "backend_cpu_median_s": cb, "cpu_time_ratio": cp / cb,
             "plain_all_s": plain_t, "backend_all_s": backend_t}
-    report(name, f"Train step overhead ({args.preset}, {n_params / 1e6:.1f}M params, {dev.type}, {precision})",
+    report("train", f"Train step overhead ({args.preset}, {n_params / 1e6:.1f}M params, {dev.type}, {precision})",
            ["loop", "wall ms (median)", "CPU ms (median)", "tokens/s", "wall ratio", "CPU-time ratio"], rows, data,
            notes=f"Same model/data/optimizer; {args.iters} alternating steps each, medians; rollout batch "
                  f"{p['batch']} x {p['prompt'] + p['response']} tokens, micro-batch {p['micro']}. "
                  "Ratios are plain/backend (>1 = backend faster); target >= 0.95. OMP_NUM_THREADS=1; on a "
-                 "shared CPU box the CPU-time ratio is the less noisy one.")
+                 "shared CPU box the CPU-time ratio is the less noisy one.", cell=cell)
 
 
 if __name__ == "__main__":

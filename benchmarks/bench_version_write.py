@@ -143,13 +143,13 @@ def main() -> None:
     gb = nbytes / 1e9
     rows = [[k, f"{v:.3f}", f"{gb / v:.2f}" if v > 0 else "-"] for k, v in med.items()]
     rows.append(["after / before (median of pairs)", f"{statistics.median(pairs):.3f}x", "-"])
-    report(f"bench_version_write_{a.shape}_{a.device}{'_' + a.name if a.name else ''}",
+    report("version_write",
            f"One step's weights version, {gb:.2f} GB of bf16, written synchronously ({a.device}; "
            f"{a.repeats} repeats, median s)",
            ["what", "median s", "GB/s"], rows,
            {"shape": a.shape, "device": a.device, "bytes": nbytes, "times": times, "medians": med,
             "median_pair_ratio_after_vs_before": statistics.median(pairs)},
-           notes="before = pageable host copy + inline sha256; after = pinned staging + sha256 beside the write")
+           notes="before = pageable host copy + inline sha256; after = pinned staging + sha256 beside the write", cell=f"{a.shape}_{a.device}{'_' + a.name if a.name else ''}")
 
 
 if __name__ == "__main__":

@@ -134,8 +134,8 @@ def main() -> None:
              f"{args.new_tokens} new tokens, EOS ignored, medians of {args.repeats} after a warm-up; "
              f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in both processes; {data['vllm']}, "
              f"server dtype {cfg.dtype}. Trainside includes its exact-replay rescoring forward.")
-    report(f"bench_vllm_{args.size}_{args.device.split(':')[0]}", "vLLM rollout vs trainside; weight sync",
-           ["what", "tokens/s", "ratio", "seconds"], rows, data, notes)
+    report("vllm", "vLLM rollout vs trainside; weight sync",
+           ["what", "tokens/s", "ratio", "seconds"], rows, data, notes, cell=f"{args.size}_{args.device.split(':')[0]}")
 
 
 if __name__ == "__main__":

@@ -177,8 +177,8 @@ def main() -> None:
              "in place); `per-tensor` = one broadcast per tensor. OMP_NUM_THREADS=1. On a shared "
              "2-core box, rows that take the same path (full: 4 direct tensors both ways) differ by noise; the"
              " page-cache write of the baseline never touches the disk.")
-    report(f"weight_broadcast_{args.device}", f"Weight sync trainer -> engine ({args.preset}, {args.device})",
-           header, rows, data, notes)
+    report("weight_broadcast", f"Weight sync trainer -> engine ({args.preset}, {args.device})",
+           header, rows, data, notes, cell=args.device)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ stand-in decode's 512 px PNG, the same in both modes. ~50 min on 2 busy cores (t
 samples at 512 px); ``--recompute`` redoes the table from a results JSON's measurements.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bytes_per_step.py
-    PYTHONPATH=. python benchmarks/bytes_per_step.py --recompute benchmarks/results/bytes_per_step_sd35m_pickscore.json
+    PYTHONPATH=. python benchmarks/bytes_per_step.py --recompute benchmarks/results/bytes_per_step/latest.json
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+CELL = "sd35m_pickscore"  # the record's one shape
 SAMPLES, MEASURED = 16 * 24, 24  # sd35m-pickscore: data.prompts_per_step x data.samples_per_prompt; samples measured
 
 
@@ -105,10 +106,10 @@ def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recompute", help="a results JSON of this script: its measurements, today's LoRA counts")
+    ap.add_argument("--recompute", help="this script's record (latest.json): its measurements, today's LoRA counts")
     args = ap.parse_args()
     if args.recompute:
-        raw = json.loads(Path(args.recompute).read_text())["results"]
+        raw = json.loads(Path(args.recompute).read_text())["cells"][CELL]["results"]
         raw = {k: raw[k] for k in ("arrow_full_bytes", "arrow_projection_bytes", "version_files_one_block",
                                    "seconds")} | {"samples_per_step": raw.get("samples_per_step", SAMPLES),
                                                   "samples_measured": raw.get("samples_measured", 24)}
@@ -136,14 +137,14 @@ def main() -> None:
              f"{pool / pods:.4f}x"],
             ["pool, a step that also writes the full state", gb(sum(arrow_proj.values())), gb(full_version),
              gb(sum(arrow_proj.values()) + full_version), f"{(sum(arrow_proj.values()) + full_version) / pods:.4f}x"]]
-    report("bytes_per_step_sd35m_pickscore", "Bytes written to the artifact store per step, sd35m-pickscore shape",
+    report("bytes_per_step", "Bytes written to the artifact store per step, sd35m-pickscore shape",
            ["mode", "Arrow (rollout + reward + advantage)", "checkpoint version", "total per step", "vs pods"],
            rows, out, notes=(f"Arrow per phase (full / projection): {', '.join(f'{k} {gb(v)} / {gb(arrow_proj[k])}' for k, v in arrow_full.items())}. "
                              f"Measured on {raw['samples_measured']} samples x {SAMPLES // raw['samples_measured']}; version files measured on a "
                              f"1-block SD3.5-M-shaped model x {scale:.1f} (LoRA parameters of 24 blocks / 1 block): "
                              f"{', '.join(f'{k} {gb(v)}' for k, v in trainable.items())} (train_state.pt's RNG and counters scaled "
                              "too: a few KB). CPU, phase functions." + (" Table recomputed from the measurements "
-                                                                        "above (--recompute)." if args.recompute else "")))
+                                                                        "above (--recompute)." if args.recompute else "")), cell=CELL)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ reports the steps it trained.
         --run "shapes-flow-grpo-climb" --run "shapes-flow-grpo-climb train.lr=2e-4"
 
 Prints one row per run (thirds, z, Spearman, climbs: ``unirl_core.report.climb``) and writes them as JSON
-(``--out``). The rows of ``benchmarks/results/first_run_climb_sweep.md`` come from runs like these.
+as cell ``--cell`` of ``benchmarks/results/climb_sweep/latest.{json,md}`` (``--no-record``: print only).
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def main() -> None:
     ap.add_argument("--metric", default="reward/mean")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds; runs still going then are stopped")
     ap.add_argument("--root", default="runs/climb_sweep")
-    ap.add_argument("--out", default="climb_sweep.json")
+    ap.add_argument("--cell", default="sweep", help="cell of results/climb_sweep/latest.json these runs replace")
+    ap.add_argument("--no-record", action="store_true", help="print only, write no record")
     args = ap.parse_args()
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -122,7 +123,14 @@ def main() -> None:
               + (f" | evals {row['evals']}" if "evals" in row else "")
               + (f" | ERROR {row['error'][-300:]}" if 'error' in row
                                                               else ""), flush=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+    if not args.no_record:
+        md = "| run | seed | steps | thirds | z | rho | climbs |\n|---|---|---|---|---|---|---|\n" + "".join(
+            f"| {r['run']} | {r['seed']} | {r['steps']}{' (cut)' if r['cut'] else ''} | "
+            f"{' / '.join(f'{v:.3f}' for v in r.get('thirds', []))} | {r.get('z')} | {r.get('rho')} | "
+            f"{'yes' if r.get('climbs') else 'no'} |\n" for r in rows)
+        from benchmarks.common import write_record
+
+        print(f"wrote {write_record('climb_sweep', rows, md, cell=args.cell)}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,25 @@
-"""Shared helpers for benchmarks: environment record, timing, table + JSON output."""
+"""Shared helpers for benchmarks: environment record, timing, table output and the results records.
+
+Every benchmark writes one record, ``results/<benchmark>/latest.json`` + ``latest.md``: the environment (hardware,
+versions), the git commit it ran at (with a dirty flag) and the date. A benchmark measured in variants (a preset, a
+device, a sweep's configurations) keeps one *cell* per variant in that record; running a variant replaces its cell.
+History lives in git: a re-run overwrites ``latest``.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = RESULTS.parent.parent
 
 
 def pin_threads(n: int = 1) -> None:
@@ -51,15 +61,130 @@ def median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def report(name: str, title: str, header: list[str], rows: list[list], data: dict, notes: str = "") -> None:
-    """Print a table, write results/<name>.json and results/<name>.md."""
-    env = environment()
+def format_table(header: list[str], rows: list[list]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     line = lambda r: "| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths)) + " |"  # noqa: E731
-    table = "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def report(name: str, title: str, header: list[str], rows: list[list], data: dict, notes: str = "", *,
+           cell: str | None = None, headline: str | None = None, description: str | None = None,
+           results_dir: Path = RESULTS) -> Path:
+    """Print a table and write it with ``data`` as the record of benchmark ``name`` (its ``cell``, if given)."""
+    table = format_table(header, rows)
     print(f"\n{title}\n{table}\n")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({"name": name, "env": env, "results": data}, indent=2))
-    env_line = ", ".join(f"{k} {v}" for k, v in env.items())
-    md = f"### {title}\n\n{table}\n\n{notes}\n\n_Hardware/versions: {env_line}._\n"
-    (RESULTS / f"{name}.md").write_text(md)
+    md = f"### {title}\n\n{table}\n" + (f"\n{notes}\n" if notes else "")
+    return write_record(name, data, md, cell=cell, headline=headline, description=description,
+                        results_dir=results_dir)
+
+
+def provenance() -> dict:
+    """The commit this run measured (``dirty``: uncommitted changes in the tree) and the date, ISO 8601 UTC."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain", "-uno")),
+            "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()}
+
+
+def _script_description() -> str:
+    doc = (getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip()
+    return doc.split("\n\n", 1)[0].replace("\n", " ")
+
+
+def _script() -> str:
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        return Path(main).resolve().relative_to(REPO).as_posix() if main else ""
+    except ValueError:
+        return Path(main).name
+
+
+def write_record(benchmark: str, results, md: str, *, cell: str | None = None, env: dict | None = None,
+                 headline: str | None = None, description: str | None = None, log: str | None = None,
+                 results_dir: Path = RESULTS) -> Path:
+    """Write ``results_dir/<benchmark>/latest.json`` and ``latest.md``; returns the json path.
+
+    ``results`` is the measurement (any JSON), ``md`` its table in markdown. With ``cell`` the record keeps the
+    other cells and replaces this one; ``description`` (one sentence) defaults to the record's or the script's.
+    """
+    if "/" in benchmark or (cell and "/" in cell):
+        raise ValueError(f"benchmark {benchmark!r} / cell {cell!r}: a name, not a path")
+    path = Path(results_dir) / benchmark / "latest.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    entry = {**provenance(), "env": env if env is not None else environment(), "md": md, "results": results}
+    if log:
+        entry["log"] = log
+    record = {"benchmark": benchmark, "description": description or old.get("description") or _script_description(),
+              "script": _script() or old.get("script", "")}
+    if cell is None:
+        record.update(entry)
+        if headline:
+            record["headline"] = headline
+    else:
+        if headline or old.get("headline"):
+            record["headline"] = headline or old["headline"]
+        cells = dict(old.get("cells", {}))
+        cells[cell] = entry
+        record["cells"] = cells
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    path.with_suffix(".md").write_text(render_md(record))
+    return path
+
+
+def when(entry: dict) -> str:
+    """The date of a record or cell: ``date`` when a script wrote it, ``recorded`` (git) when migrated."""
+    return entry.get("date") or entry.get("recorded") or ""
+
+
+def hardware_of(env) -> str:
+    if isinstance(env, dict):
+        hw = env.get("gpu") or env.get("device_name") or env.get("cpu") or env.get("hardware")
+        return str(hw) if hw else ", ".join(f"{k} {v}" for k, v in list(env.items())[:3]) or "not recorded"
+    return str(env) if env else "not recorded"
+
+
+def _provenance_line(e: dict) -> str:
+    commit = (e.get("commit") or "unknown")[:10] + (" (dirty)" if e.get("dirty") else "")
+    how = "recorded" if "recorded" in e and "date" not in e else "date"
+    return f"commit `{commit}`, {how} {when(e)}"
+
+
+def _env_line(env) -> str:
+    if isinstance(env, dict):
+        return ", ".join(f"{k} {v}" for k, v in env.items())
+    return str(env or "not recorded")
+
+
+def _entry_md(e: dict) -> str:
+    body = e.get("md", "").strip()
+    if e.get("log"):
+        body += "\n\nLog:\n\n```text\n" + e["log"].rstrip() + "\n```"
+    for name, text in sorted((e.get("profile") or {}).items()):
+        body += f"\n\nProfile `{name}`:\n\n```text\n" + text.rstrip() + "\n```"
+    return f"{body}\n\n_{_provenance_line(e)}; hardware/versions: {_env_line(e.get('env'))}._\n"
+
+
+def render_md(record: dict) -> str:
+    head = f"# {record['benchmark']}\n\n{record.get('description', '')}\n\n"
+    if record.get("headline"):
+        head += f"Headline: {record['headline']}.\n\n"
+    if record.get("script"):
+        head += f"Script: `{record['script']}`. "
+    if "cells" not in record:
+        return head + "\n\n" + _entry_md(record)
+    cells = record["cells"]
+    rows = [[f"[{c}](#{_anchor(c)})", hardware_of(e.get("env")), (e.get("commit") or "unknown")[:10], when(e)[:10]]
+            for c, e in cells.items()]
+    out = [head + f"{len(cells)} cells, one per variant; each section below is one run.\n",
+           format_table(["cell", "hardware", "commit", "date"], rows)]
+    out += [f"## {c}\n\n{_entry_md(e)}" for c, e in cells.items()]
+    return "\n\n".join(out)
+
+
+def _anchor(heading: str) -> str:
+    keep = "".join(ch for ch in heading.lower() if ch.isalnum() or ch in " -_")
+    return keep.replace(" ", "-")

@@ -12,7 +12,7 @@ and the first update's ratio on both Parts; then mean and spread over the seeds.
     python benchmarks/compose_enhance_climb.py --recipe shapes-enhance-joint --name joint_enhancer_frozen \
         --overrides enhancer.frozen=true                                                   # the ablation: image only
 
-Writes ``benchmarks/results/compose_enhance_climb_<name>.{json,md}`` (``--results`` elsewhere). ``measure`` is
+Writes cell ``<name>`` of ``benchmarks/results/compose_enhance_sweep/latest.{json,md}`` (``--results`` elsewhere). ``measure`` is
 the entry point a climb test would call; there is none yet (no composed recipe meets the climb bar).
 """
 
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import environment, pin_threads  # noqa: E402
+from benchmarks.common import environment, pin_threads, write_record  # noqa: E402
 from unirl_core.compose.engine import enhancement_id  # noqa: E402
 from unirl_core.report.climb import climb_stats  # noqa: E402
 
@@ -189,16 +189,15 @@ def main() -> None:
     ap.add_argument("--recipe", default="shapes-enhance")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--overrides", nargs="*", default=[])
-    ap.add_argument("--name", default="recipe", help="results file suffix")
+    ap.add_argument("--name", default="recipe", help="cell of the compose_enhance_sweep record")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--jobs", type=int, default=1, help="seeds side by side, each a single-threaded subprocess")
     args = ap.parse_args()
     pin_threads(1)
     with tempfile.TemporaryDirectory() as root:
         res = {**measure(args.recipe, args.seeds, root, args.overrides, jobs=args.jobs), "environment": environment()}
-    out = Path(args.results) / f"compose_enhance_climb_{args.name}"  # a name may hold dots (beta0.1): no with_suffix
-    Path(f"{out}.json").write_text(json.dumps(res, indent=1, default=str))
-    Path(f"{out}.md").write_text(markdown(res))
+    write_record("compose_enhance_sweep", res, markdown(res), cell=args.name, env=res["environment"],
+                 results_dir=Path(args.results))
     print(markdown(res))
     print(json.dumps(res["summary"], indent=1))
 

@@ -8,7 +8,8 @@ score, the empty prompt's and the selected rewrites' (the "oracle" a perfect cap
 
     python benchmarks/compose_enhance_headroom.py            # shapes-enhance as shipped
 
-Writes ``benchmarks/results/compose_enhance_headroom.json``.
+Writes ``benchmarks/results/compose_enhance_headroom/latest.{json,md}`` (``--forms``: cell ``--name`` of
+``compose_enhance_forms/latest.{json,md}``).
 
 ``--forms`` asks another question of the image model: what does it follow? Every caption is rendered as is and
 in altered forms (words reversed, words shuffled, the colour dropped, every colour word replaced by another colour
@@ -32,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import environment, pin_threads  # noqa: E402
+from benchmarks.common import environment, pin_threads, write_record  # noqa: E402
 
 
 def candidates(colors: list[str]) -> list[str]:
@@ -71,7 +72,7 @@ def main() -> None:
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--forms", action="store_true", help="score altered forms of each caption (see above)")
     ap.add_argument("--override", action="append", default=[], help="a recipe override a.b=value")
-    ap.add_argument("--name", default="", help="results file suffix")
+    ap.add_argument("--name", default="default", help="--forms: cell of the compose_enhance_forms record")
     args = ap.parse_args()
     pin_threads(1)
     from unirl_core.compose import load_compose_recipe
@@ -116,9 +117,9 @@ def main() -> None:
                "seconds": time.perf_counter() - t0, "environment": environment()}
         for f in names:
             print(f"{f:>10}: {res['mean'][f]:.3f}   e.g. {alt[evals[0].prompt_id][f]!r}")
-        suffix = f"_{args.name}" if args.name else ""
-        (Path(args.results) / f"compose_enhance_forms{suffix}.json").write_text(json.dumps(res, indent=1,
-                                                                                           default=str))
+        md = "| form | mean reward |\n|---|---:|\n" + "".join(f"| {f} | {v:.3f} |\n" for f, v in res["mean"].items())
+        write_record("compose_enhance_forms", res, md, cell=args.name, env=res["environment"],
+                     results_dir=Path(args.results))
         return
     texts = candidates(list(DEFAULT_COLORS))
     on_select = {t: score(select, {r.prompt_id: t for r in select}) for t in texts}
@@ -138,7 +139,9 @@ def main() -> None:
         print(f"{row['caption']:>22} -> {row['rewrite']!r:24} caption {row['caption_score']:.3f} empty "
               f"{row['empty_score']:.3f} rewrite {row['rewrite_score']:.3f}")
     print(json.dumps(res["eval"]))
-    (Path(args.results) / "compose_enhance_headroom.json").write_text(json.dumps(res, indent=1, default=str))
+    md = "| caption | empty | selected rewrites |\n|---:|---:|---:|\n| " + " | ".join(
+        f"{res['eval'][k]:.3f}" for k in ("caption", "empty", "selected_rewrites")) + " |"
+    write_record("compose_enhance_headroom", res, md, env=res["environment"], results_dir=Path(args.results))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ plus the held-out eval of the starting and the last version (from the run report
 
 ``--sft NAME`` first trains that SFT recipe (``--sft-override a.b=value`` changes it; its export is what the RL
 recipe's model points at, under the same checkpoint root). ``--jobs 1`` runs the seeds one after another (a shared
-machine). Writes ``benchmarks/results/first_run_climb_<recipe>[_<tag>].{json,md}`` (``--results`` elsewhere).
+machine). Writes cell ``<recipe>[_<tag>]`` of ``benchmarks/results/first_run_climb/latest.{json,md}``
+(``--results`` elsewhere).
 The climb tests (``tests/integration/test_first_run_learns.py``) call ``measure`` with the same code path.
 """
 
@@ -116,9 +117,9 @@ def main() -> None:
     ap.add_argument("--override", action="append", default=[])
     ap.add_argument("--jobs", type=int, default=0, help="seeds run side by side (0: all at once)")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
-    ap.add_argument("--tag", default="", help="suffix of the results files (first_run_climb_<recipe>_<tag>)")
+    ap.add_argument("--tag", default="", help="suffix of the cell name (<recipe>_<tag>)")
     args = ap.parse_args()
-    from benchmarks.common import environment
+    from benchmarks.common import environment, write_record
 
     root = str(Path(args.root).resolve())
     os.makedirs(root, exist_ok=True)
@@ -142,10 +143,8 @@ def main() -> None:
     print("\n".join(lines))
     res["root"] = "<root>"  # no machine paths in results
     res["overrides"] = [o.replace(root, "<root>") for o in res["overrides"]]
-    Path(args.results).mkdir(parents=True, exist_ok=True)
-    stem = f"first_run_climb_{args.recipe}" + (f"_{args.tag}" if args.tag else "")
-    (Path(args.results) / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
-    (Path(args.results) / f"{stem}.md").write_text("\n\n".join(lines) + "\n")
+    cell = args.recipe + (f"_{args.tag}" if args.tag else "")
+    write_record("first_run_climb", res, "\n\n".join(lines), cell=cell, env=res["env"], results_dir=Path(args.results))
 
 
 if __name__ == "__main__":

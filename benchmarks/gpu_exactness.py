@@ -34,7 +34,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, environment  # noqa: E402
+from common import environment, write_record  # noqa: E402
 
 from unirl_core.train import TrainBackend, TrainConfig  # noqa: E402
 from unirl_core.train.distributed import init_distributed  # noqa: E402
@@ -176,12 +176,12 @@ def main() -> None:
                "sharded": backend.sharded, "preset": args.preset, "micro_batch": mb, "samples": n,
                "compute_dtype": str(backend.compute_dtype), "exact": exact, "steps": rows, "env": environment()}
         print("RESULT " + json.dumps(out), flush=True)
-        name = f"gpu_exactness_{args.family}_{args.finetune}_{args.shard}_w{info.world_size}_{info.device.type}"
+        cell = f"{args.family}_{args.finetune}_{args.shard}_w{info.world_size}_{info.device.type}"
         if args.family == "lm" and (args.lm_shape != "qwen3-0.6b" or args.new_tokens or args.grad_ckpt):
-            name += f"_{args.lm_shape}_t{args.new_tokens or 128}_mb{mb}" + ("_ckpt" if args.grad_ckpt else "")
-        out_dir = Path(os.environ.get("OUT", RESULTS))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"{name}.json").write_text(json.dumps(out, indent=1))
+            cell += f"_{args.lm_shape}_t{args.new_tokens or 128}_mb{mb}" + ("_ckpt" if args.grad_ckpt else "")
+        md = "| step | ratio min | ratio max | max abs dlogp |\n|---|---|---|---|\n" + "".join(
+            f"| {i} | {r['ratio_min']} | {r['ratio_max']} | {r['logp_absdiff_max']} |\n" for i, r in enumerate(rows))
+        write_record("exactness", out, md + f"\nexact: {exact}", cell=cell, env=out["env"])
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

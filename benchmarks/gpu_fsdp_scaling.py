@@ -33,7 +33,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, environment  # noqa: E402
+from common import environment, write_record  # noqa: E402
 from gpu_exactness import diffusion_setup, lm_setup, with_advantages  # noqa: E402
 
 from unirl_core.train import TrainBackend, TrainConfig  # noqa: E402
@@ -144,11 +144,9 @@ def main() -> None:
                 "peak_gib_1gpu": max(r["peak_gib"] for r in ref["rows"]),
                 "peak_gib_per_rank": max(r["peak_gib"] for r in rows)}
             print("COMPARE " + json.dumps(out["compare"]), flush=True)
-        name = f"gpu_fsdp_scaling_{args.family}_{args.finetune}_{'fp32' if args.fp32 else 'bf16'}" \
-               f"_w{info.world_size}_{dev.type}"
-        out_dir = Path(os.environ.get("OUT", RESULTS))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"{name}.json").write_text(json.dumps(out, indent=1))
+        cell = f"{args.family}_{args.finetune}_{'fp32' if args.fp32 else 'bf16'}_w{info.world_size}_{dev.type}"
+        md = "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in out.get("compare", {}).items())
+        write_record("fsdp_scaling", out, md, cell=cell, env=out["env"])
         print("RESULT " + json.dumps({k: v for k, v in out.items() if k != "env"}), flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from unirl_core.models.lm import (build_layout, enable_gradient_checkpointing, replay_log_probs,  # noqa: E402
                                   replay_log_probs_full)
+from benchmarks.common import write_record  # noqa: E402
 from unirl_core.types import TokenSegment  # noqa: E402
 
 SHAPES = {  # hidden, layers, heads, kv heads, head_dim, intermediate, vocab
@@ -57,7 +58,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--response", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=1024)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--cell", default=None, help="cell of results/lm_logprob_memory/latest.json (default: the shape)")
+    ap.add_argument("--no-record", action="store_true", help="print only, write no record")
     args = ap.parse_args()
     results = []
     for gc in (False, True):
@@ -98,8 +100,12 @@ def main() -> None:
                "chunk": args.chunk, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                "results": results}
     print(json.dumps(summary, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=2))
+    if not args.no_record:
+        md = "| gradient checkpointing | variant | s | peak GiB |\n|---|---|---|---|\n" + "".join(
+            f"| {r['gradient_checkpointing']} | {r['variant']} | {r.get('seconds', float('nan')):.3f} | "
+            f"{r.get('peak_gib', float('nan')):.2f} |\n" if "error" not in r else
+            f"| {r['gradient_checkpointing']} | {r['variant']} | {r['error']} | |\n" for r in results)
+        print(f"wrote {write_record('lm_logprob_memory', summary, md, cell=args.cell or args.shape)}")
 
 
 if __name__ == "__main__":

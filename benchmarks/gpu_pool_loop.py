@@ -257,7 +257,7 @@ def run_preset(preset: str, args) -> dict:
             "pool_overrides": spec["pool_overrides"], "modes": results}
 
 
-def _table(out: dict) -> None:
+def _table(out: dict, cell: str) -> None:
     from common import report
 
     rows = []
@@ -278,8 +278,7 @@ def _table(out: dict) -> None:
                          f"{statistics.median(idle[1:] or idle):.2f}" if idle else "-",
                          f"{statistics.median(send):.3f}" if send else "-",
                          f"{min(serving):.0f}/{len(serving)} steps" if serving else "-", peak])
-    name = "gpu_pool_loop_smoke" if out["smoke"] else "gpu_pool_loop"
-    report(name, "The shipped loop in pool mode vs in-process, recipe shapes" + (" (SMOKE: CPU plumbing only)"
+    report("pool_loop", "The shipped loop in pool mode vs in-process, recipe shapes" + (" (SMOKE: CPU plumbing only)"
            if out["smoke"] else ""), ["preset", "mode", "first step s", "steady step s", "vs warm",
            "vs warm, warm's rollout", "engine idle frac", "publish send s", "engines serving (min)", "peak GiB per GPU"], rows, out,
            notes=f"{out['presets'][0]['steps']} steps per mode, each mode a fresh process; steady = median of the "
@@ -291,7 +290,7 @@ def _table(out: dict) -> None:
                  "last one including the end of the run). \"vs warm, warm's rollout\": the mode's steady step with its "
                  "median rollout replaced by warm's (the eager decode's speed moves ~1.6x from step to step on the "
                  "host, whatever runs beside it: warm-quiet), the ratio of the rest of the step. Peak = nvidia-smi "
-                 "memory.used (all processes on that GPU).")
+                 "memory.used (all processes on that GPU).", cell=cell)
 
 
 def _rollout_equalised(m: dict, warm: dict | None) -> float | None:
@@ -313,6 +312,8 @@ def main() -> None:
                     help="an override for the pool modes only (e.g. checkpoint.full_state=sharded, which in-process "
                          "execution refuses)")
     ap.add_argument("--root", default=None)
+    ap.add_argument("--cell", default=None,
+                    help="cell of results/pool_loop/latest.json this run replaces (default: default, or smoke)")
     ap.add_argument("--keep", action="store_true", help="keep the state dir (spec, per-mode JSON)")
     ap.add_argument("--keep-versions", action="store_true", help="also keep each mode's checkpoint versions")
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
@@ -323,7 +324,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(worker(args.worker, Path(args.state), args.steps)))
         return
     out = {"smoke": args.smoke, "presets": [run_preset(p, args) for p in args.preset]}
-    _table(out)
+    _table(out, args.cell or ("smoke" if args.smoke else "default"))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, environment  # noqa: E402
+from common import environment, write_record  # noqa: E402
 
 from unirl_core.checkpoint.store import CheckpointStore, load_weights  # noqa: E402
 from unirl_core.checkpoint.writer import VersionWriter  # noqa: E402
@@ -98,9 +98,14 @@ def main() -> None:
           f"median {result['staged_save_s_median']:.3f} s (first, with pinned allocation, "
           f"{staged_s[0]:.3f} s) vs pageable to('cpu') {result['pageable_to_cpu_s_median']:.3f} s; "
           f"every version bitwise the staged values: {not mismatches}")
-    out = RESULTS / ("gpu_staging_check_smoke.json" if args.smoke else "gpu_staging_check.json")
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out.name}")
+    if args.smoke:  # plumbing only: no record
+        print(json.dumps(result, indent=1))
+    else:
+        md = ("| GiB per version | versions | staged save median s | first s | pageable to('cpu') median s |\n"
+              "|---|---|---|---|---|\n"
+              f"| {nbytes / 2**30:.2f} | {args.versions} | {result['staged_save_s_median']:.3f} | {staged_s[0]:.3f} | "
+              f"{result['pageable_to_cpu_s_median']:.3f} |")
+        print(f"wrote {write_record('staging_check', result, md, env=result['hardware'])}")
     if mismatches:
         raise SystemExit(f"staged versions differ from the values at staging: {mismatches[:5]}")
 

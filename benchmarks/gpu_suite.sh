@@ -19,7 +19,7 @@
 set -uo pipefail
 
 PART="${1:-}"; shift || true
-RESULTS="${RESULTS:-benchmarks/results}"
+RESULTS="${RESULTS:-$(mktemp -d)}"  # logs + copies of the records written; the records themselves: benchmarks/results
 LIMIT="${LIMIT:-540}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -30,8 +30,8 @@ START=$SECONDS
 
 left() { echo $((LIMIT - (SECONDS - START))); }
 
-# bench <log name> <results glob> <command...>: run within the time left, log, copy the results it wrote at once
-# (only files newer than its start: the repo's earlier results of the same name stay behind)
+# bench <log name> <record glob> <command...>: run within the time left, log, copy the records it wrote at once
+# (benchmarks/results/<benchmark>/latest.*, only those newer than its start: earlier records stay behind)
 bench() {
   local name="$1" glob="$2"; shift 2
   local t; t="$(left)"
@@ -40,59 +40,61 @@ bench() {
   timeout "$t" "$@" >>"$RESULTS/$name.txt" 2>&1
   echo "$name rc $?" >>"$RESULTS/$name.txt"
   if [ "$RESULTS" != "benchmarks/results" ]; then
-    find benchmarks/results -maxdepth 1 -name "$glob" -newer "$stamp" -exec cp {} "$RESULTS/" \;
+    find benchmarks/results -mindepth 1 -maxdepth 1 -type d -name "$glob" | while read -r d; do
+      if [ "$d/latest.json" -nt "$stamp" ]; then mkdir -p "$RESULTS/${d##*/}" && cp "$d"/latest.* "$RESULTS/${d##*/}/"; fi
+    done
   fi
   rm -f "$stamp"
 }
 
 case "$PART" in
   algos)
-    CUDA_VISIBLE_DEVICES=0 bench algos "bench_diffusion_algos*" python3 benchmarks/bench_diffusion_algos.py --device cuda ;;
+    CUDA_VISIBLE_DEVICES=0 bench algos "diffusion_algos" python3 benchmarks/bench_diffusion_algos.py --device cuda ;;
   singles)
     ( export CUDA_VISIBLE_DEVICES=0
-      bench algos "bench_diffusion_algos*" python3 benchmarks/bench_diffusion_algos.py --device cuda
-      bench flowstep "bench_flow_grpo_step*" python3 benchmarks/bench_flow_grpo_step.py ) &
+      bench algos "diffusion_algos" python3 benchmarks/bench_diffusion_algos.py --device cuda
+      bench flowstep "flow_grpo_step" python3 benchmarks/bench_flow_grpo_step.py ) &
     ( export CUDA_VISIBLE_DEVICES=1
       root="$(mktemp -d)"
-      bench grpo06 "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset 0.6b --device cuda \
+      bench grpo06 "grpo_recipe_*" python3 benchmarks/bench_grpo_recipe.py --preset 0.6b --device cuda \
         --master-weights model --full-state-every 10 --checkpoint-root "$root"
-      bench grpomath "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset math --device cuda \
+      bench grpomath "grpo_recipe_*" python3 benchmarks/bench_grpo_recipe.py --preset math --device cuda \
         --master-weights model --checkpoint-root "$root" --rounds 1 --steps 3 --warmup 1
       rm -rf "$root" ) &
     wait ;;
   pool)
     root="$(mktemp -d)"
-    bench pool "gpu_pool_loop*" python3 benchmarks/gpu_pool_loop.py --keep --root "$root" "$@"
+    bench pool "pool_loop" python3 benchmarks/gpu_pool_loop.py --keep --root "$root" "$@"
     # the per-mode JSONs (per-step metrics); each mode's checkpoint versions are deleted after it ran
     (cd "$root" && find . -name '*.json' | tar czf "$RESULTS/pool_modes.tgz" -T -) 2>/dev/null; rm -rf "$root" ;;
   graphs)
     # lm.engine.cuda_graphs: decode throughput (row engine_rescore_graphs), then the GRPO step vs TRL with it
-    CUDA_VISIBLE_DEVICES=0 bench arrollout "bench_ar_rollout*" python3 benchmarks/bench_ar_rollout.py \
+    CUDA_VISIBLE_DEVICES=0 bench arrollout "ar_rollout" python3 benchmarks/bench_ar_rollout.py \
       --preset qwen3-0.6b --device cuda --dtype bfloat16 --batch 64 --new-tokens 256
     root="$(mktemp -d)"
-    CUDA_VISIBLE_DEVICES=0 bench grpo06g "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset 0.6b \
+    CUDA_VISIBLE_DEVICES=0 bench grpo06g "grpo_recipe_*" python3 benchmarks/bench_grpo_recipe.py --preset 0.6b \
       --device cuda --master-weights model --full-state-every 10 --logprob-chunk 256 --rollout-with-trainer \
       --cuda-graphs --sides loop,trl --steps 4 --warmup 1 --rounds 2 --timeout 150 --checkpoint-root "$root"
     rm -rf "$root" ;;
   graphs-math)
     # peak vs TRL's at the qwen3-math shape with graphs (the decoder's close() frees its cuBLAS workspaces)
     root="$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)"
-    CUDA_VISIBLE_DEVICES=0 bench grpomathg "bench_grpo_recipe*" python3 benchmarks/bench_grpo_recipe.py --preset math \
+    CUDA_VISIBLE_DEVICES=0 bench grpomathg "grpo_recipe_*" python3 benchmarks/bench_grpo_recipe.py --preset math \
       --device cuda --master-weights model --full-state-every 10 --logprob-chunk 256 --rollout-with-trainer \
       --cuda-graphs --sides loop,trl --rounds 1 --steps 2 --warmup 1 --timeout 270 --checkpoint-root "$root" --name same-call
     rm -rf "$root" ;;
   rollout-cfg)
     # the rollout's cost of cfg_batch split vs joint (each against the plain diffusers loop, batch 8)
     for mode in joint split; do
-      CUDA_VISIBLE_DEVICES=0 bench rollcfg "bench_diffusion_rollout*" python3 benchmarks/bench_diffusion_rollout.py \
+      CUDA_VISIBLE_DEVICES=0 bench rollcfg "diffusion_rollout" python3 benchmarks/bench_diffusion_rollout.py \
         --preset sd35m --device cuda --sizes 8 --cfg-batch "$mode"
     done ;;
   flowstep)
-    CUDA_VISIBLE_DEVICES=0 bench flowstep "bench_flow_grpo_step*" python3 benchmarks/bench_flow_grpo_step.py "$@" ;;
+    CUDA_VISIBLE_DEVICES=0 bench flowstep "flow_grpo_step" python3 benchmarks/bench_flow_grpo_step.py "$@" ;;
   step-cost)
     # the state dir in RAM: writing the full-scope versions to the machine's disk took most of a call before
     root="$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d)"
-    bench stepcost "bench_step_cost*" python3 benchmarks/bench_step_cost.py --root "$root" \
+    bench stepcost "step_cost" python3 benchmarks/bench_step_cost.py --root "$root" \
       --preset sd35m-lora sd35m-full qwen3-0.6b "$@"
     rm -rf "$root" ;;
   *)

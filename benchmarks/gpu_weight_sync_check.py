@@ -10,7 +10,7 @@
    the sharded module's full weights the way the weight sync does.
 
 Depends on torch + transformers + this repo; < 3 min on an H200. Writes <out-dir>/gpu_weight_sync_check.{json,md}.
-Run: python benchmarks/gpu_weight_sync_check.py [--out-dir DIR]
+Run: python benchmarks/gpu_weight_sync_check.py [--out-dir DIR]   # writes DIR/weight_sync_check/latest.*
 """
 
 from __future__ import annotations
@@ -227,10 +227,6 @@ def main() -> None:
                 res["gloo_cpu_staging"] = sync_check("gloo", "cpu", tmp / "gloo_cpu", dev)
             print(name, "ok" if res[name].get("ok") else "FAILED", flush=True)
     res["seconds"] = time.perf_counter() - t0
-    name_md = "gpu_weight_sync_check" if gpu else "gpu_weight_sync_check_cpu_smoke"
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name_md}.json").write_text(json.dumps(res, indent=2))
     lines = ["### Weight sync + FSDP2 world-1 check (one GPU)", "", "| check | ok | detail |", "|---|---|---|"]
     for name in ("nccl_same_gpu", "gloo_cuda", "gloo_cpu_staging", "fsdp_world1"):
         if name in res:
@@ -241,8 +237,11 @@ def main() -> None:
                 f"max |dw| {r['max_abs_weight_diff']:.2e}")
             lines.append(f"| {name} | {r.get('ok')} | {detail.replace('|', '/')} |")
     lines += ["", f"_{res['gpu']}, torch {res['torch']}, NCCL {res['nccl']}, {res['seconds']:.0f} s._", ""]
-    (out / f"{name_md}.md").write_text("\n".join(lines))
     print("\n".join(lines))
+    if gpu:  # the CPU smoke is plumbing only: no record
+        from benchmarks.common import write_record
+
+        print(f"wrote {write_record('weight_sync_check', res, chr(10).join(lines), results_dir=Path(args.out_dir))}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@ def test_tiny_preset_runs_every_side_and_writes_json(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "median pair ratio" in proc.stdout
-    out = json.loads((tmp_path / "bench_grpo_recipe_tiny_cpu_full-every-3.json").read_text())
+    record = json.loads((tmp_path / "grpo_recipe_tiny_cpu" / "latest.json").read_text())
+    cell = record["cells"]["full-every-3"]
+    assert len(cell["commit"]) == 40 and cell["date"] and cell["env"]["cpu"]
+    assert "| loop |" in (tmp_path / "grpo_recipe_tiny_cpu" / "latest.md").read_text()
+    out = cell["results"]
     rows = {r["side"]: r for r in out["rows"]}
     assert set(rows) == {"loop", "backend", "trl"}
     # steps 2..4 after the warm-up; steps 3 (every 3rd) and 4 (the run's last) also write the full state: the loop's

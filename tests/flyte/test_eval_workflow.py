@@ -28,7 +28,7 @@ def test_grpo_evaluates_each_due_step_and_evaluate_reproduces_it(tmp_path, run_n
     assert "held-out evaluation: step 0 vs step 2" in index  # the start eval's record, next to the last one
     # the eval chart holds the starting policy too (steps 0, 1, 2), and so does TensorBoard
     chart = re.search(r'<svg class="curve" data-metric="eval/reward/mean".*?</svg>', index, flags=re.S).group(0)
-    assert chart.count("<circle") >= 3
+    assert chart.split('<g id="series_0">')[1].split('<g id="')[0].count("<use ") == 3  # markers at steps 0, 1, 2
     tb = EventAccumulator(str(tmp_path / run_name / "tensorboard"))
     tb.Reload()
     assert [e.step for e in tb.Scalars("eval/reward/mean")] == [0, 1, 2]

@@ -4,6 +4,7 @@ field a shipped recipe sets and documents every field, and the READMEs stay with
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -90,3 +91,13 @@ def test_readme_is_at_most_200_lines():
 def test_package_readme_is_at_most_100_lines(readme):
     n = len(readme.read_text().splitlines())
     assert n <= 100, f"{readme.relative_to(REPO)} has {n} lines: keep what a contributor needs, move the rest to docs/"
+
+
+def test_readme_links_resolve():
+    """Every relative link of README.md names a file of the repository (benchmark records: their own test)."""
+    text = gen_docs.README.read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link and not link.startswith("benchmarks/results/")]
+    assert len(local) >= 10, local  # the docs pages at least
+    missing = [link for link in local if not (REPO / link).exists()]
+    assert missing == [], f"README.md links to missing files: {missing}"

@@ -101,3 +101,12 @@ def test_readme_links_resolve():
     assert len(local) >= 10, local  # the docs pages at least
     missing = [link for link in local if not (REPO / link).exists()]
     assert missing == [], f"README.md links to missing files: {missing}"
+
+
+def test_readme_module_map_follows_the_import_contract():
+    """The module map's rows of unirl_core packages are .importlinter's layers, top to bottom, with the same packages."""
+    text = (REPO / ".importlinter").read_text()
+    block = text.split("[importlinter:contract:layers]", 1)[1].split("layers =", 1)[1].split("\n[", 1)[0]
+    layers = [sorted(p.strip() for p in line.split("|")) for line in block.strip().splitlines() if line.strip()]
+    rows = re.findall(r"^\| ([a-z, ]+) \| `unirl_core/", gen_docs.README.read_text(), flags=re.M)
+    assert [sorted(p.strip() for p in row.split(",")) for row in rows] == layers

@@ -72,8 +72,8 @@ def _header(text: str) -> tuple[str, str]:
         if depth == 0 and ch in ".:;" and blurb[i + 1:i + 2] in (" ", "") and (ch != ":" or i >= 30):
             blurb = blurb[:i]
             break
-    if len(blurb) > 150:
-        blurb = blurb[:150].rsplit(" ", 1)[0] + " ..."
+    if len(blurb) > 200:
+        blurb = blurb[:200].rsplit(" ", 1)[0] + " ..."
     return command, blurb
 
 
@@ -116,13 +116,23 @@ def recipe_rows() -> list[tuple[str, ...]]:
     return rows
 
 
+def default_recipe() -> str:
+    """The ``recipe`` default of ``workflows/grpo.py::grpo``: what ``scripts/run_local.sh`` runs."""
+    tree = ast.parse((REPO / "workflows" / "grpo.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "grpo")
+    args = fn.args.args[len(fn.args.args) - len(fn.args.defaults):]
+    return next(ast.literal_eval(d) for a, d in zip(args, fn.args.defaults) if a.arg == "recipe")
+
+
 def recipe_table() -> str:
     def cell(s: str) -> str:
         return s.replace("|", "\\|")
 
+    default = default_recipe()
     lines = ["| recipe | family | algorithm | model | what it shows | command |", "|---|---|---|---|---|---|"]
     for name, family, algorithm, model, blurb, command in recipe_rows():
-        lines.append(f"| `{name}` | {family} | {cell(algorithm)} | `{model}` | {cell(blurb)} | `{command}` |")
+        mark = " (default)" if name == default else ""
+        lines.append(f"| `{name}`{mark} | {family} | {cell(algorithm)} | `{model}` | {cell(blurb)} | `{command}` |")
     return "\n".join(lines)
 
 

@@ -28,13 +28,14 @@ def test_readme_recipe_table_is_current():
 def test_a_stale_table_is_rewritten():
     text = gen_docs.README.read_text()
     stale = text.replace("| `tiny-grpo` |", "| `tiny-grpo-renamed` |")
+    assert f"| `{gen_docs.default_recipe()}` (default) |" in text
     assert stale != text and gen_docs.readme_with_table(stale) == text
 
 
 def test_every_recipe_is_in_the_readme_table():
     text = gen_docs.README.read_text()
     for _, path in gen_docs.recipe_files():
-        assert f"| `{path.stem}` |" in text, path.stem
+        assert f"| `{path.stem}` |" in text or f"| `{path.stem}` (default) |" in text, path.stem
 
 
 def test_config_reference_is_current():

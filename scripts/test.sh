@@ -9,6 +9,16 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 
+# The docs site (mkdocs.yml, docs/): every page and link must resolve. Whole-suite runs (no args, CI) only.
+if [ $# -eq 0 ]; then
+  .venv/bin/python -c "import material" 2>/dev/null || .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[docs]"
+  docs_site=$(mktemp -d)
+  if ! NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$docs_site"; then
+    rm -rf "$docs_site"; echo "test.sh: mkdocs build --strict failed (docs/, mkdocs.yml)" >&2; exit 1
+  fi
+  rm -rf "$docs_site"
+fi
+
 # Prints the number of selected tests marked `integration`, or "unknown" when collection fails
 # (then the services are started, as for a full run).
 count_integration() {

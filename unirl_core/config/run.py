@@ -266,7 +266,7 @@ class AsyncTrainingConfig:
     ``max(0, n - 1 - k)`` (pinned, so runs are reproducible), so rollout ``n + 1`` can run beside train ``n``.
     Same knob elsewhere: verl ``async_training.staleness_threshold``, AReaL ``max_head_offpolicyness``, TRL
     ``max_staleness``. Correct the lag with the loss's ``tis_cap`` / ``mis_bounds`` (``train.old_logp_source:
-    replay``; ``unirl_core/algorithms/README.md``)."""
+    replay``; ``docs/algorithms.md``)."""
 
     max_policy_lag: int = 0
     """k: versions a rollout may lag behind the weights that train it; 0 is the synchronous loop."""
@@ -360,7 +360,7 @@ class RunConfig:
     """Held-out evaluation (deterministic sampling, ``eval/*`` metrics) every ``eval.every_n_steps`` and at the
     end (``unirl_core/loop/evaluate.py``); None: none."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
-    """Rollouts lagging training by up to ``max_policy_lag`` versions (``unirl_core/loop/README.md``); default synchronous."""
+    """Rollouts lagging training by up to ``max_policy_lag`` versions (``docs/execution.md``, lagged rollouts); default synchronous."""
     plugins: tuple[str, ...] = ()
     """Modules imported before this config is checked, registering what the recipe names (prompt sources,
     environments, scorers, presets): e.g. ``[examples.shapes]`` (``unirl_core/plugins.py``)."""

@@ -41,6 +41,10 @@ from unirl_core.sft.config import load_sft_recipe
 from unirl_core.sft.local import run_sft
 
 
+DESCRIPTION = ("Calculator-tool agent: the shipped warm start (sft-agent-calc), then GRPO (tiny-agent-calc); "
+               "held-out accuracy and tool-call rate before and after RL.")
+
+
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None  # None: the SFT run was resumed finished (no step trained here)
 
@@ -104,7 +108,7 @@ def main() -> None:
         b, a = result["before"], result["after"]
         headline = (f"held-out accuracy {b['accuracy']:.3f} -> {a['accuracy']:.3f}, tool-call rate "
                     f"{b['tool_call_rate']:.2f} -> {a['tool_call_rate']:.2f}")
-        print(f"wrote {write_record('agent_calc', result, md, cell=args.cell, headline=headline)}")
+        print(f"wrote {write_record('agent_calc', result, md, cell=args.cell, headline=headline, description=DESCRIPTION)}")
 
 
 if __name__ == "__main__":

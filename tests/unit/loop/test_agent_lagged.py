@@ -20,7 +20,8 @@ torch.set_num_threads(1)
 
 def _cfg(root, *extra, steps=3):
     return load_recipe("tiny-agent-calc", [
-        f"checkpoint.root={root}", "name=agent-lag", f"loop.total_steps={steps}", "report.tensorboard=false",
+        f"checkpoint.root={root}", "name=agent-lag", "lm.model.model=tiny", f"loop.total_steps={steps}",
+        "report.tensorboard=false",
         "eval=null", "data.prompts_per_step=2", "data.samples_per_prompt=4", "lm.engine.forward_batch_size=8",
         "train.micro_batch_size=8", ("lm.agent={env: {name: guess_number, high: 1000}, max_turns: 3, "
         "max_response_tokens: 64}"), "async_training.max_policy_lag=1", *extra])

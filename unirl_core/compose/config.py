@@ -19,7 +19,7 @@ from typing import Literal
 from unirl_core.advantage.config import AdvantageConfig
 from unirl_core.checkpoint.ref import step_dirname
 from unirl_core.compose.eval_config import ComposeEvalConfig
-from unirl_core.config.loader import from_dict
+from unirl_core.config.loader import check_ints, from_dict
 from unirl_core.compose.warm_pairs import warm_pairs_entry
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
 from unirl_core.config.run import CheckpointConfig, DataConfig, DiffusionSection, LMSection, LoopConfig, ReportConfig, RunConfig
@@ -59,10 +59,7 @@ class GroupingConfig:
         if self.image_noise not in ("independent", "paired"):
             raise field_error(ConfigError, "grouping.image_noise", self.image_noise, "'independent' or 'paired'",
                               "pick how the images of a prompt's enhancements draw their noise")
-        for name in ("enhancements_per_prompt", "images_per_enhancement"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-                raise field_error(ConfigError, f"grouping.{name}", v, "an integer >= 1", "use e.g. 4")
+        check_ints("grouping", self, ("enhancements_per_prompt", "images_per_enhancement"), "use e.g. 4")
         if self.image_groups not in ("enhancement", "prompt"):
             raise field_error(ConfigError, "grouping.image_groups", self.image_groups, "'enhancement' or 'prompt'",
                               "pick the level image advantages normalise at")

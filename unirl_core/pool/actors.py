@@ -320,11 +320,7 @@ class TrainerActor(_Actor):
     def _train(self, ckpt: CheckpointRef, step: int, scored: SampleBatch, shards: tuple[SampleBatch, ...], *,
                background: bool) -> tuple[CheckpointRef, dict[str, float]]:
         cfg, backend = self.cfg, self.backend
-        restored = self.state != _version(ckpt) or backend.step_count != ckpt.step
-        if restored:
-            self.state = None
-            self.extra = self._restore(ckpt)
-            self.state = _version(ckpt)
+        restored = self._hold(ckpt)
         batch = for_training(SampleBatch.concat(list(shards)), scored)
         steps.check_policy_lag(cfg, batch, ckpt)
         steps.check_replay_schedule(cfg, batch, backend.policy)
@@ -360,6 +356,15 @@ class TrainerActor(_Actor):
             out.update({"checkpoint/wait_s": waited, "checkpoint/previous_write_s": self._writer.last_seconds})
         out["pool/trainer_restored"] = float(restored)
         return ref, out
+
+    def _hold(self, ckpt: CheckpointRef) -> bool:
+        """Make the resident state version ``ckpt`` (restoring it when it is another); True when restored."""
+        if self.state == _version(ckpt) and self.backend.step_count == ckpt.step:
+            return False
+        self.state = None
+        self.extra = self._restore(ckpt)
+        self.state = _version(ckpt)
+        return True
 
     def _write_sharded(self, *, last: bool) -> None:
         """Start the sharded state write of the step just trained; the previous one must be complete first

@@ -204,7 +204,7 @@ def _collective_fits(pool: Pool, engines: list[str]) -> bool:
     on one device, so those versions go through the object store."""
     for node, gpus in group.placements(pool):
         for name in engines:
-            other_node, other_gpus = _placement(pool, name)
+            other_node, other_gpus = pool.remembered(name, "placement", what="publish")  # an actor does not move
             if other_node == node and set(gpus) & set(other_gpus):
                 log.info("pool: %s shares GPU %s with a trainer rank; publishing through the object store", name,
                          sorted(set(gpus) & set(other_gpus)))
@@ -212,20 +212,10 @@ def _collective_fits(pool: Pool, engines: list[str]) -> bool:
     return True
 
 
-def _placement(pool: Pool, name: str) -> tuple:
-    memo = pool.memo(name)
-    if "placement" not in memo:  # an actor does not move
-        memo["placement"] = pool.call(name, "placement", what="publish")
-    return memo["placement"]
-
-
 def _sync_token(pool: Pool, name: str) -> str | None:
     """The publish group actor ``name`` is in. Remembered between steps only when this process is the pool's one
     driver (no ``pool.address``): attached, another task process may re-open the group on the same actors."""
-    memo = pool.memo(name)
-    if pool.detached or "sync" not in memo:
-        memo["sync"] = pool.call(name, "current_sync", what="publish")
-    return memo["sync"]
+    return pool.remembered(name, "current_sync", what="publish", again=pool.detached)
 
 
 def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
@@ -235,22 +225,13 @@ def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
         return group.wait_all(pool, calls, what=what)
     except Exception:
         for name, _ in calls:
-            pool.memo(name).pop("sync", None)
+            pool.memo(name).pop("current_sync", None)
             if name in pool.live:
                 try:
                     pool.call(name, "close_sync", what="closing the publish group")
                 except PoolActorDied:
                     pass
         raise
-
-
-def _sync_ranks(pool: Pool, name: str) -> int:
-    """Ranks engine ``name`` brings to the publish group: 1, or 2 for a vLLM engine actor (its bundle and its
-    server's worker)."""
-    memo = pool.memo(name)
-    if "sync_ranks" not in memo:  # an actor does not change kind
-        memo["sync_ranks"] = int(pool.call(name, "sync_ranks", what="publish"))
-    return memo["sync_ranks"]
 
 
 def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str, float]:
@@ -264,7 +245,8 @@ def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str,
         token = uuid.uuid4().hex
         addr, port = pool.call(trainers[0], "sync_endpoint", what="publish")
         dtypes = pool.call(engines[0], "sync_dtypes", what="publish")
-        counts = [_sync_ranks(pool, name) for name in engines]
+        # 1 rank per engine, 2 for a vLLM engine actor (its bundle and its server's worker); an actor keeps its kind
+        counts = [int(pool.remembered(name, "sync_ranks", what="publish")) for name in engines]
         firsts = [1 + sum(counts[:i]) for i in range(len(engines))]
         n = sum(counts)
         # the other trainer ranks follow rank 0's sends (their shards' gathers) with the same casts
@@ -273,7 +255,7 @@ def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str,
                   for first, name in zip(firsts, engines)]
         _gather(pool, calls, "opening the publish group")
         for name in members:
-            pool.memo(name)["sync"] = token
+            pool.memo(name)["current_sync"] = token
         opened = 1.0
     what = f"publish v{ckpt.policy_version} (collective)"
     calls = [(name, pool.remote(name, "broadcast_weights", ckpt)) for name in trainers]

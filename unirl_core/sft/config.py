@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from unirl_core.config.loader import Sectioned, check_ints, from_dict
-from unirl_core.config.recipes import load_recipe_dict, recipe_names, recipe_path
+from unirl_core.config.recipes import load_recipe_dict, recipe_names
 from unirl_core.config.run import CheckpointConfig, check_name_and_family
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionModelConfig
@@ -211,10 +211,6 @@ class SFTConfig:
 def sft_recipe_names() -> list[str]:
     """Names of the SFT recipes shipped with the package."""
     return recipe_names(RECIPE_DIR, "sft")
-
-
-def sft_recipe_path(name_or_path: str) -> Path:
-    return recipe_path(name_or_path, RECIPE_DIR, "SFT recipe", "sft")
 
 
 def load_sft_recipe_dict(name_or_path: str, overrides: Sequence[str] = ()) -> dict:

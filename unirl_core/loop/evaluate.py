@@ -31,10 +31,7 @@ def eval_prompts(cfg) -> list[PromptRecord]:
     ev = cfg.eval
     if ev.prompts:
         return [PromptRecord(prompt_id=f"eval-{i:05d}", prompt=p) for i, p in enumerate(ev.prompts)]
-    d = cfg.data
-    if d.source in ("inline", "file"):
-        raise field_error(ConfigError, "eval.prompts", (), f"held-out prompts for data.source={d.source!r}",
-                          "list eval.prompts")
+    d = cfg.data  # an inline or file source has eval.prompts (check_eval_config)
     from unirl_core.data.sources import prompt_source
 
     gen = d.generator()

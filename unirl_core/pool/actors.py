@@ -280,10 +280,8 @@ class TrainerActor(_Actor):
         """``train``, with version ``step`` written on this actor's writer thread from a snapshot (one rank only):
         the ref returns before the version exists, as ``run_local``'s in-process train phase does. The next
         ``train*`` call (and a restore) waits for the write first and raises its failure; ``publish_version`` has
-        the thread move ``LATEST`` once it is written; ``wait_version`` waits for it."""
-        if self.cfg.pool.trainer_ranks != 1:
-            raise field_error(ConfigError, "pool.trainer_ranks", self.cfg.pool.trainer_ranks, "1 for background "
-                              "version writes", "train with train() (each rank's write is collective)")
+        the thread move ``LATEST`` once it is written; ``wait_version`` waits for it. The pool's executor asks for it
+        with one trainer rank only (each rank's write is collective)."""
         return self._train(ckpt, step, scored, shards, background=True)
 
     def publish_version(self, ckpt: CheckpointRef) -> bool:

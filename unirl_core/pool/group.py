@@ -125,20 +125,18 @@ def wait_all(pool, calls: list[tuple[str, object]], *, what: str) -> list:
         name = pending.pop(ref)
         try:
             results[ref] = ray.get(ref)
-        except RayActorError as e:
-            died = pool._died(name, e, what)
-            if group & ({name} | set(pending.values())):
-                kill(pool)
-            if name in group:
-                died = PoolActorDied(f"{died} (the trainer group of {len(group)} ranks is re-created with it)")
-            raise died from e
         except Exception as e:
-            died = _died_meanwhile(pool, pending, what)  # a peer's death explains a collective's error: name it
+            if isinstance(e, RayActorError):
+                died = pool._died(name, e, what)
+                if name in group:
+                    died = PoolActorDied(f"{died} (the trainer group of {len(group)} ranks is re-created with it)")
+            else:  # a peer's death explains a collective's error: name it
+                died = _died_meanwhile(pool, pending, what)
             if group & ({name} | set(pending.values())):
                 kill(pool)
-            if died is not None:
-                raise died from e
-            raise
+            if died is None:
+                raise
+            raise died from e
     return [results[ref] for _, ref in calls]
 
 

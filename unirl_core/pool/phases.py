@@ -14,7 +14,7 @@ from typing import Literal
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
-from unirl_core.errors import CheckpointError, ConfigError, PoolActorDied, field_error
+from unirl_core.errors import CheckpointError, PoolActorDied, field_error
 from unirl_core.runtime import build
 from unirl_core.pool import actors, group
 from unirl_core.pool.cluster import REWARD, Pool, engine_name
@@ -39,16 +39,11 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
                   weights: Literal["policy", "ema"] = "policy") -> tuple[SampleBatch, dict[str, float]]:
     """Sample one shard on its engine actor; returns the projection (``pool.emit``) and the metrics. The full
     batch stays in the pool for ``train_phase``."""
-    pool = Pool.get(cfg)
-    name = _engine_of(cfg, shard)
-    what = f"rollout step {step} shard {shard}"
-    if _shared(cfg):  # the trainer's module samples: its EMA too
-        return pool.call(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit, weights, what=what)
-    if weights != "policy":
-        raise field_error(ConfigError, "weights", weights, "'policy' with pool.placement="
-                          f"{cfg.pool.placement!r}", "sample EMA weights with pool.placement 'shared' (the trainer's "
-                          "EMA) or execution 'pods' (the pool's engine actors hold the policy)")
-    return pool.call(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit, what=what)
+    pool, name, what = Pool.get(cfg), _engine_of(cfg, shard), f"rollout step {step} shard {shard}"
+    # the shared actor's module samples its EMA too; engine actors hold the policy only (config refuses EMA
+    # rollouts there)
+    extra = (weights,) if _shared(cfg) else ()
+    return pool.call(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit, *extra, what=what)
 
 
 def submit_rollout(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int,

@@ -68,6 +68,7 @@ def eval_phase(cfg, ckpt: CheckpointRef, *,
     from unirl_core.runtime import build
     from unirl_core.loop.executors import in_process
     from unirl_core.loop.phases import EMA_POLICY_VERSION, reward_phase
+    from unirl_core.runtime.steps import generate_lm
     from unirl_core.rollout.ar import TrainsideAREngine
     from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
 
@@ -90,12 +91,7 @@ def eval_phase(cfg, ckpt: CheckpointRef, *,
         batch = engine.generate(request, noise=NoiseRecipe(base_seed=ev.seed))
     else:
         engine = TrainsideAREngine(policy, dataclasses.replace(cfg.lm.engine, seed=ev.seed), policy_version=version)
-        if cfg.lm.agent is not None:
-            from unirl_core.rollout.agentic import AgenticEngine
-
-            batch = AgenticEngine(engine, cfg.lm.agent).generate(request)
-        else:
-            batch = engine.generate(request)
+        batch, _ = generate_lm(cfg, engine, request)
     sample_s = time.perf_counter() - t0
     batch, reward = reward_phase(cfg, batch)
     metrics = {f"eval/{k}": v for k, v in reward.items()

@@ -35,6 +35,7 @@ from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.manager import ManagerConfig, RolloutManager, RolloutRequest, check_batch_provenance
 from unirl_core.rollout.partial import continue_generation
 from unirl_core.rollout.turn_gate import TurnGate
+from unirl_core.runtime.steps import token_rates
 from unirl_core.sde.noise import stable_seed
 from unirl_core.types import SampleBatch
 
@@ -226,12 +227,9 @@ class LaggedRollouts(RolloutSource):
         gen = torch.Generator(device=next(policy.module.parameters()).device).manual_seed(seed)
         batch, more = continue_generation(engine, batch, max_new_tokens=cfg.lm.sampling.max_new_tokens, generator=gen,
                                           old_tokens=partial.old_tokens)
-        lens = [p.segment.num_response_tokens for p in batch.generated]
         busy = first_s + time.perf_counter() - t1 - waited
         metrics.update(more)
-        metrics.update({"rollout/seconds": busy, "rollout/partial_wait_s": waited,
-                        "rollout/response_tokens_mean": sum(lens) / max(len(lens), 1),
-                        "rollout/tokens_per_s": sum(lens) / max(busy, 1e-9)})
+        metrics.update({"rollout/seconds": busy, "rollout/partial_wait_s": waited, **token_rates(batch, busy)})
         return batch, metrics
 
     def _wait_for(self, version: int) -> None:

@@ -60,7 +60,8 @@ def test_composed_pool_run_equals_the_in_process_run_bitwise(tmp_path):
 def test_a_frozen_stack_gets_no_trainer_actor_and_the_enhancer_trainer_keeps_its_warm_started_reference(tmp_path):
     kl = ["enhancer.lm.algorithm.beta=0.1", "enhancer.lm.model.keep_reference=true"]
     hist, _ = _run(tmp_path, "loop.total_steps=2", "image.frozen=true", *kl, *POOL)
-    live = compose_pool.get_pool(small_config(tmp_path, "loop.total_steps=2", "image.frozen=true", *kl, *POOL)).live
+    cfg = small_config(tmp_path, "loop.total_steps=2", "image.frozen=true", *kl, *POOL)
+    live = compose_pool.ComposePool.get(cfg).live
     assert "image-trainer" not in live and "enhancer-trainer" in live
     assert "image/train/loss" not in hist[-1] and hist[-1]["pool/enhancer_trainer_restored"] == 0.0
     # the trainer actor's KL reference is the warm-started step-0 version (not the random init): 0 at step 1

@@ -19,7 +19,7 @@ from typing import Literal
 from unirl_core.advantage.config import AdvantageConfig
 from unirl_core.checkpoint.ref import step_dirname
 from unirl_core.compose.eval_config import ComposeEvalConfig
-from unirl_core.config.loader import from_dict
+from unirl_core.config.loader import check_ints, from_dict
 from unirl_core.compose.warm_pairs import warm_pairs_entry
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
 from unirl_core.config.run import CheckpointConfig, DataConfig, DiffusionSection, LMSection, LoopConfig, ReportConfig, RunConfig
@@ -59,10 +59,7 @@ class GroupingConfig:
         if self.image_noise not in ("independent", "paired"):
             raise field_error(ConfigError, "grouping.image_noise", self.image_noise, "'independent' or 'paired'",
                               "pick how the images of a prompt's enhancements draw their noise")
-        for name in ("enhancements_per_prompt", "images_per_enhancement"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-                raise field_error(ConfigError, f"grouping.{name}", v, "an integer >= 1", "use e.g. 4")
+        check_ints("grouping", self, ("enhancements_per_prompt", "images_per_enhancement"), "use e.g. 4")
         if self.image_groups not in ("enhancement", "prompt"):
             raise field_error(ConfigError, "grouping.image_groups", self.image_groups, "'enhancement' or 'prompt'",
                               "pick the level image advantages normalise at")
@@ -172,28 +169,25 @@ class ComposeRunConfig:
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise field_error(ConfigError, "name", self.name, "a non-empty run name without '/'", "e.g. shapes-enhance")
-        if self.data.samples_per_prompt != DataConfig.__dataclass_fields__["samples_per_prompt"].default:
-            raise field_error(ConfigError, "data.samples_per_prompt", self.data.samples_per_prompt,
-                              "unset in a compose run", "set grouping.enhancements_per_prompt / images_per_enhancement")
-        if self.enhancer.frozen and self.image.frozen:
-            raise field_error(ConfigError, "enhancer.frozen", True, "at most one frozen stack",
-                              "nothing would train; unfreeze enhancer or image")
-        if self.advantage.drop_zero_std_groups:
-            raise field_error(ConfigError, "advantage.drop_zero_std_groups", True, "False in a compose run",
-                              "dropping groups of one stack would orphan Parts of the other; leave it False")
-        if self.loop.rollout_shards != 1:
-            raise field_error(ConfigError, "loop.rollout_shards", self.loop.rollout_shards, "1 in a compose run",
-                              "the composed rollout runs as one shard")
-        if self.checkpoint.every_n_steps != 1:
-            raise field_error(ConfigError, "checkpoint.every_n_steps", self.checkpoint.every_n_steps,
-                              "1 in a compose run", "each stack's version holds its full state every step here; "
-                              "leave it at 1")
-        if self.loop.rollout_with_trainer:
-            raise field_error(ConfigError, "loop.rollout_with_trainer", True, "false in a compose run",
-                              "the composed engine samples with rollout bundles of its own; remove the setting")
-        if self.report.wandb is not None:
-            raise field_error(ConfigError, "report.wandb", "set", "unset in a compose run",
-                              "W&B is not wired for compose runs yet; TensorBoard scalars are written")
+        refused = [  # (field, value, refused, expected, fix)
+            ("data.samples_per_prompt", self.data.samples_per_prompt,
+             self.data.samples_per_prompt != DataConfig.__dataclass_fields__["samples_per_prompt"].default,
+             "unset in a compose run", "set grouping.enhancements_per_prompt / images_per_enhancement"),
+            ("enhancer.frozen", True, self.enhancer.frozen and self.image.frozen, "at most one frozen stack",
+             "nothing would train; unfreeze enhancer or image"),
+            ("advantage.drop_zero_std_groups", True, self.advantage.drop_zero_std_groups, "False in a compose run",
+             "dropping groups of one stack would orphan Parts of the other; leave it False"),
+            ("loop.rollout_shards", self.loop.rollout_shards, self.loop.rollout_shards != 1, "1 in a compose run",
+             "the composed rollout runs as one shard"),
+            ("checkpoint.every_n_steps", self.checkpoint.every_n_steps, self.checkpoint.every_n_steps != 1,
+             "1 in a compose run", "each stack's version holds its full state every step here; leave it at 1"),
+            ("loop.rollout_with_trainer", True, self.loop.rollout_with_trainer, "false in a compose run",
+             "the composed engine samples with rollout bundles of its own; remove the setting"),
+            ("report.wandb", "set", self.report.wandb is not None, "unset in a compose run",
+             "W&B is not wired for compose runs yet; TensorBoard scalars are written")]
+        for name, value, is_refused, expected, fix in refused:
+            if is_refused:
+                raise field_error(ConfigError, name, value, expected, fix)
         if _warm_reference(self) and (self.enhancer.lm.model.finetune != "full"
                                       or not self.enhancer.lm.model.keep_reference):
             raise field_error(ConfigError, "enhancer.lm.algorithm.beta", self.enhancer.lm.algorithm.beta,

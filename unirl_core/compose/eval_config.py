@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unirl_core.errors import ConfigError, field_error
+from unirl_core.config.loader import check_ints
 
 EVAL_SEED = 20_261_130
 """Base seed of the evaluation's noise recipe and greedy enhancer (fixed: every evaluation renders the same noise)."""
@@ -20,10 +20,7 @@ class ComposeEvalConfig:
     """Images per prompt (fixed noise), for the enhancement and for the copy baseline each."""
 
     def __post_init__(self) -> None:
-        for name in ("every_n_steps", "images_per_prompt"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-                raise field_error(ConfigError, f"eval.{name}", v, "an integer >= 1", "use e.g. 10 / 8")
+        check_ints("eval", self, ("every_n_steps", "images_per_prompt"), "use e.g. 10 / 8")
 
     def due(self, step: int, total: int) -> bool:
         return step == 0 or step == total or step % self.every_n_steps == 0

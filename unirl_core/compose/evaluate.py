@@ -37,10 +37,7 @@ def evaluate_compose(cfg: ComposeRunConfig, refs, eval_cfg: ComposeEvalConfig) -
     """``eval/*`` metrics and ``{prompt: enhancement}`` of the versions in ``refs`` (greedy, fixed noise)."""
     subs = stack_configs(cfg)
     lm_sub, img_sub = subs["enhancer"], subs["image"]
-    stacks = compose_in_process().stacks  # evaluation samples in this process, in every mode
-    lm, img = stacks["enhancer"].bundle(lm_sub), stacks["image"].bundle(img_sub)
-    build.load_policy_weights(lm, refs["enhancer"], lm_sub)
-    build.load_policy_weights(img, refs["image"], img_sub, ema=build.rollout_weights(img_sub) == "ema")
+    lm, img = compose_in_process().policies(cfg, refs)  # evaluation samples in this process, in every mode
     seen: dict[str, PromptRecord] = {}
     for r in build.dataset(lm_sub).records:
         seen.setdefault(r.prompt, PromptRecord(prompt_id=f"eval{len(seen):04d}", prompt=r.prompt, targets=r.targets))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from unirl_core.checkpoint import restore_train_checkpoint, save_train_checkpoint
 from unirl_core.compose.config import STACKS, ComposeRunConfig, stack_configs
@@ -18,6 +19,9 @@ from unirl_core.runtime.resources import Resources
 from unirl_core.runtime.steps import check_replay_schedule
 from unirl_core.types import SampleBatch
 
+if TYPE_CHECKING:
+    from unirl_core.compose.pool import ComposePoolExecutor
+
 Metrics = dict[str, float]
 
 
@@ -28,13 +32,18 @@ class ComposeInProcessExecutor:
     def __init__(self) -> None:
         self.stacks = {name: Resources() for name in STACKS}
 
-    def rollout(self, cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, Metrics]:
+    def policies(self, cfg: ComposeRunConfig, refs: Refs) -> tuple:
+        """The enhancer's and the image stack's rollout bundles holding ``refs``' versions (the image stack's EMA
+        weights when its algorithm samples with them)."""
         subs = stack_configs(cfg)
         lm_sub, img_sub = subs["enhancer"], subs["image"]
         lm_policy, img_policy = self.stacks["enhancer"].bundle(lm_sub), self.stacks["image"].bundle(img_sub)
         build.load_policy_weights(lm_policy, refs["enhancer"], lm_sub)
         build.load_policy_weights(img_policy, refs["image"], img_sub, ema=build.rollout_weights(img_sub) == "ema")
-        return sample_step(cfg, lm_policy, img_policy, refs, step=step)
+        return lm_policy, img_policy
+
+    def rollout(self, cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, Metrics]:
+        return sample_step(cfg, *self.policies(cfg, refs), refs, step=step)
 
     def score(self, cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, Metrics]:
         scored, stats = build.reward_service(stack_configs(cfg)["image"]).score_with_stats(batch)
@@ -61,34 +70,15 @@ class ComposeInProcessExecutor:
         """Nothing to push: the next rollout loads the published versions from the store."""
 
 
-class ComposePoolExecutor:
-    """Both stacks on the compose pool's actors: one engine actor holding both rollout bundles, a trainer actor per
-    trained stack (optimizer state resident), the reward actor."""
+def _pool_executor() -> ComposePoolExecutor:
+    """Both stacks on the compose pool's actors (``compose.pool``; imports Ray on first use)."""
+    from unirl_core.compose.pool import ComposePoolExecutor
 
-    def rollout(self, cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, Metrics]:
-        from unirl_core.compose import pool
-
-        return pool.rollout_phase(cfg, refs, step=step)
-
-    def score(self, cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, Metrics]:
-        from unirl_core.compose import pool
-
-        return pool.reward_phase(cfg, batch)
-
-    def train(self, cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *, step: int) -> tuple[Refs, Metrics]:
-        from unirl_core.compose import pool
-
-        return pool.train_phase(cfg, batch, refs, step=step)
-
-    def publish_weights(self, cfg: ComposeRunConfig, refs: Refs) -> None:
-        """Each trainer's weights to the engine actor, in-pool."""
-        from unirl_core.compose import pool
-
-        pool.publish_weights(cfg, refs)
+    return ComposePoolExecutor()
 
 
 PROCESS: ProcessExecutors[ComposeInProcessExecutor | ComposePoolExecutor] = ProcessExecutors(
-    ComposeInProcessExecutor, ComposePoolExecutor)
+    ComposeInProcessExecutor, _pool_executor)
 """This process's compose executors."""
 
 

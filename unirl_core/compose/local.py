@@ -18,7 +18,7 @@ from unirl_core.compose.phases import (
 )
 from unirl_core.compose.evaluate import evaluate_compose
 from unirl_core.compose.report import write_step_report
-from unirl_core.loop.local import drive, open_sinks, say
+from unirl_core.loop.local import drive, open_sinks, say, timed
 from unirl_core.report.wandb_log import MetricSinks
 from unirl_core.types import SampleBatch
 
@@ -39,17 +39,10 @@ def progress_line(step: int, total: int, m: dict[str, float], seconds: float) ->
 def compose_step(cfg: ComposeRunConfig, refs: Refs, step: int) -> tuple[Refs, SampleBatch, dict[str, float]]:
     """One step: rollout -> score -> train -> publish; returns the published refs, the scored batch, metrics."""
     t: dict[str, float] = {}
-    t0 = time.perf_counter()
-    batch, metrics = rollout_phase(cfg, refs, step=step)
-    t["rollout"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    batch, m = score_phase(cfg, batch)
-    metrics.update(m)
-    t["score"] = time.perf_counter() - t1
-    t1 = time.perf_counter()
-    refs, m = train_phase(cfg, batch, refs, step=step)
-    metrics.update(m)
-    t["train"] = time.perf_counter() - t1
+    metrics: dict[str, float] = {}
+    batch = timed(t, metrics, "rollout", rollout_phase, cfg, refs, step=step)
+    batch = timed(t, metrics, "score", score_phase, cfg, batch)
+    refs = timed(t, metrics, "train", train_phase, cfg, batch, refs, step=step)
     t1 = time.perf_counter()
     refs = publish_stacks(cfg, refs)
     t["publish"] = time.perf_counter() - t1

@@ -8,26 +8,23 @@ Roles (``ComposePool.make_roles``): ``engine-0`` (``ComposeEngineActor``, the co
 trajectories, ``enhancer_batch`` / ``image_batch`` of the composed batch, in the engines' order) in the object
 store; the phase returns the projection, the driver propagates rewards and computes advantages on it, and each
 trainer copies them onto its full rows (``pool.projection.for_training``, fail-closed on differing log-probs).
-The two trainers train the step concurrently. ``compose.executor.ComposePoolExecutor`` calls these, so ``run_compose_local`` and
-the Flyte tasks run either mode unchanged. Ray is imported on first use only.
+The two trainers train the step concurrently. ``ComposePoolExecutor`` is the compose phases' executor in this mode
+(``compose.executor``). Ray is imported on first use only.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import json
 import logging
 import time
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.compose.config import STACKS, ComposeRunConfig, stack_configs
 from unirl_core.compose.credit import enhancer_batch, image_batch
-from unirl_core.config.loader import to_dict
 from unirl_core.errors import PoolActorDied
 from unirl_core.runtime import build
 from unirl_core.pool import actors, group
-from unirl_core.pool.cluster import REWARD, Pool, _ray_connected, _Role, engine_name
+from unirl_core.pool.cluster import REWARD, Pool, _Role, close_pool, engine_name
 from unirl_core.config.pool import PoolConfig
 from unirl_core.pool.projection import project
 from unirl_core.types import SampleBatch
@@ -109,41 +106,9 @@ class ComposePool(Pool):
                                    pool=PoolConfig(worker_setup_hook=self.cfg.pool.worker_setup_hook))
 
 
-_POOL: ComposePool | None = None
-
-
-def get_pool(cfg: ComposeRunConfig) -> ComposePool:
-    """The process's compose pool for ``cfg`` (another config closes the previous one first)."""
-    global _POOL
-    key = json.dumps(to_dict(cfg), sort_keys=True, default=str)
-    if _POOL is not None and not _ray_connected():
-        _POOL = None  # Ray was shut down under it: its actors are gone
-    if _POOL is None or _POOL.key != key:
-        close_compose_pool()
-        _POOL = ComposePool(cfg, key)
-    return _POOL
-
-
 def close_compose_pool() -> None:
     """Close the process's compose pool, if any (idempotent)."""
-    global _POOL
-    pool, _POOL = _POOL, None
-    if pool is not None:
-        pool.close()
-
-
-atexit.register(close_compose_pool)
-
-
-def rollout_phase(cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, dict[str, float]]:
-    """The composed rollout on the engine actor; returns the projection (``pool.emit``) and the metrics."""
-    return get_pool(cfg).call(ENGINE, "rollout", refs, step, cfg.pool.emit, what=f"composed rollout step {step}")
-
-
-def reward_phase(cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
-    """Score the images of the projection on the reward actor (the scores come back, not the images)."""
-    scores, metrics = get_pool(cfg).call(REWARD, "score", batch, what=f"reward of {len(batch)} images")
-    return actors.apply_scores(batch, scores), metrics
+    close_pool(ComposePool)
 
 
 def _rows_ref(pool: ComposePool, refs: Refs, step: int, stack: str) -> tuple[list, float]:
@@ -158,41 +123,56 @@ def _rows_ref(pool: ComposePool, refs: Refs, step: int, stack: str) -> tuple[lis
     return pool.call(ENGINE, "rows_ref", step, stack, what=what), 1.0
 
 
-def train_phase(cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *,
-                step: int) -> tuple[Refs, dict[str, float]]:
-    """Both trained stacks' updates of step ``step``, concurrently, each on its trainer actor from its full rows
-    with ``batch``'s (the scored projection's) rewards and advantages; writes each stack's (unpublished) version."""
-    pool = get_pool(cfg)
-    t0 = time.perf_counter()
-    scored = {"enhancer": enhancer_batch(batch), "image": image_batch(batch, cfg.grouping)}
-    calls, resampled = [], 0.0
-    for stack in cfg.trained:
-        full, again = _rows_ref(pool, refs, step, stack)
-        resampled += again
-        calls.append((trainer_name(stack), pool.remote(trainer_name(stack), "train", refs[stack], step,
-                                                       scored[stack], *full)))
-    results = group.wait_all(pool, calls, what=f"train step {step}")
-    out, metrics = dict(refs), {"pool/resampled_rows": resampled}
-    for stack, (ref, m) in zip(cfg.trained, results):
-        out[stack] = ref
-        for k, v in m.items():  # "train/x" -> "<stack>/train/x", "pool/trainer_restored" -> "pool/<stack>_..."
-            metrics[f"{stack}/{k}" if k.startswith("train/") else k.replace("pool/", f"pool/{stack}_")] = v
-    metrics["time/train_stacks"] = time.perf_counter() - t0
-    return out, metrics
+class ComposePoolExecutor:
+    """Both stacks on the compose pool's actors (see the module docstring); ``compose.executor`` makes it on first
+    use, so ``run_compose_local`` and the Flyte tasks run either mode unchanged."""
 
+    def rollout(self, cfg: ComposeRunConfig, refs: Refs, *, step: int) -> tuple[SampleBatch, dict[str, float]]:
+        """The composed rollout on the engine actor; returns the projection (``pool.emit``) and the metrics."""
+        return ComposePool.get(cfg).call(ENGINE, "rollout", refs, step, cfg.pool.emit,
+                                         what=f"composed rollout step {step}")
 
-def publish_weights(cfg: ComposeRunConfig, refs: Refs) -> dict[str, float]:
-    """After the stacks' versions are published in the store: each trained stack's weights from its trainer to
-    the engine through the object store. A dead actor or a trainer holding another version is not an error: the
-    engine loads a version it does not serve from the store before its next rollout."""
-    pool = get_pool(cfg)
-    out: dict[str, float] = {}
-    for stack in cfg.trained:
-        ckpt, what = refs[stack], f"publish {stack} v{refs[stack].policy_version}"
-        try:
-            weights = pool.call(trainer_name(stack), "weights", ckpt, what=what)
-            if weights:
-                out[f"pool/{stack}_publish_s"] = pool.call(ENGINE, "load_weights", stack, weights[0], ckpt, what=what)
-        except PoolActorDied as e:
-            log.warning("pool: in-pool publication of %s skipped (%s); the engine loads it from the store", ckpt.uri, e)
-    return out
+    def score(self, cfg: ComposeRunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
+        """Score the images of the projection on the reward actor (the scores come back, not the images)."""
+        scores, metrics = ComposePool.get(cfg).call(REWARD, "score", batch, what=f"reward of {len(batch)} images")
+        return actors.apply_scores(batch, scores), metrics
+
+    def train(self, cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *,
+              step: int) -> tuple[Refs, dict[str, float]]:
+        """Both trained stacks' updates of step ``step``, concurrently, each on its trainer actor from its full rows
+        with ``batch``'s (the scored projection's) rewards and advantages; writes each stack's (unpublished) version."""
+        pool = ComposePool.get(cfg)
+        t0 = time.perf_counter()
+        scored = {"enhancer": enhancer_batch(batch), "image": image_batch(batch, cfg.grouping)}
+        calls, resampled = [], 0.0
+        for stack in cfg.trained:
+            full, again = _rows_ref(pool, refs, step, stack)
+            resampled += again
+            calls.append((trainer_name(stack), pool.remote(trainer_name(stack), "train", refs[stack], step,
+                                                           scored[stack], *full)))
+        results = group.wait_all(pool, calls, what=f"train step {step}")
+        out, metrics = dict(refs), {"pool/resampled_rows": resampled}
+        for stack, (ref, m) in zip(cfg.trained, results):
+            out[stack] = ref
+            for k, v in m.items():  # "train/x" -> "<stack>/train/x", "pool/trainer_restored" -> "pool/<stack>_..."
+                metrics[f"{stack}/{k}" if k.startswith("train/") else k.replace("pool/", f"pool/{stack}_")] = v
+        metrics["time/train_stacks"] = time.perf_counter() - t0
+        return out, metrics
+
+    def publish_weights(self, cfg: ComposeRunConfig, refs: Refs) -> dict[str, float]:
+        """After the stacks' versions are published in the store: each trained stack's weights from its trainer to
+        the engine through the object store. A dead actor or a trainer holding another version is not an error: the
+        engine loads a version it does not serve from the store before its next rollout."""
+        pool = ComposePool.get(cfg)
+        out: dict[str, float] = {}
+        for stack in cfg.trained:
+            ckpt, what = refs[stack], f"publish {stack} v{refs[stack].policy_version}"
+            try:
+                weights = pool.call(trainer_name(stack), "weights", ckpt, what=what)
+                if weights:
+                    out[f"pool/{stack}_publish_s"] = pool.call(ENGINE, "load_weights", stack, weights[0], ckpt,
+                                                               what=what)
+            except PoolActorDied as e:
+                log.warning("pool: in-pool publication of %s skipped (%s); the engine loads it from the store",
+                            ckpt.uri, e)
+        return out

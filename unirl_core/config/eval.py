@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from unirl_core.config.loader import check_ints
 from unirl_core.errors import ConfigError, field_error
 
 
@@ -31,14 +32,8 @@ class EvalConfig:
     """Base seed of the fixed eval noise (diffusion)."""
 
     def __post_init__(self) -> None:
-        for name in ("every_n_steps",):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 0):
-                raise field_error(ConfigError, f"eval.{name}", v, "an integer >= 0", "use 0 to evaluate only at the end")
-        for name in ("num_prompts", "samples_per_prompt"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise field_error(ConfigError, f"eval.{name}", v, "an integer >= 1", "use e.g. 8")
+        check_ints("eval", self, ("every_n_steps",), "use 0 to evaluate only at the end", minimum=0)
+        check_ints("eval", self, ("num_prompts", "samples_per_prompt"), "use e.g. 8")
         if self.weights not in ("policy", "ema"):
             raise field_error(ConfigError, "eval.weights", self.weights, "'policy' or 'ema'", "use 'policy'")
         object.__setattr__(self, "prompts", tuple(self.prompts))

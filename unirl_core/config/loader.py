@@ -19,6 +19,7 @@ names its modules register (prompt sources, environments, presets) are known to 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from typing import Annotated, Any, Literal, Union
@@ -37,6 +38,20 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     if isinstance(data, dict) and data.get("plugins"):
         import_plugins(data["plugins"], f"{path or cls.__name__}.plugins")
     return _convert(cls, data, path or cls.__name__)
+
+
+def check_ints(section: str, obj: Any, names: typing.Iterable[str], fix: str, *, minimum: int = 1) -> None:
+    """Refuse a field of ``obj`` among ``names`` that is not an integer >= ``minimum`` (a bool is none), naming
+    ``<section>.<field>``."""
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise field_error(ConfigError, f"{section}.{name}", v, f"an integer >= {minimum}", fix)
+
+
+def config_key(obj: Any) -> str:
+    """The JSON of a config (section): what a thing built from it is kept by (another value, another thing)."""
+    return json.dumps(to_dict(obj), sort_keys=True, default=str)
 
 
 def to_dict(obj: Any) -> Any:

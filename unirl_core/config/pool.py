@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from unirl_core.config.loader import check_ints
 from unirl_core.errors import ConfigError, field_error
 
 Execution = Literal["pods", "pool"]
@@ -70,12 +71,8 @@ class KubeRayConfig:
         if not (isinstance(self.image, str) and self.image.strip()):
             raise field_error(ConfigError, "pool.kuberay.image", self.image, "a container image",
                               "set it to the train image (pyflyte --image, or the ImageSpec's built name)")
-        if not (isinstance(self.worker_replicas, int) and self.worker_replicas >= 1):
-            raise field_error(ConfigError, "pool.kuberay.worker_replicas", self.worker_replicas,
-                              "an integer >= 1", "e.g. 1")
-        if not (isinstance(self.worker_gpus, int) and self.worker_gpus >= 0):
-            raise field_error(ConfigError, "pool.kuberay.worker_gpus", self.worker_gpus, "an integer >= 0",
-                              "GPUs are whole devices in Kubernetes")
+        check_ints("pool.kuberay", self, ("worker_replicas",), "e.g. 1")
+        check_ints("pool.kuberay", self, ("worker_gpus",), "GPUs are whole devices in Kubernetes", minimum=0)
         for name in ("head_cpus", "worker_cpus"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
@@ -141,12 +138,9 @@ class PoolConfig:
     in the image, or on ``PYTHONPATH`` when the pool starts its own head)."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.num_engines, int) and self.num_engines >= 1):
-            raise field_error(ConfigError, "pool.num_engines", self.num_engines, "an integer >= 1", "use 1")
-        if not (isinstance(self.trainer_ranks, int) and not isinstance(self.trainer_ranks, bool)
-                and self.trainer_ranks >= 1):
-            raise field_error(ConfigError, "pool.trainer_ranks", self.trainer_ranks, "an integer >= 1",
-                              "use 1 (one trainer actor), or the number of GPUs to shard the policy over")
+        check_ints("pool", self, ("num_engines",), "use 1")
+        check_ints("pool", self, ("trainer_ranks",),
+                   "use 1 (one trainer actor), or the number of GPUs to shard the policy over")
         for role in ("engine", "trainer", "reward"):
             getattr(self, role).check(f"pool.{role}")
         if self.placement == "shared":

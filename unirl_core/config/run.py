@@ -11,7 +11,7 @@ from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo import GRPOConfig
 from unirl_core.algorithms.registry import AlgorithmChoice
 from unirl_core.config.deployment_checks import check_lm_deployment
-from unirl_core.config.loader import Sectioned, from_dict
+from unirl_core.config.loader import Sectioned, check_ints, from_dict
 from unirl_core.config.diffusion_sampling import DiffusionSamplingConfig
 from unirl_core.data.prompts import PromptDataConfig, check_prompts_per_step
 from unirl_core.data import sources as prompt_sources
@@ -141,10 +141,7 @@ class DataConfig(Sectioned):
         if self.source == "file" and self.file is None:
             raise field_error(ConfigError, "data.file", None, "a PromptDataConfig for source='file'",
                               "add data.file.path")
-        for name in ("prompts_per_step", "samples_per_prompt"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise field_error(ConfigError, f"data.{name}", v, "an integer >= 1", "use e.g. 4")
+        check_ints("data", self, ("prompts_per_step", "samples_per_prompt"), "use e.g. 4")
         # The prompt count of these sources is known here; a file's is checked where it is read
         # (``unirl_core.runtime.build``).
         if self.source == "inline":
@@ -231,10 +228,7 @@ class LoopConfig:
         if not isinstance(self.rollout_with_trainer, bool):
             raise field_error(ConfigError, "loop.rollout_with_trainer", self.rollout_with_trainer, "true or false",
                               "use false (the default) or true")
-        for name in ("total_steps", "steps_per_chunk", "rollout_shards"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise field_error(ConfigError, f"loop.{name}", v, "an integer >= 1", "use e.g. 1")
+        check_ints("loop", self, ("total_steps", "steps_per_chunk", "rollout_shards"), "use e.g. 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,9 +244,8 @@ class PartialRolloutConfig:
     ``mask``: they leave it."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.interrupt_at_tokens, int) and self.interrupt_at_tokens >= 1):
-            raise field_error(ConfigError, "async_training.partial_rollout.interrupt_at_tokens", self.interrupt_at_tokens,
-                              "an integer >= 1", "e.g. half of lm.sampling.max_new_tokens")
+        check_ints("async_training.partial_rollout", self, ("interrupt_at_tokens",),
+                   "e.g. half of lm.sampling.max_new_tokens")
         if self.old_tokens not in ("mask", "correct"):
             raise field_error(ConfigError, "async_training.partial_rollout.old_tokens", self.old_tokens,
                               "'mask' or 'correct'", "pick one")
@@ -280,10 +273,7 @@ class AsyncTrainingConfig:
     """LM only: generations continue under the version published while they run (``run_local``); None: off."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.max_policy_lag, int) and not isinstance(self.max_policy_lag, bool)
-                and self.max_policy_lag >= 0):
-            raise field_error(ConfigError, "async_training.max_policy_lag", self.max_policy_lag, "an integer >= 0",
-                              "use 0 (synchronous) or e.g. 1")
+        check_ints("async_training", self, ("max_policy_lag",), "use 0 (synchronous) or e.g. 1", minimum=0)
         if self.max_inflight is not None and not (isinstance(self.max_inflight, int) and self.max_inflight >= 1):
             raise field_error(ConfigError, "async_training.max_inflight", self.max_inflight, "None or an integer >= 1",
                               "leave it unset")
@@ -319,10 +309,7 @@ class ReportConfig:
     written every step regardless. 1: every step."""
 
     def __post_init__(self) -> None:
-        n = self.index_every_n_steps
-        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
-            raise field_error(ConfigError, "report.index_every_n_steps", n, "an integer >= 1",
-                              "use 10 (1 re-renders the charts every step)")
+        check_ints("report", self, ("index_every_n_steps",), "use 10 (1 re-renders the charts every step)")
 
     def renders_index(self, step: int, total_steps: int) -> bool:
         """Whether step ``step``'s report re-renders ``index.html``."""
@@ -562,8 +549,7 @@ def check_rollout_seeds(cfg: RunConfig) -> None:
 
 
 def _check_full_state(ck: CheckpointConfig, pool: PoolConfig) -> None:
-    if not (isinstance(ck.every_n_steps, int) and ck.every_n_steps >= 1):
-        raise field_error(ConfigError, "checkpoint.every_n_steps", ck.every_n_steps, "an integer >= 1", "use 1")
+    check_ints("checkpoint", ck, ("every_n_steps",), "use 1")
     if ck.full_state not in ("file", "sharded"):
         raise field_error(ConfigError, "checkpoint.full_state", ck.full_state, "'file' or 'sharded'", "use 'file'")
     if pool.execution != "pool" and ck.full_state != "file":

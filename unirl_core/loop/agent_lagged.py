@@ -30,6 +30,7 @@ from unirl_core.loop.executors import in_process
 from unirl_core.loop.phases import sample_step
 from unirl_core.rollout.manager import RolloutRequest
 from unirl_core.rollout.turn_gate import TurnGate
+from unirl_core.runtime.steps import token_rates
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,8 @@ def agentic_rollout(cfg: RunConfig, req: RolloutRequest, *, gate: TurnGate, ref_
                                      num_shards=cfg.loop.rollout_shards, weights="policy", started=t0, turn_hook=hook,
                                      resources=resources)
         busy = max(metrics["rollout/seconds"] - hook.wait_s, 1e-9)
-        lens = [p.segment.num_response_tokens for p in batch.generated]
         metrics.update({"rollout/seconds": busy, "rollout/agent_suspend_wait_s": hook.wait_s,
-                        "rollout/tokens_per_s": sum(lens) / busy})
+                        **token_rates(batch, busy)})
         return batch, metrics
     finally:
         gate.leave()

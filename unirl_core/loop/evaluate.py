@@ -31,10 +31,7 @@ def eval_prompts(cfg) -> list[PromptRecord]:
     ev = cfg.eval
     if ev.prompts:
         return [PromptRecord(prompt_id=f"eval-{i:05d}", prompt=p) for i, p in enumerate(ev.prompts)]
-    d = cfg.data
-    if d.source in ("inline", "file"):
-        raise field_error(ConfigError, "eval.prompts", (), f"held-out prompts for data.source={d.source!r}",
-                          "list eval.prompts")
+    d = cfg.data  # an inline or file source has eval.prompts (check_eval_config)
     from unirl_core.data.sources import prompt_source
 
     gen = d.generator()
@@ -71,6 +68,7 @@ def eval_phase(cfg, ckpt: CheckpointRef, *,
     from unirl_core.runtime import build
     from unirl_core.loop.executors import in_process
     from unirl_core.loop.phases import EMA_POLICY_VERSION, reward_phase
+    from unirl_core.runtime.steps import generate_lm
     from unirl_core.rollout.ar import TrainsideAREngine
     from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
 
@@ -93,12 +91,7 @@ def eval_phase(cfg, ckpt: CheckpointRef, *,
         batch = engine.generate(request, noise=NoiseRecipe(base_seed=ev.seed))
     else:
         engine = TrainsideAREngine(policy, dataclasses.replace(cfg.lm.engine, seed=ev.seed), policy_version=version)
-        if cfg.lm.agent is not None:
-            from unirl_core.rollout.agentic import AgenticEngine
-
-            batch = AgenticEngine(engine, cfg.lm.agent).generate(request)
-        else:
-            batch = engine.generate(request)
+        batch, _ = generate_lm(cfg, engine, request)
     sample_s = time.perf_counter() - t0
     batch, reward = reward_phase(cfg, batch)
     metrics = {f"eval/{k}": v for k, v in reward.items()

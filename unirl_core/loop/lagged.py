@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Protocol
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -36,6 +35,7 @@ from unirl_core.rollout.ar import TrainsideAREngine
 from unirl_core.rollout.manager import ManagerConfig, RolloutManager, RolloutRequest, check_batch_provenance
 from unirl_core.rollout.partial import continue_generation
 from unirl_core.rollout.turn_gate import TurnGate
+from unirl_core.runtime.steps import token_rates
 from unirl_core.sde.noise import stable_seed
 from unirl_core.types import SampleBatch
 
@@ -70,54 +70,22 @@ class _Inline:
         pass
 
 
-class RolloutSource(Protocol):
+class RolloutSource:
     """What the driver asks of a rollout source, once per step in this order: ``take``, ``before_publish`` (after
-    train), ``mark_available`` (after publish), ``quiesce`` (before an eval), ``published`` (after the step)."""
+    train), ``mark_available`` (after publish), ``quiesce`` (before an eval), ``published`` (after the step); all
+    but ``take`` have nothing to do here."""
 
-    background_writes: bool
+    background_writes: bool = True
     """True when nothing reads the store before the next train phase: versions are written in the background."""
 
-    def take(self, step: int) -> tuple[list[SampleBatch], list[dict[str, float]], dict[str, float]]: ...
-
-    def before_publish(self) -> dict[str, float]: ...
-
-    def mark_available(self, ckpt: CheckpointRef) -> None: ...
-
-    def quiesce(self) -> None: ...
-
-    def published(self, ckpt: CheckpointRef) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def rollout_source(cfg: RunConfig, ckpt: CheckpointRef) -> RolloutSource:
-    """The rollout source of a run resumed at ``ckpt``: lagged under ``async_training.max_policy_lag`` > 0 (when
-    steps remain), else the step's own."""
-    if cfg.async_training.max_policy_lag and ckpt.step < cfg.loop.total_steps:
-        return LaggedRollouts(cfg, ckpt)
-    return SyncRollouts(cfg, ckpt)
-
-
-class SyncRollouts:
-    """Lag 0: ``take(n)`` samples every shard of step ``n`` with the version the step trains from, the trainer's
-    copy of it (``rollout_phase(trainer_copy=True)``); the other calls have nothing to do."""
-
-    background_writes = True
-
-    def __init__(self, cfg: RunConfig, ckpt: CheckpointRef) -> None:
-        self.cfg, self._ckpt = cfg, ckpt
-
     def take(self, step: int) -> tuple[list[SampleBatch], list[dict[str, float]], dict[str, float]]:
-        shards, ckpt = self.cfg.loop.rollout_shards, self._ckpt
-        got = [rollout_phase(self.cfg, ckpt, step=step, shard=s, num_shards=shards, trainer_copy=True)
-               for s in range(shards)]
-        return [b for b, _ in got], [m for _, m in got], {}
+        raise NotImplementedError
 
     def before_publish(self) -> dict[str, float]:
         return {}
 
     def mark_available(self, ckpt: CheckpointRef) -> None:
-        self._ckpt = ckpt
+        pass
 
     def quiesce(self) -> None:
         pass
@@ -129,7 +97,32 @@ class SyncRollouts:
         pass
 
 
-class LaggedRollouts:
+def rollout_source(cfg: RunConfig, ckpt: CheckpointRef) -> RolloutSource:
+    """The rollout source of a run resumed at ``ckpt``: lagged under ``async_training.max_policy_lag`` > 0 (when
+    steps remain), else the step's own."""
+    if cfg.async_training.max_policy_lag and ckpt.step < cfg.loop.total_steps:
+        return LaggedRollouts(cfg, ckpt)
+    return SyncRollouts(cfg, ckpt)
+
+
+class SyncRollouts(RolloutSource):
+    """Lag 0: ``take(n)`` samples every shard of step ``n`` with the version the step trains from, the trainer's
+    copy of it (``rollout_phase(trainer_copy=True)``)."""
+
+    def __init__(self, cfg: RunConfig, ckpt: CheckpointRef) -> None:
+        self.cfg, self._ckpt = cfg, ckpt
+
+    def take(self, step: int) -> tuple[list[SampleBatch], list[dict[str, float]], dict[str, float]]:
+        shards, ckpt = self.cfg.loop.rollout_shards, self._ckpt
+        got = [rollout_phase(self.cfg, ckpt, step=step, shard=s, num_shards=shards, trainer_copy=True)
+               for s in range(shards)]
+        return [b for b, _ in got], [m for _, m in got], {}
+
+    def mark_available(self, ckpt: CheckpointRef) -> None:
+        self._ckpt = ckpt
+
+
+class LaggedRollouts(RolloutSource):
     """``run_local``'s rollout source under a lag: a ``RolloutManager`` over ``rollout_phase`` (pinned versions).
 
     ``take(step)`` returns the step's shard batches, their metrics and ``async/*`` metrics; ``published(ckpt)``
@@ -234,12 +227,9 @@ class LaggedRollouts:
         gen = torch.Generator(device=next(policy.module.parameters()).device).manual_seed(seed)
         batch, more = continue_generation(engine, batch, max_new_tokens=cfg.lm.sampling.max_new_tokens, generator=gen,
                                           old_tokens=partial.old_tokens)
-        lens = [p.segment.num_response_tokens for p in batch.generated]
         busy = first_s + time.perf_counter() - t1 - waited
         metrics.update(more)
-        metrics.update({"rollout/seconds": busy, "rollout/partial_wait_s": waited,
-                        "rollout/response_tokens_mean": sum(lens) / max(len(lens), 1),
-                        "rollout/tokens_per_s": sum(lens) / max(busy, 1e-9)})
+        metrics.update({"rollout/seconds": busy, "rollout/partial_wait_s": waited, **token_rates(batch, busy)})
         return batch, metrics
 
     def _wait_for(self, version: int) -> None:

@@ -131,6 +131,16 @@ def drive(first: int, total: int, step: Callable[[int], tuple[dict, SampleBatch]
     return history
 
 
+def timed(times: dict[str, float], metrics: dict, name: str, phase: Callable, *args, **kwargs):
+    """``phase(*args, **kwargs)``, which returns (output, metrics): its metrics go into ``metrics``, its seconds
+    into ``times[name]``; returns the output."""
+    t0 = time.perf_counter()
+    out, m = phase(*args, **kwargs)
+    metrics.update(m)
+    times[name] = time.perf_counter() - t0
+    return out
+
+
 def _model_name(cfg: RunConfig) -> str:
     model = cfg.section.model
     return str(getattr(model, "model", None) or getattr(model, "source", "?"))
@@ -227,25 +237,14 @@ def rl_step(cfg: RunConfig, ckpt: CheckpointRef, step: int,
     metrics.update(extra)
     batch = SampleBatch.concat(parts)
     t["rollout"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    batch, m = reward_phase(cfg, batch)
-    metrics.update(m)
-    t["reward"] = time.perf_counter() - t1
+    batch = timed(t, metrics, "reward", reward_phase, cfg, batch)
     if cfg.filter_groups is not None:
-        t1 = time.perf_counter()
-        batch, m = dynamic_sampling_phase(cfg, batch, ckpt, step=step)
-        metrics.update(m)
-        t["dynamic_sampling"] = time.perf_counter() - t1
-    t1 = time.perf_counter()
-    batch, m = advantage_phase(cfg, batch, ckpt)
-    metrics.update(m)
-    t["advantage"] = time.perf_counter() - t1
-    t1 = time.perf_counter()
+        batch = timed(t, metrics, "dynamic_sampling", dynamic_sampling_phase, cfg, batch, ckpt, step=step)
+    batch = timed(t, metrics, "advantage", advantage_phase, cfg, batch, ckpt)
     # lag 0: nothing reads the store until the next train phase, so the version is written on a background
     # thread while the next rollout samples with the trainer's copy of its weights
-    ckpt, m = train_phase(cfg, batch, ckpt, step=step, asynchronous=rollouts.background_writes)
-    metrics.update(m)
-    t["train"] = time.perf_counter() - t1
+    ckpt = timed(t, metrics, "train", train_phase, cfg, batch, ckpt, step=step,
+                 asynchronous=rollouts.background_writes)
     t1 = time.perf_counter()
     metrics.update(rollouts.before_publish())  # pool: no rollout may be mid-sample on the engines' weights
     published = publish_phase(cfg, ckpt, asynchronous=rollouts.background_writes)

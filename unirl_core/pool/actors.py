@@ -280,10 +280,8 @@ class TrainerActor(_Actor):
         """``train``, with version ``step`` written on this actor's writer thread from a snapshot (one rank only):
         the ref returns before the version exists, as ``run_local``'s in-process train phase does. The next
         ``train*`` call (and a restore) waits for the write first and raises its failure; ``publish_version`` has
-        the thread move ``LATEST`` once it is written; ``wait_version`` waits for it."""
-        if self.cfg.pool.trainer_ranks != 1:
-            raise field_error(ConfigError, "pool.trainer_ranks", self.cfg.pool.trainer_ranks, "1 for background "
-                              "version writes", "train with train() (each rank's write is collective)")
+        the thread move ``LATEST`` once it is written; ``wait_version`` waits for it. The pool's executor asks for it
+        with one trainer rank only (each rank's write is collective)."""
         return self._train(ckpt, step, scored, shards, background=True)
 
     def publish_version(self, ckpt: CheckpointRef) -> bool:
@@ -320,11 +318,7 @@ class TrainerActor(_Actor):
     def _train(self, ckpt: CheckpointRef, step: int, scored: SampleBatch, shards: tuple[SampleBatch, ...], *,
                background: bool) -> tuple[CheckpointRef, dict[str, float]]:
         cfg, backend = self.cfg, self.backend
-        restored = self.state != _version(ckpt) or backend.step_count != ckpt.step
-        if restored:
-            self.state = None
-            self.extra = self._restore(ckpt)
-            self.state = _version(ckpt)
+        restored = self._hold(ckpt)
         batch = for_training(SampleBatch.concat(list(shards)), scored)
         steps.check_policy_lag(cfg, batch, ckpt)
         steps.check_replay_schedule(cfg, batch, backend.policy)
@@ -360,6 +354,15 @@ class TrainerActor(_Actor):
             out.update({"checkpoint/wait_s": waited, "checkpoint/previous_write_s": self._writer.last_seconds})
         out["pool/trainer_restored"] = float(restored)
         return ref, out
+
+    def _hold(self, ckpt: CheckpointRef) -> bool:
+        """Make the resident state version ``ckpt`` (restoring it when it is another); True when restored."""
+        if self.state == _version(ckpt) and self.backend.step_count == ckpt.step:
+            return False
+        self.state = None
+        self.extra = self._restore(ckpt)
+        self.state = _version(ckpt)
+        return True
 
     def _write_sharded(self, *, last: bool) -> None:
         """Start the sharded state write of the step just trained; the previous one must be complete first

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import json
 import logging
 import os
 import socket
@@ -18,7 +17,7 @@ import sys
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from unirl_core.config.loader import to_dict
+from unirl_core.config.loader import config_key
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import ConfigError, PoolActorDied, TransientError, field_error
 from unirl_core.pool import actors, transport
@@ -251,6 +250,14 @@ class Pool:
         group), so a step does not ask again; emptied when the handle is dropped or re-created."""
         return self._memo.setdefault(name, {})
 
+    def remembered(self, name: str, method: str, *, what: str, again: bool = False):
+        """``call(name, method)``, asked once per incarnation of actor ``name`` (kept in ``memo`` under
+        ``method``); ``again``: ask anew."""
+        memo = self.memo(name)
+        if again or method not in memo:
+            memo[method] = self.call(name, method, what=what)
+        return memo[method]
+
     @property
     def live(self) -> list[str]:
         """Names of the actors this process holds handles of (created, not known dead)."""
@@ -358,39 +365,33 @@ class Pool:
 
     # ----------------------------------------------------------------------------- the singleton
 
-    @staticmethod
-    def get(cfg: RunConfig) -> Pool:
-        """The process's pool for ``cfg`` (another config closes the previous pool first)."""
-        global _POOL
-        key = pool_key(cfg)
-        if _POOL is not None and not _ray_connected():
-            _POOL = None  # Ray was shut down under it: its actors are gone
-        if _POOL is not None and _POOL.key == key:
-            return _POOL
-        close_pool()
-        _POOL = Pool(cfg, key)
-        return _POOL
+    @classmethod
+    def get(cls, cfg) -> Pool:
+        """The process's pool of this class (a compose run's is another) for ``cfg``: the config the actors were
+        built from; another config closes the previous pool first."""
+        key = config_key(cfg)
+        if cls in _POOLS and not _ray_connected():
+            del _POOLS[cls]  # Ray was shut down under it: its actors are gone
+        if cls in _POOLS and _POOLS[cls].key == key:
+            return _POOLS[cls]
+        close_pool(cls)
+        _POOLS[cls] = cls(cfg, key)
+        return _POOLS[cls]
 
 
-_POOL: Pool | None = None
+_POOLS: dict[type[Pool], Pool] = {}
 
 
-def pool_key(cfg: RunConfig) -> str:
-    """The config the actors were built from: another config gets other actors."""
-    return json.dumps(to_dict(cfg), sort_keys=True, default=str)
-
-
-def close_pool() -> None:
-    """Close the process's pool, if any (idempotent)."""
-    global _POOL
-    pool, _POOL = _POOL, None
+def close_pool(cls: type[Pool] = Pool) -> None:
+    """Close the process's pool of class ``cls``, if any (idempotent)."""
+    pool = _POOLS.pop(cls, None)
     if pool is not None:
         pool.close()
 
 
 def current_pool() -> Pool | None:
-    return _POOL
+    return _POOLS.get(Pool)
 
 
-atexit.register(close_pool)
+atexit.register(lambda: [close_pool(cls) for cls in reversed(list(_POOLS))])
 

@@ -13,7 +13,6 @@ from typing import Literal
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
-from unirl_core.errors import ConfigError, field_error
 from unirl_core.pool import phases as pool_phases
 from unirl_core.pool.cluster import Pool
 from unirl_core.runtime.inprocess import publish_in_store
@@ -34,10 +33,7 @@ class PoolExecutor:
                 weights: Literal["policy", "ema"], gen_round: int = 0,
                 trainer_copy: bool = False) -> tuple[SampleBatch, dict[str, float]]:
         """One shard on its engine actor (``trainer_copy`` is the engine actors' own business: they get every
-        version from the trainer in-pool)."""
-        if gen_round:
-            raise field_error(ConfigError, "filter_groups", "set", "unset with pool.execution='pool'",
-                              "dynamic sampling runs in pods mode only")
+        version from the trainer in-pool; ``gen_round`` is 0: config refuses dynamic sampling in the pool)."""
         return pool_phases.rollout_phase(cfg, ckpt, step=step, shard=shard, num_shards=num_shards, weights=weights)
 
     def score(self, cfg: RunConfig, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:

@@ -41,13 +41,6 @@ def rank0(pool) -> str:
     return names(pool)[0]
 
 
-def _token(pool, name: str) -> str | None:
-    memo = pool.memo(name)
-    if pool.detached or "group" not in memo:  # attached: another task process may have re-opened the group
-        memo["group"] = pool.call(name, "current_group", what="opening the trainer group")
-    return memo["group"]
-
-
 def ready(pool) -> bool:
     """True when every rank is alive in this process's view and all are in one open group (no actor created)."""
     ranks = names(pool)
@@ -55,7 +48,9 @@ def ready(pool) -> bool:
         return True
     if any(n not in pool.live for n in ranks):
         return False
-    tokens = {_token(pool, n) for n in ranks}
+    # attached: another task process may have re-opened the group
+    tokens = {pool.remembered(n, "current_group", what="opening the trainer group", again=pool.detached)
+              for n in ranks}
     return len(tokens) == 1 and None not in tokens
 
 
@@ -71,7 +66,7 @@ def ensure(pool) -> None:
     calls = [(n, pool.remote(n, "join_group", token, addr, port, r, len(ranks))) for r, n in enumerate(ranks)]
     wait_all(pool, calls, what=f"opening the trainer group of {len(ranks)} ranks")
     for n in ranks:
-        pool.memo(n)["group"] = token
+        pool.memo(n)["current_group"] = token
 
 
 def call(pool, method: str, *args, what: str):
@@ -130,20 +125,18 @@ def wait_all(pool, calls: list[tuple[str, object]], *, what: str) -> list:
         name = pending.pop(ref)
         try:
             results[ref] = ray.get(ref)
-        except RayActorError as e:
-            died = pool._died(name, e, what)
-            if group & ({name} | set(pending.values())):
-                kill(pool)
-            if name in group:
-                died = PoolActorDied(f"{died} (the trainer group of {len(group)} ranks is re-created with it)")
-            raise died from e
         except Exception as e:
-            died = _died_meanwhile(pool, pending, what)  # a peer's death explains a collective's error: name it
+            if isinstance(e, RayActorError):
+                died = pool._died(name, e, what)
+                if name in group:
+                    died = PoolActorDied(f"{died} (the trainer group of {len(group)} ranks is re-created with it)")
+            else:  # a peer's death explains a collective's error: name it
+                died = _died_meanwhile(pool, pending, what)
             if group & ({name} | set(pending.values())):
                 kill(pool)
-            if died is not None:
-                raise died from e
-            raise
+            if died is None:
+                raise
+            raise died from e
     return [results[ref] for _, ref in calls]
 
 
@@ -172,13 +165,7 @@ def _died_meanwhile(pool, pending: dict, what: str) -> PoolActorDied | None:
 def placements(pool) -> list[tuple]:
     """(node id, GPU ids) of every trainer rank (remembered per incarnation)."""
     ensure(pool)
-    out = []
-    for n in names(pool):
-        memo = pool.memo(n)
-        if "placement" not in memo:
-            memo["placement"] = pool.call(n, "placement", what="publish")
-        out.append(memo["placement"])
-    return out
+    return [pool.remembered(n, "placement", what="publish") for n in names(pool)]
 
 
 def holds(pool, ckpt) -> bool:

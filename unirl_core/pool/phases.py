@@ -14,7 +14,7 @@ from typing import Literal
 
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
-from unirl_core.errors import CheckpointError, ConfigError, PoolActorDied, field_error
+from unirl_core.errors import CheckpointError, PoolActorDied, field_error
 from unirl_core.runtime import build
 from unirl_core.pool import actors, group
 from unirl_core.pool.cluster import REWARD, Pool, engine_name
@@ -39,16 +39,11 @@ def rollout_phase(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int 
                   weights: Literal["policy", "ema"] = "policy") -> tuple[SampleBatch, dict[str, float]]:
     """Sample one shard on its engine actor; returns the projection (``pool.emit``) and the metrics. The full
     batch stays in the pool for ``train_phase``."""
-    pool = Pool.get(cfg)
-    name = _engine_of(cfg, shard)
-    what = f"rollout step {step} shard {shard}"
-    if _shared(cfg):  # the trainer's module samples: its EMA too
-        return pool.call(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit, weights, what=what)
-    if weights != "policy":
-        raise field_error(ConfigError, "weights", weights, "'policy' with pool.placement="
-                          f"{cfg.pool.placement!r}", "sample EMA weights with pool.placement 'shared' (the trainer's "
-                          "EMA) or execution 'pods' (the pool's engine actors hold the policy)")
-    return pool.call(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit, what=what)
+    pool, name, what = Pool.get(cfg), _engine_of(cfg, shard), f"rollout step {step} shard {shard}"
+    # the shared actor's module samples its EMA too; engine actors hold the policy only (config refuses EMA
+    # rollouts there)
+    extra = (weights,) if _shared(cfg) else ()
+    return pool.call(name, "rollout", ckpt, step, shard, num_shards, cfg.pool.emit, *extra, what=what)
 
 
 def submit_rollout(cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int,
@@ -204,7 +199,7 @@ def _collective_fits(pool: Pool, engines: list[str]) -> bool:
     on one device, so those versions go through the object store."""
     for node, gpus in group.placements(pool):
         for name in engines:
-            other_node, other_gpus = _placement(pool, name)
+            other_node, other_gpus = pool.remembered(name, "placement", what="publish")  # an actor does not move
             if other_node == node and set(gpus) & set(other_gpus):
                 log.info("pool: %s shares GPU %s with a trainer rank; publishing through the object store", name,
                          sorted(set(gpus) & set(other_gpus)))
@@ -212,20 +207,10 @@ def _collective_fits(pool: Pool, engines: list[str]) -> bool:
     return True
 
 
-def _placement(pool: Pool, name: str) -> tuple:
-    memo = pool.memo(name)
-    if "placement" not in memo:  # an actor does not move
-        memo["placement"] = pool.call(name, "placement", what="publish")
-    return memo["placement"]
-
-
 def _sync_token(pool: Pool, name: str) -> str | None:
     """The publish group actor ``name`` is in. Remembered between steps only when this process is the pool's one
     driver (no ``pool.address``): attached, another task process may re-open the group on the same actors."""
-    memo = pool.memo(name)
-    if pool.detached or "sync" not in memo:
-        memo["sync"] = pool.call(name, "current_sync", what="publish")
-    return memo["sync"]
+    return pool.remembered(name, "current_sync", what="publish", again=pool.detached)
 
 
 def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
@@ -235,22 +220,13 @@ def _gather(pool: Pool, calls: list[tuple[str, object]], what: str) -> list:
         return group.wait_all(pool, calls, what=what)
     except Exception:
         for name, _ in calls:
-            pool.memo(name).pop("sync", None)
+            pool.memo(name).pop("current_sync", None)
             if name in pool.live:
                 try:
                     pool.call(name, "close_sync", what="closing the publish group")
                 except PoolActorDied:
                     pass
         raise
-
-
-def _sync_ranks(pool: Pool, name: str) -> int:
-    """Ranks engine ``name`` brings to the publish group: 1, or 2 for a vLLM engine actor (its bundle and its
-    server's worker)."""
-    memo = pool.memo(name)
-    if "sync_ranks" not in memo:  # an actor does not change kind
-        memo["sync_ranks"] = int(pool.call(name, "sync_ranks", what="publish"))
-    return memo["sync_ranks"]
 
 
 def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str, float]:
@@ -264,7 +240,8 @@ def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str,
         token = uuid.uuid4().hex
         addr, port = pool.call(trainers[0], "sync_endpoint", what="publish")
         dtypes = pool.call(engines[0], "sync_dtypes", what="publish")
-        counts = [_sync_ranks(pool, name) for name in engines]
+        # 1 rank per engine, 2 for a vLLM engine actor (its bundle and its server's worker); an actor keeps its kind
+        counts = [int(pool.remembered(name, "sync_ranks", what="publish")) for name in engines]
         firsts = [1 + sum(counts[:i]) for i in range(len(engines))]
         n = sum(counts)
         # the other trainer ranks follow rank 0's sends (their shards' gathers) with the same casts
@@ -273,7 +250,7 @@ def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str,
                   for first, name in zip(firsts, engines)]
         _gather(pool, calls, "opening the publish group")
         for name in members:
-            pool.memo(name)["sync"] = token
+            pool.memo(name)["current_sync"] = token
         opened = 1.0
     what = f"publish v{ckpt.policy_version} (collective)"
     calls = [(name, pool.remote(name, "broadcast_weights", ckpt)) for name in trainers]

@@ -35,7 +35,7 @@ import torch
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.runtime import steps
-from unirl_core.pool.actors import TrainerActor, _version
+from unirl_core.pool.actors import TrainerActor
 from unirl_core.config.pool import Emit
 from unirl_core.pool.projection import project
 from unirl_core.types import SampleBatch
@@ -54,17 +54,6 @@ class SharedActor(TrainerActor):
         self._held_lock = threading.Lock()  # release runs in the query group's thread
         self._restored = False  # the state was restored since the last train call (reported by train)
 
-    def _hold(self, ckpt: CheckpointRef) -> bool:
-        """Make the resident state version ``ckpt`` (restoring it when it is another); True when restored."""
-        backend = self.backend
-        if self.state == _version(ckpt) and backend.step_count == ckpt.step:
-            return False
-        self.state = None
-        self.extra = self._restore(ckpt)
-        self.state = _version(ckpt)
-        self._restored = True
-        return True
-
     def served_version(self) -> tuple[str, int] | None:
         """The version the engine samples with: the trainer's resident one (None while none is)."""
         return self.state
@@ -75,6 +64,7 @@ class SharedActor(TrainerActor):
         keeps the full batch here for ``train`` and returns the projection (``emit``) and the metrics."""
         t0 = time.perf_counter()
         restored = self._hold(ckpt)
+        self._restored = self._restored or restored
         backend = self.backend
         if weights == "ema" and backend.ema is None:
             raise field_error(ConfigError, "train.ema_decay", None, "a decay, to sample with the trainer's EMA",

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from unirl_core.algorithms.registry import build_algorithm
 from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_weights
-from unirl_core.config.loader import to_dict
+from unirl_core.config.loader import config_key
 from unirl_core.config.run import RunConfig
 from unirl_core.data.prompts import PromptDataset, check_prompts_per_step, load_prompts
 from unirl_core.data.sources import prompt_source
@@ -45,10 +45,6 @@ log = logging.getLogger(__name__)
 _REWARDS: dict[str, RewardService] = {}
 _DATASETS: dict[str, PromptDataset] = {}
 _INITIAL_DIRS: dict[str, str] = {}
-
-
-def _key(obj: object) -> str:
-    return json.dumps(to_dict(obj), sort_keys=True, default=str)
 
 
 def fresh_bundle(cfg: RunConfig):
@@ -94,7 +90,7 @@ def store(cfg: RunConfig) -> CheckpointStore:
 
 
 def reward_service(cfg: RunConfig) -> RewardService:
-    key = _key(cfg.reward)
+    key = config_key(cfg.reward)
     if key not in _REWARDS:
         _REWARDS[key] = RewardService(cfg.reward)
     return _REWARDS[key]
@@ -113,7 +109,7 @@ def _build_dataset(cfg: RunConfig) -> PromptDataset:
 
 
 def dataset(cfg: RunConfig) -> PromptDataset:
-    key = _key(cfg.data)
+    key = config_key(cfg.data)
     if key not in _DATASETS:
         _DATASETS[key] = _build_dataset(cfg)
     return _DATASETS[key]
@@ -297,7 +293,7 @@ def engine_key(cfg: RunConfig) -> str:
     """What a started engine is for: its kind, what it starts from and its section (another key: another engine)."""
     engine_cfg = cfg.lm.dedicated
     source = initial_policy_uri(cfg) if needs_initial_policy(cfg) else engine_cfg.model
-    return f"{cfg.lm.deployment.engine}:{source}:{_key(engine_cfg)}"
+    return f"{cfg.lm.deployment.engine}:{source}:{config_key(engine_cfg)}"
 
 
 def stop_engine(slot: EngineSlot) -> None:

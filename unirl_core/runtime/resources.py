@@ -13,10 +13,10 @@ import atexit
 import gc
 import weakref
 
+from unirl_core.config.loader import config_key
 from unirl_core.config.run import RunConfig
 from unirl_core.runtime.build import (
     EngineSlot,
-    _key,
     algorithm,
     engine_key,
     fresh_bundle,
@@ -40,7 +40,7 @@ class Resources:
     def bundle(self, cfg: RunConfig):
         """The rollout bundle (a Policy) for ``cfg``'s model. Its trainable weights are whatever the last phase
         loaded: always load a version into it before use."""
-        key = f"{cfg.family}:{_key(cfg.section.model)}"
+        key = f"{cfg.family}:{config_key(cfg.section.model)}"
         if key not in self._bundles:
             self._bundles[key] = fresh_bundle(cfg)
         return self._bundles[key]
@@ -48,7 +48,7 @@ class Resources:
     def trainer(self, cfg: RunConfig) -> TrainBackend:
         """The train backend: a bundle of its own (never ``bundle(cfg)``, which the rollout samples with). Restore a
         version into it before every step: it holds whatever the last train phase left."""
-        key = f"{cfg.family}:{_key(cfg.section.model)}:{_key(cfg.train)}:{_key(cfg.section.algorithm)}"
+        key = f"{cfg.family}:{config_key(cfg.section.model)}:{config_key(cfg.train)}:{config_key(cfg.section.algorithm)}"
         if key not in self._trainers:
             if self._trainers:
                 self._trainers.clear()  # one trainer at a time: a model copy plus optimizer state each

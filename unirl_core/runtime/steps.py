@@ -97,12 +97,8 @@ def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard
     else:
         engine_cfg = dataclasses.replace(section.engine, seed=seed, micro_batch_tokens=cfg.train.micro_batch_tokens)
         engine = TrainsideAREngine(policy, engine_cfg, policy_version=version)
-        if cfg.lm.agent is not None:  # multi-turn episodes with the run's environment
-            agentic = AgenticEngine(engine, cfg.lm.agent)
-            batch = agentic.generate(request, hook=turn_hook)
-            metrics.update({f"rollout/{k}": v for k, v in agentic.last_metrics.items()})
-        else:
-            batch = engine.generate(request)
+        batch, agent_metrics = generate_lm(cfg, engine, request, hook=turn_hook)
+        metrics.update(agent_metrics)
         if engine.last_decode_rescore_absdiff is not None:
             # How far the KV-cached decode drifts from the full forward (recorded log-probs come from the latter).
             metrics["rollout/decode_rescore_absdiff_max"] = engine.last_decode_rescore_absdiff
@@ -111,10 +107,25 @@ def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard
     seconds = time.perf_counter() - t0
     metrics.update({"rollout/samples": float(len(batch)), "rollout/seconds": seconds})
     if cfg.family == "lm":
-        lens = [p.segment.num_response_tokens for p in batch.generated]
-        metrics["rollout/response_tokens_mean"] = sum(lens) / max(len(lens), 1)
-        metrics["rollout/tokens_per_s"] = sum(lens) / max(seconds, 1e-9)
+        metrics.update(token_rates(batch, seconds))
     return batch, metrics
+
+
+def generate_lm(cfg: RunConfig, engine, request: SampleBatch, *, hook=None) -> tuple[SampleBatch, dict[str, float]]:
+    """``engine``'s completions of ``request``: with ``lm.agent`` multi-turn episodes with the run's environment
+    (turns sampled by ``engine``, token ids in and out) and their ``rollout/*`` metrics; else one each, no metrics."""
+    if cfg.lm.agent is None:
+        return engine.generate(request), {}
+    agentic = AgenticEngine(engine, cfg.lm.agent)
+    batch = agentic.generate(request, hook=hook)
+    return batch, {f"rollout/{k}": v for k, v in agentic.last_metrics.items()}
+
+
+def token_rates(batch: SampleBatch, seconds: float) -> dict[str, float]:
+    """``rollout/response_tokens_mean`` and ``rollout/tokens_per_s`` of an LM batch sampled in ``seconds``."""
+    lens = [p.segment.num_response_tokens for p in batch.generated]
+    return {"rollout/response_tokens_mean": sum(lens) / max(len(lens), 1),
+            "rollout/tokens_per_s": sum(lens) / max(seconds, 1e-9)}
 
 
 def _dedicated_rollout(cfg: RunConfig, policy, ckpt: CheckpointRef, request: SampleBatch, *, where: str,
@@ -135,13 +146,7 @@ def _dedicated_rollout(cfg: RunConfig, policy, ckpt: CheckpointRef, request: Sam
         slot.prune_staging()
     slot.asleep_level = 0
     t0 = time.perf_counter()
-    agent_metrics = {}
-    if cfg.lm.agent is not None:  # multi-turn episodes, turns sampled by the server (token ids in and out)
-        agentic = AgenticEngine(engine, cfg.lm.agent)
-        batch = agentic.generate(request)
-        agent_metrics = {f"rollout/{k}": v for k, v in agentic.last_metrics.items()}
-    else:
-        batch = engine.generate(request)
+    batch, agent_metrics = generate_lm(cfg, engine, request)
     generate_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     agreement = replay_agreement(policy, batch, micro_batch_size=cfg.train.micro_batch_size)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from unirl_core.config.loader import Sectioned, from_dict
-from unirl_core.config.recipes import load_recipe_dict, recipe_names, recipe_path
+from unirl_core.config.loader import Sectioned, check_ints, from_dict
+from unirl_core.config.recipes import load_recipe_dict, recipe_names
 from unirl_core.config.run import CheckpointConfig, check_name_and_family
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import DiffusionModelConfig
@@ -94,9 +94,7 @@ class SFTLMSection:
     """Completions are cut to this many tokens (EOS included); longer ones are truncated, not dropped."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.max_completion_tokens, int) and self.max_completion_tokens >= 1):
-            raise field_error(ConfigError, "lm.max_completion_tokens", self.max_completion_tokens, "an integer >= 1",
-                              "use e.g. 256")
+        check_ints("lm", self, ("max_completion_tokens",), "use e.g. 256")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,8 +129,7 @@ class SFTDataConfig(Sectioned):
         if self.source == "jsonl" and not self.path:
             raise field_error(ConfigError, "data.path", self.path, "a .jsonl file for source='jsonl'",
                               "set data.path, or use a generated record source")
-        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
-            raise field_error(ConfigError, "data.batch_size", self.batch_size, "an integer >= 1", "use e.g. 16")
+        check_ints("data", self, ("batch_size",), "use e.g. 16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,10 +148,7 @@ class SFTLoopConfig:
     """Export (``export_model``) the EMA weights instead of the trained ones; needs ``train.ema_decay``."""
 
     def __post_init__(self) -> None:
-        for name in ("total_steps", "steps_per_chunk", "log_every"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise field_error(ConfigError, f"loop.{name}", v, "an integer >= 1", "use e.g. 50")
+        check_ints("loop", self, ("total_steps", "steps_per_chunk", "log_every"), "use e.g. 50")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,10 +211,6 @@ class SFTConfig:
 def sft_recipe_names() -> list[str]:
     """Names of the SFT recipes shipped with the package."""
     return recipe_names(RECIPE_DIR, "sft")
-
-
-def sft_recipe_path(name_or_path: str) -> Path:
-    return recipe_path(name_or_path, RECIPE_DIR, "SFT recipe", "sft")
 
 
 def load_sft_recipe_dict(name_or_path: str, overrides: Sequence[str] = ()) -> dict:

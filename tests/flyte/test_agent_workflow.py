@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.flyte.conftest import tiny_overrides
 from unirl_core.checkpoint import CheckpointRef
 from workflows.grpo import grpo
@@ -13,6 +15,7 @@ AGENT = ["lm.model.model=tiny", "data.prompts_per_step=2", "data.samples_per_pro
          "lm.engine.forward_batch_size=8", "eval.num_prompts=4", "eval.every_n_steps=2"]
 
 
+@pytest.mark.slow
 def test_tiny_agent_calc_end_to_end(tmp_path, run_name):
     overrides = [*AGENT, *tiny_overrides("tiny-grpo", str(tmp_path), run_name)[4:]]
     out = grpo(recipe="tiny-agent-calc", overrides=overrides)

@@ -18,6 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_help_lists_the_recipes_and_the_override_syntax():
     """``--help`` names every recipe (the library's and the plugins') and shows the overrides' form by example."""
     from unirl_core.config.recipes import recipe_names
@@ -38,6 +39,7 @@ def _pyflyte(*args: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_message_and_a_flag_shows_the_traceback(tmp_path):
     """A recipe typo, a refused override or broken YAML: the library's message alone (naming the field, the value
     and the fix), exit 1; UNIRL_TRACEBACK=1 (or pyflyte -v) prints flytekit's traceback as before."""
@@ -56,6 +58,7 @@ def test_bad_input_is_one_message_and_a_flag_shows_the_traceback(tmp_path):
     assert traced.returncode == 1 and len((traced.stdout + traced.stderr).splitlines()) > 30
 
 
+@pytest.mark.slow
 def test_non_json_overrides_show_the_form_by_example():
     proc = _pyflyte("run", "workflows/grpo.py", "grpo", "--overrides", "loop.total_steps=2", COLUMNS="300")
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.unit.compose.conftest import small_overrides
@@ -14,6 +15,7 @@ from workflows.enhance import enhance
 torch.set_num_threads(1)
 
 
+@pytest.mark.slow
 def test_enhance_workflow_trains_and_publishes_both_stacks(tmp_path, run_name):
     overrides = small_overrides(tmp_path, "loop.steps_per_chunk=1", "eval={every_n_steps: 2, images_per_prompt: 1}",
                                 name=run_name)

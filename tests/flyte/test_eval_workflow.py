@@ -16,6 +16,7 @@ from workflows.grpo import grpo
 EVAL = ['eval.prompts=["a red fox", "a blue lake"]', "eval.every_n_steps=1"]
 
 
+@pytest.mark.slow
 def test_grpo_evaluates_each_due_step_and_evaluate_reproduces_it(tmp_path, run_name):
     overrides = tiny_overrides("tiny-flow-grpo", str(tmp_path), run_name) + EVAL
     grpo(recipe="tiny-flow-grpo", overrides=overrides)

@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 LAG = ["async_training.max_policy_lag=1", "train.old_logp_source=replay", "lm.algorithm.tis_cap=2.0"]
 
 
+@pytest.mark.slow
 def test_lag_one_workflow_matches_run_local(tmp_path, run_name):
     ov = tiny_overrides("tiny-grpo", str(tmp_path), run_name, steps=4, chunk=2) + LAG
     out = grpo(recipe="tiny-grpo", overrides=ov)

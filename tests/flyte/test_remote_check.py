@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -61,6 +63,7 @@ def _pyflyte_remote(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
                           timeout=120, check=False)
 
 
+@pytest.mark.slow
 def test_pyflyte_remote_without_config_fails_in_one_message(tmp_path):
     p = _pyflyte_remote(tmp_path)
     out = p.stdout + p.stderr
@@ -69,6 +72,7 @@ def test_pyflyte_remote_without_config_fails_in_one_message(tmp_path):
     assert len(_lines(p)) <= 6, out  # one message (rich draws a box around it), not flytekit's ~280 lines
 
 
+@pytest.mark.slow
 def test_pyflyte_remote_unreachable_endpoint_names_it(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,6 +82,7 @@ def test_pyflyte_remote_unreachable_endpoint_names_it(tmp_path):
     assert p.returncode != 0 and f"127.0.0.1:{port}" in out and "is not reachable" in out and "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_local_pyflyte_run_is_not_checked(tmp_path):
     """Without --remote, pyflyte still asks the plugin for a remote (no upload location): no check, the run runs."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("FLYTE", "FLYTECTL", "UNIRL_REMOTE"))}

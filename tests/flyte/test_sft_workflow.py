@@ -22,6 +22,7 @@ def _overrides(root, name, data, steps=3, chunk=2):
             f"loop.steps_per_chunk={chunk}"]
 
 
+@pytest.mark.slow
 def test_diffusion_sft_workflow_publishes_versions_the_rl_loop_starts_from(tmp_path, run_name):
     data = write_image_records(tmp_path / "data")
     out = sft(recipe="sft-tiny-sd3", overrides=_overrides(tmp_path, run_name, data))

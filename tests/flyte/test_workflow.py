@@ -47,6 +47,7 @@ def _count_calls(monkeypatch, *names: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("recipe, extra", [("tiny-flow-grpo", ["loop.rollout_shards=2"]), ("tiny-grpo", [])])
+@pytest.mark.slow
 def test_tiny_recipe_end_to_end(tmp_path, run_name, progress_lines, recipe, extra):
     out = grpo(recipe=recipe, overrides=tiny_overrides(recipe, str(tmp_path), run_name) + extra)
     assert out == CheckpointRef(uri=str(tmp_path / run_name / "step-00000002"), run=run_name, step=2,
@@ -79,6 +80,7 @@ def test_tiny_recipe_end_to_end(tmp_path, run_name, progress_lines, recipe, extr
             for s in (1, 2)]
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_with_nothing_lost(tmp_path, run_name, monkeypatch):
     recipe = "tiny-grpo"
     ov = tiny_overrides(recipe, str(tmp_path), run_name, steps=4, chunk=2)
@@ -172,6 +174,7 @@ def test_max_steps_bounds_one_execution_and_the_next_resumes(tmp_path, run_name)
     assert grpo(recipe="tiny-grpo", overrides=ov, max_steps=2).step == 3  # the run is complete: nothing to do
 
 
+@pytest.mark.slow
 def test_a_long_local_run_is_not_cut_by_nested_sandbox_folders(tmp_path, run_name):
     # 40 chunks of one step: flytekit's local runner names each chunk's sandbox after the previous one's plus 8
     # characters, which passed the 255-character file-name limit at chunk ~29 (OSError: File name too long) before

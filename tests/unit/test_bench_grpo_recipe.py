@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_tiny_preset_runs_every_side_and_writes_json(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_grpo_recipe.py"), "--preset", "tiny", "--steps", "3",

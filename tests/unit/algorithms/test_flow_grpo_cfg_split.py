@@ -94,6 +94,7 @@ def test_split_velocity_and_gradient_match_the_joint_layout(uncond_grad):
         torch.testing.assert_close(gs, gj, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_shipped_loop_with_split_cfg_is_exact_on_every_step(tmp_path):
     torch.set_num_threads(1)
     cfg = load_recipe(RECIPES["diffusion"], overrides("diffusion", "bfloat16", "lora", "never", tmp_path)

@@ -11,6 +11,7 @@ times that spread and for most evaluation images to get brighter.
 import io
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -34,6 +35,7 @@ def _group_advantages(batch: SampleBatch, rewards: np.ndarray) -> None:
             batch.samples[i].generated.advantage = float(a)
 
 
+@pytest.mark.slow
 def test_tiny_flow_grpo_run_increases_brightness():
     bundle = DiffusionBundle.build(DiffusionModelConfig(finetune="full"))
     engine = TrainsideDiffusionEngine(bundle, DiffusionEngineConfig(forward_batch_size=8))

@@ -91,6 +91,7 @@ def test_kl_to_reference_is_zero_before_and_positive_after_an_update():
     assert m["kl"] > 0 and m["ratio_max"] != 1.0
 
 
+@pytest.mark.slow
 def test_tiny_grpo_run_raises_mean_reward():
     torch.manual_seed(0)
     bundle = build_tiny_lm(seed=0, keep_reference=False)

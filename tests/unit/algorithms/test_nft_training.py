@@ -8,6 +8,7 @@ one AdamW step per rollout batch. No SDE step is ever sampled: NFT needs only th
 import io
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -37,6 +38,7 @@ def _group_advantages(batch: SampleBatch, rewards: np.ndarray) -> None:
             batch.samples[i].generated.advantage = float(a)
 
 
+@pytest.mark.slow
 def test_tiny_nft_ode_run_increases_brightness():
     torch.manual_seed(0)
     bundle = DiffusionBundle.build(DiffusionModelConfig(finetune="full"))

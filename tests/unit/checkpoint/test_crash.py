@@ -50,6 +50,7 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("phase", ["mid-file", "between-files", "manifest-temp"])
+@pytest.mark.slow
 def test_sigkill_while_writing_leaves_previous_version(tmp_path, phase):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), phase], stdout=subprocess.PIPE,

@@ -28,6 +28,7 @@ def _same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_first_update_is_exact_on_both_parts_and_both_stacks_version(tmp_path):
     cfg = small_config(tmp_path, "loop.total_steps=1")
     batches = []
@@ -53,6 +54,7 @@ def test_first_update_is_exact_on_both_parts_and_both_stacks_version(tmp_path):
 
 
 @pytest.mark.parametrize("frozen", ["enhancer", "image"])
+@pytest.mark.slow
 def test_a_frozen_stack_keeps_its_step0_version_and_samples_with_it(tmp_path, frozen):
     cfg = small_config(tmp_path, f"{frozen}.frozen=true")
     batches = []
@@ -69,6 +71,7 @@ def test_a_frozen_stack_keeps_its_step0_version_and_samples_with_it(tmp_path, fr
         init_stacks(small_config(tmp_path, f"{other}.frozen=true"))
 
 
+@pytest.mark.slow
 def test_resume_of_both_stacks_equals_the_uninterrupted_run(tmp_path):
     straight = small_config(tmp_path / "a")
     run_compose_local(straight, progress=False)
@@ -80,6 +83,7 @@ def test_resume_of_both_stacks_equals_the_uninterrupted_run(tmp_path):
         assert _same(_weights(tmp_path / "a", "enh", stack, 2), _weights(tmp_path / "b", "enh", stack, 2))
 
 
+@pytest.mark.slow
 def test_a_step_published_on_one_stack_only_is_rolled_forward(tmp_path):
     cfg = small_config(tmp_path, "loop.total_steps=1")
     refs = init_stacks(cfg)
@@ -93,6 +97,7 @@ def test_a_step_published_on_one_stack_only_is_rolled_forward(tmp_path):
     assert CheckpointStore(f"{tmp_path}/enh", "image").latest().step == 1
 
 
+@pytest.mark.slow
 def test_image_stack_under_nft_samples_with_its_ema_weights(tmp_path):
     cfg = small_config(tmp_path, "loop.total_steps=1", "image.diffusion.sampling.sde_type=ode",
                        "image.diffusion.sampling.sde_window_size=null", "image.diffusion.sampling.sde_window_range=null",
@@ -106,6 +111,7 @@ def test_image_stack_under_nft_samples_with_its_ema_weights(tmp_path):
     assert [v.step for v in CheckpointStore(f"{tmp_path}/enh", "image").versions()] == [0, 1]
 
 
+@pytest.mark.slow
 def test_shipped_joint_recipe_first_update_is_exact_on_both_parts(tmp_path):
     # shapes-enhance-joint's own batch geometry (4 captions x 6 rewrites x 2 images, engine slices = micro-batches),
     # fewer denoising steps to keep it short

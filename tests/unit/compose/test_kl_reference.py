@@ -40,6 +40,7 @@ def test_warm_start_with_beta_points_the_enhancer_reference_at_its_step0_weights
     assert any(not torch.equal(initial[n], step0[n]) for n in initial)  # the warm start moved it
 
 
+@pytest.mark.slow
 def test_first_update_has_ratio_one_and_zero_kl_to_the_warm_started_enhancer(tmp_path):
     """Step 1 trains from the step-0 version, which IS the reference: every per-token KL is exactly 0 (with the
     random init as reference it would be large), and the ratio is exactly 1."""

@@ -262,6 +262,7 @@ def run_cases(cases: list[tuple], originals: dict[str, str], workdir: str) -> li
     return results
 
 
+@pytest.mark.slow
 def test_damaged_files_never_crash_and_never_read_wrong(tmp_path):
     from unirl_core.io import write_batch
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from unirl_core.config import load_recipe
@@ -42,6 +43,7 @@ def _ids(seen):
              for p in b.generated] for b in seen]
 
 
+@pytest.mark.slow
 def test_pinned_switch_records_turn_versions_and_is_reproducible(tmp_path):
     switch = ["lm.agent.switch_at_turn=1"]
     hist, seen = _run(_cfg(tmp_path / "a", *switch))
@@ -65,6 +67,7 @@ def test_pinned_switch_records_turn_versions_and_is_reproducible(tmp_path):
             assert h["rollout/agent/suspensions"] == 1 and h["rollout/agent/stale_model_token_frac"] > 0
 
 
+@pytest.mark.slow
 def test_eval_parks_the_sampler_at_a_turn_boundary_and_changes_no_sample(tmp_path, monkeypatch):
     """Eval loads its version into the rollout model the sampler uses; the quiesce before it parks the running
     agentic rollout at its next turn boundary, resume reloads the rollout's weights: the same samples as a run

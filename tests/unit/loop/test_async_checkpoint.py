@@ -49,6 +49,7 @@ def _pods_order(cfg) -> list[dict]:
     return history
 
 
+@pytest.mark.slow
 def test_background_versions_equal_the_pods_order(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     reads = []
@@ -82,6 +83,7 @@ def test_background_versions_equal_the_pods_order(tmp_path, monkeypatch):
                                                                             "world_size": 1}
 
 
+@pytest.mark.slow
 def test_a_failed_background_write_surfaces_at_the_next_step(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     real = fsio.write_local

@@ -39,6 +39,7 @@ def test_due_and_config_errors(tmp_path):
         load_recipe("tiny-flow-grpo", [f"checkpoint.root={tmp_path}", *DIFF, "eval.weights=ema"])
 
 
+@pytest.mark.slow
 def test_diffusion_eval_every_step_is_deterministic_ode_and_in_the_history(tmp_path):
     cfg = load_recipe("tiny-flow-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=2", *DIFF,
                                          "eval.every_n_steps=1"])
@@ -61,6 +62,7 @@ def test_diffusion_eval_every_step_is_deterministic_ode_and_in_the_history(tmp_p
         eval_phase(cfg, ref, weights="ema")
 
 
+@pytest.mark.slow
 def test_ema_weights_evaluate_differently(tmp_path):
     cfg = load_recipe("tiny-flow-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=2", *DIFF,
                                          "train.ema_decay=0.5", "eval.weights=ema"])
@@ -100,6 +102,7 @@ def test_run_report_charts_eval_curves(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_start_and_end_eval_go_into_the_report_before_after(tmp_path):
     cfg = load_recipe("tiny-flow-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=2", *DIFF,
                                          "checkpoint.keep_last=3"])

@@ -34,6 +34,7 @@ def _weights(cfg, step):
     return safetensors.torch.load_file(f"{cfg.checkpoint.root}/{cfg.name}/step-{step:08d}/model.safetensors")
 
 
+@pytest.mark.slow
 def test_full_state_every_n_steps_trains_the_same_run(tmp_path):
     torch.set_num_threads(1)
     every, sparse = _cfg(tmp_path / "a", 5), _cfg(tmp_path / "b", 5, "checkpoint.every_n_steps=2")
@@ -72,6 +73,7 @@ def test_resume_from_a_weights_only_version_names_the_newest_full_one(tmp_path):
     assert store.latest().step == 3  # nothing was published by the refused resume
 
 
+@pytest.mark.slow
 def test_weights_only_versions_hold_the_compute_dtype(tmp_path):
     """A bf16 model trained with fp32 masters: the versions without the full state hold the weights rounded to
     bf16 (half the bytes; what the rollout bundle rounds them to anyway), the full ones the fp32 masters, and the

@@ -54,6 +54,7 @@ def assert_exact(history: list[dict]) -> None:
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["diffusion", "lm"])
+@pytest.mark.slow
 def test_first_update_is_exact_on_every_step(family, dtype, finetune, shard, tmp_path):
     torch.set_num_threads(1)
     cfg = load_recipe(RECIPES[family], overrides(family, dtype, finetune, shard, tmp_path))

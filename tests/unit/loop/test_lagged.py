@@ -29,6 +29,7 @@ def _numbers(hist):
     return [(h["reward/mean"], h["train/loss"], h.get("train/is_weight_mean")) for h in hist]
 
 
+@pytest.mark.slow
 def test_lag_one_is_reproducible_and_the_thread_changes_no_number(tmp_path):
     a = run_local(_lm(tmp_path / "a", "async_training.max_policy_lag=1"), progress=False)
     b = run_local(_lm(tmp_path / "b", "async_training.max_policy_lag=1"), progress=False)
@@ -52,6 +53,7 @@ def test_lag_one_is_reproducible_and_the_thread_changes_no_number(tmp_path):
     assert "async/staleness_max" not in sync[0]
 
 
+@pytest.mark.slow
 def test_resume_resamples_the_dropped_buffer_identically(tmp_path):
     """The manager's buffer is not checkpointed: a resumed run drops it and re-samples the next steps with the
     pinned versions (read back from the store) and the same seeds, so it matches the uninterrupted run."""
@@ -92,6 +94,7 @@ def test_eval_quiesces_the_sampler_and_changes_no_sample(tmp_path, monkeypatch):
     assert all(any(k.startswith("eval/") for k in h) for h in evald)
 
 
+@pytest.mark.slow
 def test_partial_rollouts_continue_under_the_next_version(tmp_path):
     """lag 1, interrupted after 2 of 4 tokens: from step 2 on running completions continue with the version published
     meanwhile (step 1 samples version 0, the only one it may train on, whole); reproducible; masking the old
@@ -162,6 +165,7 @@ def test_partial_rollout_needs_a_lag(tmp_path):
         _lm(tmp_path, "async_training.partial_rollout={interrupt_at_tokens: 2}")
 
 
+@pytest.mark.slow
 def test_diffusion_lag_one_trains_with_the_behaviour_weight(tmp_path):
     """Flow-GRPO with lag 1: stale rows skip the 1e-3 rollout-vs-replay check (their gap is drift), fresh ones keep
     it; the behaviour weight is applied and staleness reaches the lag."""

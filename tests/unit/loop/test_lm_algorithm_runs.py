@@ -10,6 +10,7 @@ torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("recipe", ["tiny-cispo", "tiny-dapo"])
+@pytest.mark.slow
 def test_recipe_raises_the_task_reward(tmp_path, recipe):
     cfg = load_recipe(recipe, [f"checkpoint.root={tmp_path}", "loop.total_steps=36", "report.tensorboard=false"])
     hist = run_local(cfg, progress=False)

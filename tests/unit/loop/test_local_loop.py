@@ -17,6 +17,7 @@ def _weights(root, run, step):
     return safetensors.torch.load_file(f"{root}/{run}/step-{step:08d}/model.safetensors")
 
 
+@pytest.mark.slow
 def test_tiny_flow_grpo_runs_with_exact_first_ratio(tmp_path):
     cfg = load_recipe("tiny-flow-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=2",
                                          "data.samples_per_prompt=4", "diffusion.engine.forward_batch_size=4",
@@ -29,6 +30,7 @@ def test_tiny_flow_grpo_runs_with_exact_first_ratio(tmp_path):
     assert CheckpointStore(str(tmp_path), cfg.name).latest().step == 2
 
 
+@pytest.mark.slow
 def test_tiny_grpo_resume_equals_uninterrupted(tmp_path):
     over = ["loop.total_steps=3"]
     a, b = tmp_path / "a", tmp_path / "b"
@@ -42,6 +44,7 @@ def test_tiny_grpo_resume_equals_uninterrupted(tmp_path):
     assert run_local(load_recipe("tiny-grpo", over + [f"checkpoint.root={b}"])) == []  # nothing left to do
 
 
+@pytest.mark.slow
 def test_tiny_grpo_learns_the_toy_task(tmp_path):
     hist = run_local(load_recipe("tiny-grpo", [f"checkpoint.root={tmp_path}", "loop.total_steps=36"]))
     first = sum(h["reward/mean"] for h in hist[:6]) / 6

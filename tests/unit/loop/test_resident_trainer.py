@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import safetensors.torch
 import torch
 
@@ -34,6 +35,7 @@ def _run(root, monkeypatch, *, force_restore: bool):
     return history, weights, restores
 
 
+@pytest.mark.slow
 def test_resident_trainer_skips_the_restore_and_trains_identically(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     h_skip, w_skip, r_skip = _run(tmp_path / "skip", monkeypatch, force_restore=False)

@@ -205,6 +205,7 @@ def test_resume_rules_name_every_config_section():
     assert rules["name"] == rules["checkpoint.root"] == "ignore"
 
 
+@pytest.mark.slow
 def test_a_resume_applies_the_thread_count_the_run_started_with(tmp_path):
     """CPU float reductions depend on torch's thread count: a run records its count at its start and a resume
     sets it, so the resumed run is bit-exact with the uninterrupted one (tiny-flow-grpo resumed with 2 threads

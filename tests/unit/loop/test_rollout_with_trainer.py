@@ -34,6 +34,7 @@ def _versions(root, run: str) -> dict[int, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("recipe, precision", [("tiny-grpo", "fp32"), ("tiny-flow-grpo", "fp32"), ("tiny-nft", "fp32"),
                                                ("tiny-grpo", "bf16"), ("tiny-flow-grpo", "bf16")])
+@pytest.mark.slow
 def test_rollout_with_the_trainer_module_is_bitwise_the_default_run(tmp_path, monkeypatch, recipe, precision):
     """tiny-nft samples with the trainer's EMA (its rollout weights); bf16: fp32 masters read as bf16 casts."""
     torch.set_num_threads(1)

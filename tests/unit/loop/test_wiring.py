@@ -81,6 +81,7 @@ def test_train_refuses_a_trajectory_whose_sigmas_changed_after_rollout(tmp_path,
     assert phases.build.store(cfg).latest().step == 0  # nothing trained, nothing written
 
 
+@pytest.mark.slow
 def test_ema_rollout_samples_with_the_checkpoint_ema_weights(tmp_path):
     cfg = _diffusion(tmp_path, "train.ema_decay=0.5", "loop.total_steps=2")
     run_local(cfg)

@@ -54,6 +54,7 @@ def test_word_tokenizer_ids():
     assert tok("a magenta circle").input_ids[2] == VOCAB.index("<unk>")
 
 
+@pytest.mark.slow
 def test_sft_on_the_shapes_world_reduces_the_loss(tmp_path):
     from unirl_core.sft import phases
     from unirl_core.sft.config import load_sft_recipe
@@ -96,6 +97,7 @@ def test_pack_weights_round_trips_a_pipeline_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("source", ["shapes-sd3", "shapes-sd3-long"])
+@pytest.mark.slow
 def test_shipped_weights_draw_gradable_shapes(source):
     """The shipped shapes-sd3 scores 0.150 on these 16 held-out prompts (random init: 0.0); the bound leaves room
     for CPU-dependent rounding in the 20 ODE steps. shapes-sd3-long is its own weights, not a copy."""

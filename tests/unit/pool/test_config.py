@@ -120,6 +120,7 @@ def test_roles_have_their_own_resources():
     assert cfg.engine.num_cpus == 1.0 and cfg.reward.num_cpus == 0.0 and cfg.trainer.num_gpus == 1
 
 
+@pytest.mark.slow
 def test_the_library_does_not_import_ray_in_pods_mode():
     code = ("import sys; import unirl_core.loop.local, unirl_core.pool, unirl_core.config; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")

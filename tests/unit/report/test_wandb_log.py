@@ -78,6 +78,7 @@ def _cfg(tmp_path: Path, *extra: str):
                                      "report.wandb.mode=offline", f"report.wandb.dir={tmp_path}", *extra])
 
 
+@pytest.mark.slow
 def test_run_local_logs_every_step_to_one_wandb_run(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -121,6 +122,7 @@ def test_bad_wandb_config_names_the_field():
             load_recipe("tiny-grpo", over)
 
 
+@pytest.mark.slow
 def test_no_wandb_section_never_imports_wandb(tmp_path):
     code = ("import sys; import unirl_core.loop.local, unirl_core.config; "
             "print('wandb' in sys.modules)")

@@ -59,6 +59,7 @@ def _sampled(n: int, seed: int, size: int, **kw) -> list[tuple[str, np.ndarray]]
 
 
 @pytest.mark.parametrize("size", [32, 64])
+@pytest.mark.slow
 def test_every_render_scores_one_against_its_own_prompt(size):
     pairs = _sampled(500, 0, size)
     scores = build_scorer("shapes_compositional", mode="all")([_item(c, im) for c, im in pairs])
@@ -106,6 +107,7 @@ def test_position_is_absent_value_without_a_relation():
 
 
 @pytest.mark.parametrize("size,min_all", [(32, 0.99), (64, 0.99)])
+@pytest.mark.slow
 def test_noisy_blurred_renders_still_score_high(size, min_all):
     """Gaussian noise sigma 20/255 after a Gaussian blur of sigma 0.6 px (measured: 100% all-correct on 500 at both sizes)."""
     rng = np.random.default_rng(size)

@@ -24,6 +24,7 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_initial_noise_identical_bytes_across_processes():
     here = _digest(initial_noise(NoiseRecipe(base_seed=7), _GROUPS, (4, 8, 8)))
     root = Path(__file__).resolve().parents[3]

@@ -47,6 +47,7 @@ def test_config_errors(override, message):
         load_recipe("tiny-flow-grpo", override)
 
 
+@pytest.mark.slow
 def test_run_samples_and_trains_exactly_the_window_of_each_step(tmp_path):
     cfg = load_recipe("tiny-flow-grpo", [
         f"checkpoint.root={tmp_path}", "loop.total_steps=3", "report.tensorboard=false",

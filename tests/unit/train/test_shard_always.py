@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.unit.train.toy import ToyGRPO, ToyPolicy, rollout
@@ -35,6 +36,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_shard_always_world_one_matches_plain_module(tmp_path):
     script, out = tmp_path / "worker.py", tmp_path / "out.pt"
     script.write_text(WORKER)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.flyte.conftest import tiny_overrides
 from workflows.grpo import grpo
 
 
+@pytest.mark.slow
 def test_filter_groups_runs_between_reward_and_advantage(tmp_path, run_name):
     over = tiny_overrides("tiny-grpo", str(tmp_path), run_name) + [
         "filter_groups={max_num_gen_batches: 3}", "train.old_logp_source=replay",

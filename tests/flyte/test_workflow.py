@@ -114,6 +114,7 @@ def test_interrupted_run_resumes_with_nothing_lost(tmp_path, run_name, monkeypat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_unchanged_step_hits_the_cache(tmp_path, run_name, monkeypatch):
     recipe = "tiny-grpo"
     ov = tiny_overrides(recipe, str(tmp_path), run_name, steps=1)
@@ -137,6 +138,7 @@ def test_unchanged_step_hits_the_cache(tmp_path, run_name, monkeypatch):
     assert calls == {"rollout_phase": 1, "reward_phase": 1, "advantage_phase": 1, "train_phase": 2}
 
 
+@pytest.mark.slow
 def test_fork_from_an_older_version_leaves_the_run_untouched(tmp_path, run_name):
     recipe = "tiny-grpo"
     ov = tiny_overrides(recipe, str(tmp_path), run_name, steps=2)
@@ -158,6 +160,7 @@ def test_fork_from_an_older_version_leaves_the_run_untouched(tmp_path, run_name)
     assert (report / "step-00000002" / "metrics.json").is_file()
 
 
+@pytest.mark.slow
 def test_finished_run_says_how_to_extend_it(tmp_path, run_name, caplog):
     ov = tiny_overrides("tiny-grpo", str(tmp_path), run_name, steps=1)
     grpo(recipe="tiny-grpo", overrides=ov)
@@ -166,6 +169,7 @@ def test_finished_run_says_how_to_extend_it(tmp_path, run_name, caplog):
     assert "already complete" in caplog.text and '"loop.total_steps=2"' in caplog.text
 
 
+@pytest.mark.slow
 def test_max_steps_bounds_one_execution_and_the_next_resumes(tmp_path, run_name):
     # what a scheduled LaunchPlan does: resume="latest" plus a per-execution budget
     ov = tiny_overrides("tiny-grpo", str(tmp_path), run_name, steps=3, chunk=1)

@@ -99,6 +99,7 @@ def test_eval_parks_the_sampler_at_a_turn_boundary_and_changes_no_sample(tmp_pat
         assert all(set(p.conditions[TURN_VERSIONS_KEY].tolist()) == {p.policy_version} for p in batch.generated)
 
 
+@pytest.mark.slow
 def test_latest_resumes_suspended_turns_with_the_newest_version_within_the_lag(tmp_path, monkeypatch):
     """``resume_version: latest``: the loop quiesces before every publication and parked trajectories continue
     with the newest version the step may train on. Which turn that is depends on timing; the invariants do not."""

@@ -75,6 +75,7 @@ def test_resume_resamples_the_dropped_buffer_identically(tmp_path):
     assert all("rollout/partial_continued_frac" in h for h in rest)
 
 
+@pytest.mark.slow
 def test_eval_quiesces_the_sampler_and_changes_no_sample(tmp_path, monkeypatch):
     """Eval loads its version into the rollout model the sampler thread uses: the manager is quiesced around it,
     so the training samples equal those of a run without eval. The sampler lingers after loading its weights, so

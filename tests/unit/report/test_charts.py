@@ -220,6 +220,7 @@ def test_eval_charts_hold_every_evaluated_version_the_start_included():
     assert _texts(_group(reward, "legend_1")) == ["eval/reward/mean", "eval/reward/acc/mean"]
 
 
+@pytest.mark.slow
 def test_importing_the_report_does_not_import_matplotlib():
     code = ("import sys; import unirl_core.report.run_report, unirl_core.report.phase_html; "
             "print('matplotlib' in sys.modules)")

@@ -95,6 +95,7 @@ def test_run_local_logs_every_step_to_one_wandb_run(tmp_path, monkeypatch):
     assert sorted(logged) == [1, 2, 3] and logged[3]["reward/mean"] == pytest.approx(more[-1]["reward/mean"])
 
 
+@pytest.mark.slow
 def test_report_task_writer_resumes_the_run_id_and_links_the_execution(tmp_path, monkeypatch):
     from tasks.report import write_wandb
 

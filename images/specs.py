@@ -43,6 +43,9 @@ _CORE = [
     "s3fs>=2024.1",
     "pillow>=10",
     "pyyaml>=6",
+    "tensorboard==2.21.0",
+    "matplotlib==3.11.2",
+    "xxhash==4.1.0",
     "flytekit==1.16.31",
 ]
 _MODELS = ["diffusers>=0.35", "transformers>=4.56,<5.20", "peft>=0.17", "accelerate>=1.0"]

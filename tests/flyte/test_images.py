@@ -69,3 +69,20 @@ def test_is_container_in_pods(pod):
     assert reward_image.is_container()  # a user's own ImageSpec-built image
     pod.setenv(_F_IMG_ID, train_image.id)  # our train image: only train's guarded imports run
     assert train_image.is_container() and not rollout_image.is_container() and not reward_image.is_container()
+
+
+def test_every_role_image_holds_the_library_dependencies():
+    """A role ImageSpec that misses a ``[project]`` dependency fails on the cluster only (e.g. the report's charts
+    need matplotlib in every task that draws them): each role holds every one, by name."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    def name(requirement: str) -> str:
+        return re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    needed = {name(r) for r in project["dependencies"]}
+    for spec in (rollout_image, reward_image, train_image):
+        missing = needed - {name(p) for p in spec.packages}
+        assert not missing, (spec.name, sorted(missing))

@@ -52,11 +52,14 @@ def _eval_html(enhancements: dict[str, str] | None) -> str:
 def write_step_report(cfg: ComposeRunConfig, step: int, batch: SampleBatch | None, metrics: dict[str, float],
                       enhancements: dict[str, str] | None = None) -> str:
     """Record step ``step`` in the run report (its metrics, its ``samples`` page: the sample table and
-    ``enhancements``, the evaluation's greedy rewrites) and re-render the index; returns the index URI. ``batch``
-    None (step 0's evaluation): no sample table."""
+    ``enhancements``, the evaluation's greedy rewrites) and re-render the index on the steps
+    ``report.index_every_n_steps`` names (as an RL run's report task does); returns the index URI. ``batch`` None
+    (step 0's evaluation): no sample table."""
     report = RunReport(cfg.run_root, storage_options=cfg.checkpoint.storage_options)
     body = (samples_html(batch) if batch is not None else "") + _eval_html(enhancements)
     report.record_step(step, metrics={k: v for k, v in metrics.items() if k != "step"}, batch=batch,
                        pages={"samples": body} if body else None)
+    if not cfg.report.renders_index(step, cfg.loop.total_steps):
+        return report.index_uri
     stacks = ", ".join(f"{s} {'frozen' if getattr(cfg, s).frozen else 'trained'}" for s in ("enhancer", "image"))
     return report.render(f"{cfg.name} (prompt enhancement: {stacks})", curves=CURVES)

@@ -24,13 +24,16 @@ import argparse
 import json
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import write_record
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/agent_calc.py` from anywhere
+
+from benchmarks.common import write_record  # noqa: E402
 from unirl_core.config.recipes import load_recipe
 from unirl_core.runtime import build
 from unirl_core.loop.evaluate import eval_phase
@@ -58,9 +61,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rl-steps", type=int, default=40)
     ap.add_argument("--root", default=None, help="checkpoint root (default: a temporary folder)")
-    ap.add_argument("--cell", default=None,
-                    help="write this run as a cell of results/agent_calc/latest.json (a variant, e.g. other "
-                         "overrides) beside the others; default: the run of the shipped recipes is the record")
     ap.add_argument("--no-record", action="store_true", help="print only, write no record")
     ap.add_argument("--override", action="append", default=[], help="extra RL recipe overrides")
     ap.add_argument("--sft-override", action="append", default=[], help="extra SFT recipe overrides")
@@ -108,7 +108,7 @@ def main() -> None:
         b, a = result["before"], result["after"]
         headline = (f"held-out accuracy {b['accuracy']:.3f} -> {a['accuracy']:.3f}, tool-call rate "
                     f"{b['tool_call_rate']:.2f} -> {a['tool_call_rate']:.2f}")
-        print(f"wrote {write_record('agent_calc', result, md, cell=args.cell, headline=headline, description=DESCRIPTION)}")
+        print(f"wrote {write_record('agent_calc', result, md, headline=headline, description=DESCRIPTION)}")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ def provenance() -> dict:
             return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             return ""
-    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain", "-uno")),
+    # the records themselves do not count: a suite writing several records stays clean after its first
+    dirty = bool(git("status", "--porcelain", "-uno", "--", ".", ":!benchmarks/results"))
+    return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": dirty,
             "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()}
 
 
@@ -114,6 +116,13 @@ def write_record(benchmark: str, results, md: str, *, cell: str | None = None, e
         raise ValueError(f"benchmark {benchmark!r} / cell {cell!r}: a name, not a path")
     path = Path(results_dir) / benchmark / "latest.json"
     old = json.loads(path.read_text()) if path.exists() else {}
+    if old and ("cells" in old) != (cell is not None):
+        # one shape per record: a run written over a record of cells (or a cell into a one-run record) would drop
+        # the runs already there
+        have = f"cells {sorted(old['cells'])}" if "cells" in old else "one run, no cells"
+        raise ValueError(f"{path}: the record holds {have}; write this run "
+                         f"{'as one of its cells (cell=...)' if 'cells' in old else 'without a cell'}, or move the "
+                         f"record away first")
     entry = {**provenance(), "env": env if env is not None else environment(), "md": md, "results": results}
     if log:
         entry["log"] = log

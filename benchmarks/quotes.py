@@ -5,9 +5,11 @@
 
 The rule (``benchmarks/README.md``, "Quoting a figure"): a markdown link whose target is a record,
 ``benchmarks/results/<benchmark>/latest.md`` or ``latest.json`` (relative to the page), must resolve to an existing
-record, and every number in the link's text must be in that record's JSON (a number that rounds to it at the quoted
-precision, or a string containing it). A link or a ``benchmarks/results/...`` path into the results folder that is
-not a ``latest.*`` record (or ``golden/``, a test fixture) is a problem too: flat result files are gone.
+record, and every number in the link's text must be one its runs measured (in their ``results``, table or log, as a
+number that rounds to it at the quoted precision; never the commit, date or environment). A record of several
+cells is quoted through one cell's anchor, ``latest.md#<cell>``, and checked against that cell alone. A link or a
+``benchmarks/results/...`` path into the results folder that is not a ``latest.*`` record (or ``golden/``, a test
+fixture) is a problem too: flat result files are gone.
 """
 
 from __future__ import annotations
@@ -40,18 +42,37 @@ def numbers(text: str) -> list[str]:
     return _NUMBER.findall(text)
 
 
+# what a run measured: its results and its table; never the commit, date, environment, script or description
+_MEASURED = ("results", "md", "log")
+# any number written in a string of the results (e.g. '0.74x', '1,402 files'), compared as a number
+_ANY_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def _slug(name: str) -> str:
+    """A cell's heading anchor as the docs site writes it (lower case; runs of other characters -> '-')."""
+    return re.sub(r"[^a-z0-9_]+", "-", name.lower()).strip("-")
+
+
 @lru_cache(maxsize=None)
-def _record_values(path: Path) -> tuple[tuple[float, ...], tuple[str, ...]]:
+def record_numbers(path: Path, cell: str | None = None) -> tuple[float, ...] | None:
+    """The measured numbers of the record ``path`` (of its cell whose anchor is ``cell``); None: no such cell."""
+    record = json.loads(path.read_text())
+    runs = [record] if "cells" not in record else list(record["cells"].values())
+    if cell is not None:
+        if "cells" not in record:
+            return None
+        runs = [v for k, v in record["cells"].items() if _slug(k) == cell]
+        if not runs:
+            return None
     nums: list[float] = []
-    strs: list[str] = []
 
     def walk(x) -> None:
         if isinstance(x, bool):
-            strs.append(str(x).lower())
-        elif isinstance(x, (int, float)):
+            return
+        if isinstance(x, (int, float)):
             nums.append(float(x))
         elif isinstance(x, str):
-            strs.append(x)
+            nums.extend(float(t.replace(",", "")) for t in _ANY_NUMBER.findall(x))
         elif isinstance(x, dict):
             for v in x.values():
                 walk(v)
@@ -59,15 +80,14 @@ def _record_values(path: Path) -> tuple[tuple[float, ...], tuple[str, ...]]:
             for v in x:
                 walk(v)
 
-    walk(json.loads(path.read_text()))
-    return tuple(nums), tuple(strs)
+    for run in runs:
+        for key in _MEASURED:
+            walk(run.get(key))
+    return tuple(nums)
 
 
-def in_record(quoted: str, record_json: Path) -> bool:
-    """Whether ``quoted`` (e.g. '0.74', '4,895', '-3') is in the record: a value rounding to it, or in a string."""
-    nums, strs = _record_values(record_json)
-    if any(quoted in s for s in strs):
-        return True
+def in_record(quoted: str, nums: tuple[float, ...]) -> bool:
+    """Whether ``quoted`` (e.g. '0.74', '4,895', '-3') is one of ``nums`` at the quoted precision."""
     plain = quoted.replace(",", "")
     places = len(plain.split(".")[1]) if "." in plain else 0
     q = float(plain)
@@ -87,7 +107,8 @@ def check_page(page: Path, results: Path = RESULTS) -> list[str]:
     for label, target in _LINK.findall(prose):
         if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
             continue
-        path = (page.parent / target.split("#", 1)[0]).resolve()
+        target_path, _, anchor = target.partition("#")
+        path = (page.parent / target_path).resolve()
         if not path.is_relative_to(results):
             continue
         rel = path.relative_to(results)
@@ -103,9 +124,20 @@ def check_page(page: Path, results: Path = RESULTS) -> list[str]:
         if not record.exists():
             problems.append(f"{where}: [{label}]({target}): no record {rel.parts[0]}/latest.json")
             continue
-        missing = [n for n in numbers(label) if not in_record(n, record)]
+        quoted = numbers(label)
+        if quoted and not anchor and "cells" in json.loads(record.read_text()):
+            problems.append(f"{where}: [{label}]({target}): {rel.parts[0]}/latest.json holds several cells; name the "
+                            "one quoted (latest.md#<cell>)")
+            continue
+        nums = record_numbers(record, anchor or None)
+        if nums is None:
+            problems.append(f"{where}: [{label}]({target}): {rel.parts[0]}/latest.json has no cell #{anchor}")
+            continue
+        missing = [n for n in quoted if not in_record(n, nums)]
         if missing:
-            problems.append(f"{where}: [{label}]({target}): {', '.join(missing)} not in {rel.parts[0]}/latest.json")
+            cell = f" (cell #{anchor})" if anchor else ""
+            problems.append(f"{where}: [{label}]({target}): {', '.join(missing)} not measured in "
+                            f"{rel.parts[0]}/latest.json{cell}")
     for mention in (m.rstrip(".") for m in _PATH.findall(text)):
         rel = Path(mention.split("results/", 1)[1].rstrip("/."))
         path = results / rel

@@ -81,7 +81,7 @@ def test_quote_check_accepts_figures_from_the_record_and_rejects_others(tmp_path
                         env={"cpu": "x"}, results_dir=tmp_path)
     page = tmp_path / "docs" / "page.md"
     page.parent.mkdir()
-    good = ("[0.74x, 4,895 tok/s](../toy/latest.md) and [3.50 s](../toy/latest.json#cells) "
+    good = ("[0.74x, 4,895 tok/s](../toy/latest.md) and [3.50 s](../toy/latest.json) "
             "`[9.99](../toy/latest.md)` in code is not a link\n```\n[8.88](../toy/latest.md)\n```\n")
     page.write_text(good)
     assert quotes.check_page(page, tmp_path) == []
@@ -89,9 +89,39 @@ def test_quote_check_accepts_figures_from_the_record_and_rejects_others(tmp_path
                     "[old](../toy_rerun.json), see `benchmarks/results/toy_rerun.md`\n")
     problems = quotes.check_page(page, tmp_path)
     assert len(problems) == 4, problems
-    assert "0.75 not in toy/latest.json" in problems[0]
+    assert "0.75 not measured in toy/latest.json" in problems[0]
     assert "no record nope/latest.json" in problems[1]
     assert "not a record" in problems[2] and "toy_rerun.md is not a record" in problems[3]
+
+
+def test_a_quote_from_a_record_of_cells_names_its_cell_and_only_measured_numbers_count(tmp_path):
+    common.write_record("sweep", {"z": 5.5}, "| z |\n|---|\n| 5.5 |", cell="seed0", env={"cpu": "x"},
+                        results_dir=tmp_path)
+    common.write_record("sweep", {"z": 1.7}, "| z |\n|---|\n| 1.7 |", cell="seed1", env={"cpu": "x"},
+                        results_dir=tmp_path)
+    year = json.loads((tmp_path / "sweep" / "latest.json").read_text())["cells"]["seed0"]["date"][:4]
+    page = tmp_path / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text("[z 5.5](../sweep/latest.md#seed0) and [z 1.7](../sweep/latest.md#seed1)\n")
+    assert quotes.check_page(page, tmp_path) == []
+    page.write_text(f"[z 5.5](../sweep/latest.md), [z 5.5](../sweep/latest.md#seed1), [z 5.5](../sweep/latest.md#seed9), "
+                    f"[{year}](../sweep/latest.md#seed0)\n")
+    problems = quotes.check_page(page, tmp_path)
+    assert len(problems) == 4, problems
+    assert "holds several cells; name the one quoted" in problems[0]
+    assert "5.5 not measured in sweep/latest.json (cell #seed1)" in problems[1]
+    assert "has no cell #seed9" in problems[2]
+    assert f"{year} not measured" in problems[3]  # the record's date is not a measurement
+
+
+def test_write_record_refuses_to_mix_a_single_run_and_cells(tmp_path):
+    common.write_record("one", {"a": 1}, "", env={}, results_dir=tmp_path)
+    with pytest.raises(ValueError, match="one run, no cells; write this run without a cell"):
+        common.write_record("one", {"a": 2}, "", cell="x", env={}, results_dir=tmp_path)
+    common.write_record("many", {"a": 1}, "", cell="x", env={}, results_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"cells \['x'\]; write this run as one of its cells"):
+        common.write_record("many", {"a": 2}, "", env={}, results_dir=tmp_path)
+    assert json.loads((tmp_path / "many" / "latest.json").read_text())["cells"]["x"]["results"] == {"a": 1}
 
 
 def test_quoted_figures_are_in_their_records():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tasks.report import progress
-from unirl_core.report.phase_html import advantage_html, histogram_svg, publish_html, reward_html
+from unirl_core.report.charts import histogram_svg
+from unirl_core.report.phase_html import advantage_html, publish_html, reward_html
 from unirl_core.report.run_report import RunReport, StepRecord, line_chart_svg, rewards_csv, step_seconds
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch, TokenSegment
 

@@ -46,11 +46,6 @@ def _stats(xs: Sequence[float]) -> dict[str, float]:
     return {"n": n, "mean": mean, "std": math.sqrt(var), "min": min(xs), "max": max(xs)}
 
 
-def histogram_svg(values: Sequence[float], *, bins: int = 12, width: int = 260, height: int = 130) -> str:
-    """A bar histogram with value and count axes as inline SVG (matplotlib, ~8 KB)."""
-    return charts.histogram_svg(values, bins=bins, width=width, height=height)
-
-
 def _split_timings(metrics: Mapping[str, float], title: str) -> str:
     timings = {k: v for k, v in metrics.items() if _is_timing(k)}
     rest = {k: v for k, v in metrics.items() if k not in timings}
@@ -78,7 +73,7 @@ def reward_html(batch: SampleBatch, metrics: Mapping[str, float]) -> str:
         s = _stats(xs)
         rows.append(f"<tr><td>{html.escape(name)}</td><td>{s['n']}</td><td>{s['mean']:.4g}</td>"
                     f"<td>{s['std']:.4g}</td><td>{s['min']:.4g}</td><td>{s['max']:.4g}</td>"
-                    f"<td class='distribution'>{histogram_svg(xs)}</td></tr>")
+                    f"<td class='distribution'>{charts.histogram_svg(xs)}</td></tr>")
     invalid = sum(not p.valid for p in batch.generated)
     return (f"<h3>reward: {len(batch)} samples, {invalid} invalid</h3>"
             f"{_TABLE.replace('<table ', '<table class=reward-components ')}<tr><th>component</th><th>n</th>"

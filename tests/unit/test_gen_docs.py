@@ -104,6 +104,17 @@ def test_readme_links_resolve():
     assert missing == [], f"README.md links to missing files: {missing}"
 
 
+def test_package_and_example_readme_links_resolve():
+    """Every relative link of a package or example README names a file of the repository (mkdocs --strict checks
+    only the pages under docs/)."""
+    missing = []
+    for page in sorted([*REPO.glob("unirl_core/**/README.md"), *REPO.glob("examples/**/README.md")]):
+        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in link and not (page.parent / link).exists():
+                missing.append(f"{page.relative_to(REPO)}: {link}")
+    assert missing == [], missing
+
+
 def test_readme_module_map_follows_the_import_contract():
     """The module map's rows of unirl_core packages are .importlinter's layers, top to bottom, with the same packages."""
     text = (REPO / ".importlinter").read_text()

@@ -104,15 +104,19 @@ def test_readme_links_resolve():
     assert missing == [], f"README.md links to missing files: {missing}"
 
 
-def test_package_and_example_readme_links_resolve():
-    """Every relative link of a package or example README names a file of the repository (mkdocs --strict checks
-    only the pages under docs/)."""
-    missing = []
+def test_package_and_example_readme_paths_resolve():
+    """Every relative link of a package or example README, and every repository path it names in code
+    (`docs/execution.md`, `unirl_core/loop/local.py`), exists (mkdocs --strict checks only the pages under docs/)."""
+    named = re.compile(r"`((?:docs|unirl_core|examples|benchmarks|scripts|tasks|workflows|tests)/[\w./-]*)`")
+    checked, missing = 0, []
     for page in sorted([*REPO.glob("unirl_core/**/README.md"), *REPO.glob("examples/**/README.md")]):
-        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
-            if "://" not in link and not (page.parent / link).exists():
-                missing.append(f"{page.relative_to(REPO)}: {link}")
-    assert missing == [], missing
+        text = page.read_text()
+        links = [page.parent / link for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if "://" not in link]
+        for path in [*links, *(REPO / p.rstrip(".") for p in named.findall(text))]:
+            checked += 1
+            if not path.exists():
+                missing.append(f"{page.relative_to(REPO)}: {path.resolve()}")
+    assert checked >= 50 and missing == [], missing
 
 
 def test_readme_module_map_follows_the_import_contract():

@@ -75,22 +75,30 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
     weights = (build.rollout_weights(cfg),) if _shared(cfg) else ()
     refs, resampled = [], 0
     for shard in range(shards):
-        name = _engine_of(cfg, shard)
-        got = pool.call(name, "batch_ref", step, shard, what=f"{what}: fetching shard {shard}")
-        if got is None:
-            log.warning("pool: %s holds no batch of step %d shard %d; sampling it again from %s", name, step,
-                        shard, ckpt.uri)
-            pool.call(name, "rollout", ckpt, step, shard, shards, "projection", *weights,
-                      what=f"re-sampling {what} shard {shard}")
-            got = pool.call(name, "batch_ref", step, shard, what=f"{what}: fetching shard {shard}")
-            resampled += 1
-        refs += got or []
+        got, again = held_or_sampled(pool, _engine_of(cfg, shard), ("batch_ref", step, shard),
+                                     (ckpt, step, shard, shards, "projection", *weights),
+                                     what=f"{what}: fetching shard {shard}")
+        refs, resampled = refs + got, resampled + again
     ref, metrics = group.call(pool, "train_background" if background else "train", ckpt, step, batch, *refs,
                               what=what)
     for name in sorted({_engine_of(cfg, s) for s in range(shards)}):
         pool.remote(name, "release", step)  # not waited for: a lost release only keeps a batch until the next
     metrics["pool/resampled_shards"] = float(resampled)
     return ref, metrics
+
+
+def held_or_sampled(pool: Pool, name: str, query: tuple, rollout: tuple, *, what: str) -> tuple[list, int]:
+    """The ObjectRefs of the full batches actor ``name`` holds (``query``: its method and arguments, answering None
+    when it holds none), sampled again first (``rollout``: the arguments of its rollout) when it holds none - it
+    restarted since the rollout, or the rollout came from a task cache: the same version and seed sample the same
+    again, and the trainer checks their log-probs against the scored projection's. Returns the refs and 1 when it
+    sampled again, else 0."""
+    got = pool.call(name, *query, what=what)
+    if got is not None:
+        return got, 0
+    log.warning("pool: %s holds nothing for %s; sampling it again", name, what)
+    pool.call(name, "rollout", *rollout, what=f"re-sampling {what}")
+    return pool.call(name, *query, what=what) or [], 1
 
 
 def publish_when_written(cfg: RunConfig, ckpt: CheckpointRef) -> bool:

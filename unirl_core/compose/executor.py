@@ -8,15 +8,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from unirl_core.checkpoint import restore_train_checkpoint, save_train_checkpoint
+from unirl_core.checkpoint import restore_train_checkpoint
 from unirl_core.compose.config import STACKS, ComposeRunConfig, stack_configs
 from unirl_core.compose.credit import enhancer_batch, image_batch
 from unirl_core.compose.sampling import Refs, sample_step
-from unirl_core.config.loader import to_dict
 from unirl_core.runtime import build
 from unirl_core.runtime.executor import ProcessExecutors
 from unirl_core.runtime.resources import Resources
-from unirl_core.runtime.steps import check_replay_schedule
+from unirl_core.runtime.steps import train_and_save
 from unirl_core.types import SampleBatch
 
 if TYPE_CHECKING:
@@ -57,12 +56,11 @@ class ComposeInProcessExecutor:
             ref, sub = refs[name], subs[name]
             t0 = time.perf_counter()
             backend = self.stacks[name].trainer(sub)
-            restore_train_checkpoint(backend, ref, storage_options=sub.checkpoint.storage_options)
-            check_replay_schedule(sub, rows[name], backend.policy)
-            m = backend.step(rows[name]).as_dict()
-            out[name] = save_train_checkpoint(build.store(sub), backend, config=to_dict(sub), extra={},
-                                              publish=False, overwrite=True)
-            metrics.update({f"{name}/train/{k}": float(v) for k, v in m.items()})
+            out[name], _, m = train_and_save(  # the stack's version restored every step (its extra JSON: {})
+                sub, backend, rows[name], ref, wait=lambda: None, writer=None, background=False, full_state=True,
+                hold=lambda: restore_train_checkpoint(backend, ref,
+                                                      storage_options=sub.checkpoint.storage_options).extra)
+            metrics.update({f"{name}/{k}": v for k, v in m.items() if k.startswith("train/")})
             metrics[f"time/train_{name}"] = time.perf_counter() - t0
         return out, metrics
 

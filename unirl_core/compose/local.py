@@ -18,8 +18,7 @@ from unirl_core.compose.phases import (
 )
 from unirl_core.compose.evaluate import evaluate_compose
 from unirl_core.compose.report import write_step_report
-from unirl_core.loop.local import drive, open_sinks, say, timed
-from unirl_core.report.wandb_log import MetricSinks
+from unirl_core.loop.local import run_steps, timed
 from unirl_core.types import SampleBatch
 
 
@@ -52,38 +51,34 @@ def compose_step(cfg: ComposeRunConfig, refs: Refs, step: int) -> tuple[Refs, Sa
 
 def run_compose_local(cfg: ComposeRunConfig, *, resume_from: str = "latest", progress: bool | None = None,
                       on_step: Callable[[dict, SampleBatch], None] | None = None) -> list[dict]:
-    """Run the remaining steps of ``cfg.loop.total_steps`` in this process on the loop's driver (``loop.local.drive``);
-    returns per-step metrics (step 0's evaluation first, when there is one). Each step is recorded in the run report
-    (``<root>/<name>/report``) and goes to the metric sinks ``cfg.report`` asks for (TensorBoard, W&B)."""
-    show = cfg.report.progress if progress is None else progress
+    """Run the remaining steps of ``cfg.loop.total_steps`` in this process on the loop's driver
+    (``loop.local.run_steps``); returns per-step metrics (step 0's evaluation first, when there is one). Each step is
+    recorded in the run report (``<root>/<name>/report``) and goes to the metric sinks ``cfg.report`` asks for
+    (TensorBoard, W&B)."""
     refs = init_stacks(cfg, resume_from=resume_from)
-    total, first = cfg.loop.total_steps, step_of(cfg, refs) + 1
-    scalars = open_sinks(cfg.report, cfg.run_root, cfg.name, storage_options=cfg.checkpoint.storage_options,
-                         run_config={"recipe": cfg.name, "family": "compose"}) if first <= total else MetricSinks()
-    history = []
-    try:
-        if cfg.eval is not None and first == 1 <= total:
-            metrics, texts = evaluate_compose(cfg, refs, cfg.eval)
-            write_step_report(cfg, 0, None, metrics, texts)
-            scalars.log(0, metrics)
-            history.append({**metrics, "step": 0.0})
-            say(f"step 0/{total} | eval {metrics['eval/reward/mean']:.4f} "
-                f"(copy {metrics['eval/copy_reward/mean']:.4f})", show)
+    start: list[dict] = []
 
-        def step(n: int) -> tuple[dict, SampleBatch]:
-            nonlocal refs
-            refs, batch, metrics = compose_step(cfg, refs, n)
-            texts = None
-            if cfg.eval is not None and cfg.eval.due(n, total):
-                t0 = time.perf_counter()
-                m, texts = evaluate_compose(cfg, refs, cfg.eval)
-                metrics.update(m)
-                metrics["time/eval"] = time.perf_counter() - t0
-            write_step_report(cfg, n, batch, metrics, texts)
-            return metrics, batch
+    def evaluate_start() -> tuple[dict, str]:
+        metrics, texts = evaluate_compose(cfg, refs, cfg.eval)
+        write_step_report(cfg, 0, None, metrics, texts)
+        start.append({**metrics, "step": 0.0})
+        return metrics, (f"step 0/{cfg.loop.total_steps} | eval {metrics['eval/reward/mean']:.4f} "
+                         f"(copy {metrics['eval/copy_reward/mean']:.4f})")
 
-        history += drive(first, total, step, show=show, scalars=scalars, on_step=on_step,
-                         line=lambda n, t, m, seconds, _eta: progress_line(n, t, m, seconds))
-    finally:
-        scalars.close()
-    return history
+    def step(n: int) -> tuple[dict, SampleBatch]:
+        nonlocal refs
+        refs, batch, metrics = compose_step(cfg, refs, n)
+        texts = None
+        if cfg.eval is not None and cfg.eval.due(n, cfg.loop.total_steps):
+            t0 = time.perf_counter()
+            m, texts = evaluate_compose(cfg, refs, cfg.eval)
+            metrics.update(m)
+            metrics["time/eval"] = time.perf_counter() - t0
+        write_step_report(cfg, n, batch, metrics, texts)
+        return metrics, batch
+
+    history = run_steps(cfg, cfg.run_root, "compose", step_of(cfg, refs) + 1, step,
+                        show=cfg.report.progress if progress is None else progress, on_step=on_step,
+                        line=lambda n, t, m, seconds, _eta: progress_line(n, t, m, seconds),
+                        evaluate_start=evaluate_start)
+    return start + history

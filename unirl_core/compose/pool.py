@@ -25,6 +25,7 @@ from unirl_core.errors import PoolActorDied
 from unirl_core.runtime import build
 from unirl_core.pool import actors, group
 from unirl_core.pool.cluster import REWARD, Pool, _Role, close_pool, engine_name
+from unirl_core.pool.phases import held_or_sampled
 from unirl_core.config.pool import PoolConfig
 from unirl_core.pool.projection import project
 from unirl_core.types import SampleBatch
@@ -82,10 +83,10 @@ class ComposeEngineActor(actors._Actor):
         metrics["pool/stacks_loaded_from_store"] = float(from_store)
         return (batch if emit == "full" else project(batch)), metrics
 
-    def rows_ref(self, step: int, stack: str) -> list:
-        """``[ObjectRef]`` of stack ``stack``'s full rows of step ``step``, or ``[]`` when this engine lost them."""
+    def rows_ref(self, step: int, stack: str) -> list | None:
+        """``[ObjectRef]`` of stack ``stack``'s full rows of step ``step``, or None when this engine lost them."""
         ref = self._rows.get((step, stack))
-        return [] if ref is None else [ref]
+        return None if ref is None else [ref]
 
 
 class ComposePool(Pool):
@@ -111,18 +112,6 @@ def close_compose_pool() -> None:
     close_pool(ComposePool)
 
 
-def _rows_ref(pool: ComposePool, refs: Refs, step: int, stack: str) -> tuple[list, float]:
-    what = f"train step {step}: fetching the {stack} rows"
-    got = pool.call(ENGINE, "rows_ref", step, stack, what=what)
-    if got:
-        return got, 0.0
-    # the engine restarted since the rollout (or the rollout came from a task cache): the same versions and seed
-    # sample the same step again; the trainer checks its log-probs against the scored projection's
-    log.warning("pool: %s holds no %s rows of step %d; sampling the step again", ENGINE, stack, step)
-    pool.call(ENGINE, "rollout", refs, step, "projection", what=f"re-sampling {what}")
-    return pool.call(ENGINE, "rows_ref", step, stack, what=what), 1.0
-
-
 class ComposePoolExecutor:
     """Both stacks on the compose pool's actors (see the module docstring); ``compose.executor`` makes it on first
     use, so ``run_compose_local`` and the Flyte tasks run either mode unchanged."""
@@ -144,14 +133,15 @@ class ComposePoolExecutor:
         pool = ComposePool.get(cfg)
         t0 = time.perf_counter()
         scored = {"enhancer": enhancer_batch(batch), "image": image_batch(batch, cfg.grouping)}
-        calls, resampled = [], 0.0
+        calls, resampled = [], 0
         for stack in cfg.trained:
-            full, again = _rows_ref(pool, refs, step, stack)
+            full, again = held_or_sampled(pool, ENGINE, ("rows_ref", step, stack), (refs, step, "projection"),
+                                          what=f"train step {step}: fetching the {stack} rows")
             resampled += again
             calls.append((trainer_name(stack), pool.remote(trainer_name(stack), "train", refs[stack], step,
                                                            scored[stack], *full)))
         results = group.wait_all(pool, calls, what=f"train step {step}")
-        out, metrics = dict(refs), {"pool/resampled_rows": resampled}
+        out, metrics = dict(refs), {"pool/resampled_rows": float(resampled)}
         for stack, (ref, m) in zip(cfg.trained, results):
             out[stack] = ref
             for k, v in m.items():  # "train/x" -> "<stack>/train/x", "pool/trainer_restored" -> "pool/<stack>_..."

@@ -21,6 +21,7 @@ from unirl_core.compose.warm_pairs import warm_pairs_entry
 from unirl_core.models.lm import LMBundle
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine
 from unirl_core.sft.losses import CompletionSFT
+from unirl_core.sft.records import completion_segment
 from unirl_core.train.backend import TrainBackend
 from unirl_core.train.config import TrainConfig
 from unirl_core.types import Part, PromptRecord, Sample, SampleBatch, TokenSegment
@@ -35,17 +36,9 @@ def warm_pairs(records: list[PromptRecord], cfg: WarmStartConfig) -> list[tuple[
 
 def pair_segments(bundle: LMBundle, pairs: list[tuple[str, str]], engine: AREngineConfig) -> list[TokenSegment]:
     """One supervised segment per pair: engine-encoded prompt -> the completion's tokens + EOS."""
-    encoder = TrainsideAREngine(bundle, engine)
-    eos = bundle.tokenizer.eos_token_id
-    out = []
-    for prompt, completion in pairs:
-        ids = bundle.tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
-        r = len(ids)
-        out.append(TokenSegment(prompt_ids=encoder.encode_prompt(prompt),
-                                response_ids=torch.tensor(ids, dtype=torch.int64),
-                                log_probs=torch.zeros(r, dtype=torch.float32),
-                                response_mask=torch.ones(r, dtype=torch.bool), finish_reason="stop"))
-    return out
+    encoder, tokenizer = TrainsideAREngine(bundle, engine), bundle.tokenizer
+    return [completion_segment(encoder.encode_prompt(prompt), completion, tokenizer, tokenizer.eos_token_id)
+            for prompt, completion in pairs]
 
 
 def warm_start_enhancer(bundle: LMBundle, records: list[PromptRecord], cfg: WarmStartConfig,

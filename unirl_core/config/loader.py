@@ -203,9 +203,7 @@ def _union(tp: Any, value: Any, path: str) -> Any:
     options = [a for a in args if a is not type(None)]
     if len(options) == 1:  # Optional[X]: X's own error names the field precisely
         return _convert(options[0], value, path)
-    for a in args:
-        if a is type(None):
-            continue
+    for a in options:
         try:
             return _convert(a, value, path)
         except ConfigError as e:
@@ -226,6 +224,10 @@ def _sequence(tp: Any, origin: type, value: Any, path: str) -> Any:
     return tuple(items) if origin is tuple else items
 
 
+_EXPECTED = {int: ("an integer", "write a whole number"), bool: ("true or false", "write true or false"),
+             str: ("a string", "quote the value")}
+
+
 def _scalar(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
@@ -236,17 +238,9 @@ def _scalar(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise field_error(ConfigError, path, value, "a number", "write a number such as 1e-4")
         return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise field_error(ConfigError, path, value, "an integer", "write a whole number")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise field_error(ConfigError, path, value, "true or false", "write true or false")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise field_error(ConfigError, path, value, "a string", "quote the value")
+    if tp in (int, bool, str):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):  # a bool is an int in Python
+            raise field_error(ConfigError, path, value, *_EXPECTED[tp])
         return value
     if isinstance(tp, type) and isinstance(value, tp):
         return value

@@ -109,28 +109,6 @@ def open_sinks(report: ReportConfig, run_uri: str, name: str, *, storage_options
     return MetricSinks(tb, wb)
 
 
-def drive(first: int, total: int, step: Callable[[int], tuple[dict, SampleBatch]], *, show: bool,
-          line: Callable[[int, int, dict, float, float], str], scalars: MetricSinks,
-          on_step: StepCallback | None) -> list[dict]:
-    """The driver's loop, for every kind of run: ``step(n)`` for ``n`` in ``first..total`` (it returns the step's
-    metrics and batch); each step's record gets ``step`` and ``time/step``, goes to ``scalars``, prints ``line`` and
-    is handed to ``on_step``. Returns the records."""
-    history: list[dict] = []
-    started = time.perf_counter()
-    for n in range(first, total + 1):
-        t0 = time.perf_counter()
-        metrics, batch = step(n)
-        seconds = time.perf_counter() - t0
-        metrics.update({"step": float(n), "time/step": seconds})
-        history.append(metrics)
-        eta = (time.perf_counter() - started) / len(history) * (total - n)
-        scalars.log(n, metrics)
-        say(line(n, total, metrics, seconds, eta), show)
-        if on_step is not None:
-            on_step(metrics, batch)
-    return history
-
-
 def timed(times: dict[str, float], metrics: dict, name: str, phase: Callable, *args, **kwargs):
     """``phase(*args, **kwargs)``, which returns (output, metrics): its metrics go into ``metrics``, its seconds
     into ``times[name]``; returns the output."""
@@ -167,41 +145,63 @@ def first_step_notes(cfg: RunConfig, ckpt: CheckpointRef) -> list[str]:
     return [f"step {ckpt.step + 1}/{cfg.loop.total_steps}: {n}" for n in notes]
 
 
-def _run_steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool) -> list[dict]:
+def run_steps(cfg, run_uri: str, family: str, first: int, step: Callable[[int], tuple[dict, SampleBatch]], *,
+              show: bool, line: Callable[[int, int, dict, float, float], str], on_step: StepCallback | None,
+              evaluate_start: Callable[[], tuple[dict, str]]) -> list[dict]:
+    """The driver's loop, for every kind of run (an RL run's ``cfg`` or a compose run's): ``step(n)`` for ``n`` in
+    ``first..loop.total_steps`` (it returns the step's metrics and batch); each step's record gets ``step`` and
+    ``time/step``, goes to the sinks ``cfg.report`` asks for (``open_sinks`` on ``run_uri``, when a step remains),
+    prints ``line`` and is handed to ``on_step``. A run that starts at step 1 with ``cfg.eval`` due at step 0 first
+    evaluates its starting policy (the "before" of the report's held-out before/after): ``evaluate_start()`` returns
+    its ``eval/*`` metrics, logged at step 0, and the line to print. Returns the steps' records."""
     total = cfg.loop.total_steps
-    for note in first_step_notes(cfg, ckpt):
-        say(note, show)
-    scalars = open_sinks(cfg.report, f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}", cfg.name,
-                         storage_options=cfg.checkpoint.storage_options,
-                         run_config={"recipe": cfg.name, "family": cfg.family}) if ckpt.step < total else MetricSinks()
+    scalars = open_sinks(cfg.report, run_uri, cfg.name, storage_options=cfg.checkpoint.storage_options,
+                         run_config={"recipe": cfg.name, "family": family}) if first <= total else MetricSinks()
     try:
-        return _steps(cfg, ckpt, on_step, show, scalars)
+        if cfg.eval is not None and first == 1 <= total and cfg.eval.due(0, total):
+            metrics, message = evaluate_start()
+            scalars.log(0, metrics)
+            say(message, show)
+        history: list[dict] = []
+        started = time.perf_counter()
+        for n in range(first, total + 1):
+            t0 = time.perf_counter()
+            metrics, batch = step(n)
+            seconds = time.perf_counter() - t0
+            metrics.update({"step": float(n), "time/step": seconds})
+            history.append(metrics)
+            eta = (time.perf_counter() - started) / len(history) * (total - n)
+            scalars.log(n, metrics)
+            say(line(n, total, metrics, seconds, eta), show)
+            if on_step is not None:
+                on_step(metrics, batch)
+        return history
     finally:
         scalars.close()
 
 
-def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool,
-           scalars: MetricSinks) -> list[dict]:
-    if cfg.eval is not None and ckpt.step == 0 and cfg.loop.total_steps > 0 and cfg.eval.due(0, cfg.loop.total_steps):
-        # the "before" of the report's held-out before/after; ahead of the rollout manager, which would sample with
-        # the rollout model while eval loads weights into it
-        start = evaluate_into_report(cfg, ckpt)
-        scalars.log(0, start)
-        say(f"step 0/{cfg.loop.total_steps} | eval {start.get('eval/reward/mean', math.nan):.4f} (starting policy, "
-            "held out)", show)
+def _run_steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, show: bool) -> list[dict]:
+    for note in first_step_notes(cfg, ckpt):
+        say(note, show)
     # lag 0: each step samples its own rollout; async_training.max_policy_lag > 0: the rollout manager's, sampled
-    # with lagged versions (unirl_core/loop/lagged.py)
-    rollouts = rollout_source(cfg, ckpt)
-    version = ckpt
+    # with lagged versions (unirl_core/loop/lagged.py). Made after the step-0 evaluation, which would load weights
+    # into the rollout model the manager samples with.
+    rollouts, version = None, ckpt
 
     def step(n: int) -> tuple[dict, SampleBatch]:
-        nonlocal version
+        nonlocal rollouts, version
+        rollouts = rollouts or rollout_source(cfg, ckpt)
         metrics, batch, version = rl_step(cfg, version, n, rollouts)
         return metrics, batch
 
+    def evaluate_start() -> tuple[dict, str]:
+        start = evaluate_into_report(cfg, ckpt)
+        return start, (f"step 0/{cfg.loop.total_steps} | eval {start.get('eval/reward/mean', math.nan):.4f} "
+                       "(starting policy, held out)")
+
     try:
-        history = drive(ckpt.step + 1, cfg.loop.total_steps, step, show=show, line=progress_line, scalars=scalars,
-                        on_step=on_step)
+        history = run_steps(cfg, f"{cfg.checkpoint.root.rstrip('/')}/{cfg.name}", cfg.family, ckpt.step + 1, step,
+                            show=show, line=progress_line, on_step=on_step, evaluate_start=evaluate_start)
     except BaseException:
         try:  # the version in flight completes (or stays invisible); the step's own error is the one raised
             finish_writes()
@@ -209,7 +209,8 @@ def _steps(cfg: RunConfig, ckpt: CheckpointRef, on_step: StepCallback | None, sh
             log.error("the background checkpoint write also failed: %s", e)
         raise
     finally:
-        rollouts.close()
+        if rollouts is not None:
+            rollouts.close()
     finish_writes()  # the run ends with its last version written and published
     if history:
         say(resume.ended_message(cfg, int(history[-1]["step"])), show)

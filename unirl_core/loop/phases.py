@@ -19,8 +19,6 @@ from unirl_core.loop.run_init import init_run  # noqa: F401  (the setup phase, b
 from unirl_core.runtime import build  # noqa: F401  (what the phases build, for callers that inspect it)
 from unirl_core.runtime.steps import (  # noqa: F401  (the step's pieces, for tasks and tools)
     EMA_POLICY_VERSION,
-    TRACKER_KEY,
-    check_replay_schedule,
     sample_step,
     shape_rewards,
     step_prompts,

@@ -7,7 +7,6 @@ state, the reward actor its scorers. Every method takes and returns the library'
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -16,11 +15,7 @@ import time
 
 import torch
 
-from unirl_core.checkpoint import (
-    CheckpointRef,
-    restore_train_checkpoint,
-    save_train_checkpoint,
-)
+from unirl_core.checkpoint import CheckpointRef, restore_train_checkpoint
 from unirl_core.checkpoint.sharded import (
     latest_state,
     load_sharded_state,
@@ -34,7 +29,6 @@ from unirl_core.checkpoint.store import (
     load_version_json,
 )
 from unirl_core.checkpoint.writer import VersionWriter
-from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, RewardError, field_error
 from unirl_core.runtime import build, steps
@@ -213,11 +207,11 @@ class EngineActor(_Actor):
         metrics["pool/weights_from_store"] = float(from_store)
         return (batch if emit == "full" else project(batch)), metrics
 
-    def batch_ref(self, step: int, shard: int) -> list:
-        """``[ObjectRef]`` of the full batch of (step, shard), or ``[]`` when this engine does not hold it."""
+    def batch_ref(self, step: int, shard: int) -> list | None:
+        """``[ObjectRef]`` of the full batch of (step, shard), or None when this engine does not hold it."""
         with self._batches_lock:
             ref = self._batches.get((step, shard))
-        return [] if ref is None else [ref]
+        return None if ref is None else [ref]
 
     def release(self, step: int) -> None:
         """Drop the full batches of steps up to ``step`` (the trainer has consumed them)."""
@@ -317,41 +311,26 @@ class TrainerActor(_Actor):
 
     def _train(self, ckpt: CheckpointRef, step: int, scored: SampleBatch, shards: tuple[SampleBatch, ...], *,
                background: bool) -> tuple[CheckpointRef, dict[str, float]]:
-        cfg, backend = self.cfg, self.backend
-        restored = self._hold(ckpt)
-        batch = for_training(SampleBatch.concat(list(shards)), scored)
-        steps.check_policy_lag(cfg, batch, ckpt)
-        steps.check_replay_schedule(cfg, batch, backend.policy)
-        self.state = None  # from here on the resident state is no version until it is saved
-        metrics = backend.step(batch).as_dict()
-        extra = dict(self.extra)
-        if steps.TRACKER_KEY in batch.metadata:
-            extra["tracker"] = json.loads(batch.metadata[steps.TRACKER_KEY])
-        ck = cfg.checkpoint
+        cfg, ck, restored = self.cfg, self.cfg.checkpoint, False
+
+        def hold() -> dict:
+            nonlocal restored
+            restored = self._hold(ckpt)
+            self.state = None  # from here on the resident state is no version until it is saved
+            return self.extra
+
         full_now = ck.full_state_at(step, cfg.loop.total_steps)
-        t0 = time.perf_counter()
-        self._writer.wait()  # the previous version is complete (or its failure raises) before this one is written
-        waited = time.perf_counter() - t0
-        t1 = time.perf_counter()
         # one rank writes through its writer even when the caller waits for the version (``train``): the weights
         # go through the writer's reused pinned buffers, not a fresh pageable copy (~1 s of 1.2 GB on an H200)
-        single = cfg.pool.trainer_ranks == 1
-        ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
-                                    overwrite=True, full_state=full_now and ck.full_state == "file",
-                                    writer=self._writer if background or single else None)
-        if not background:
-            self._writer.wait()  # the version is complete in the store when ``train`` returns (its failure raises)
-        saved = time.perf_counter() - t1
+        ref, extra, out = steps.train_and_save(
+            cfg, self.backend, for_training(SampleBatch.concat(list(shards)), scored), ckpt, hold=hold,
+            wait=self._writer.wait, writer=self._writer if background or cfg.pool.trainer_ranks == 1 else None,
+            background=background, full_state=full_now and ck.full_state == "file")
+        t0 = time.perf_counter()  # the sharded full state's start (last step: its whole write)
         if full_now and ck.full_state == "sharded":
             self._write_sharded(last=step >= cfg.loop.total_steps)
         self.state, self.extra = _version(ref), extra
-        out = {f"train/{k}": float(v) for k, v in metrics.items()}
-        # the version's write (background: its host snapshot); the sharded full state's start (last step: its
-        # whole write); background: how long this call waited for the previous version's write, and that write
-        out["checkpoint/save_s"] = saved
-        out["checkpoint/full_state_start_s"] = time.perf_counter() - t1 - saved
-        if background:
-            out.update({"checkpoint/wait_s": waited, "checkpoint/previous_write_s": self._writer.last_seconds})
+        out["checkpoint/full_state_start_s"] = time.perf_counter() - t0
         out["pool/trainer_restored"] = float(restored)
         return ref, out
 

@@ -124,9 +124,6 @@ def _connect(pcfg: PoolConfig) -> bool:
 class Pool:
     """The run's actors and their placement group. Use ``Pool.get(cfg)``; ``close()`` frees them."""
 
-    namespace = NAMESPACE
-    """The Ray namespace of every actor the pool names."""
-
     def __init__(self, cfg: RunConfig, key: str) -> None:
         self.cfg, self.key = cfg, key
         self.pcfg = cfg.pool
@@ -319,13 +316,25 @@ class Pool:
                                  f"pool.call_timeout_s={self.pcfg.call_timeout_s} s; it was killed and the next "
                                  "call re-creates it") from e
 
-    def kill(self, name: str) -> None:
+    def kill(self, name: str, *, named: bool = False) -> None:
+        """Kill this process's handle of actor ``name``; ``named``: also the actor of that name that another process
+        of the run created."""
         import ray
 
         handle = self._handles.pop(name, None)
         self._memo.pop(name, None)
-        if handle is not None:
-            ray.kill(handle, no_restart=True)
+        for actor in (handle, self.named(name) if named else None):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+
+    def named(self, name: str):
+        """The live actor ``name`` of this run, whichever process created it; None when there is none."""
+        import ray
+
+        try:
+            return ray.get_actor(f"{self.prefix}-{name}", namespace=NAMESPACE)
+        except ValueError:
+            return None
 
     def close(self) -> None:
         """Kill the actors and remove the placement group; stop Ray if this pool started it."""
@@ -337,12 +346,8 @@ class Pool:
         self._shutdown_actors()
         for name in list(self._handles):
             self.kill(name)
-        if self.detached:  # actors other processes of the run created
-            for name in self.roles:
-                try:
-                    ray.kill(ray.get_actor(f"{self.prefix}-{name}", namespace=NAMESPACE), no_restart=True)
-                except ValueError:
-                    pass  # never created
+        for name in self.roles if self.detached else ():  # actors other processes of the run created
+            self.kill(name, named=True)
         remove_placement_group(self.pg)
         if self.started_ray:
             ray.shutdown()

@@ -79,22 +79,12 @@ def call(pool, method: str, *args, what: str):
 def kill(pool) -> None:
     """Kill every trainer rank (also those another process of the run created) and wait until their names are
     free, so the next call creates new ones."""
-    import ray
-
     ranks = names(pool)
     for n in ranks:
-        pool.kill(n)
-        try:
-            ray.kill(ray.get_actor(f"{pool.prefix}-{n}", namespace=pool.namespace), no_restart=True)
-        except ValueError:
-            pass  # never created, or already gone
+        pool.kill(n, named=True)
     deadline = time.monotonic() + 60.0
     for n in ranks:
-        while time.monotonic() < deadline:
-            try:
-                ray.get_actor(f"{pool.prefix}-{n}", namespace=pool.namespace)
-            except ValueError:
-                break
+        while pool.named(n) is not None and time.monotonic() < deadline:
             time.sleep(0.05)
 
 

@@ -67,49 +67,38 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
     """Train step ``step`` on the trainer actor from the full batches the engines hold, with ``batch``'s
     (the scored projection's) advantages. A shard the pool no longer holds (its engine restarted, or the
     rollout came from a task cache) is sampled again from ``ckpt`` with the same seed and checked against
-    the projection's log-probs before training. ``background`` (one trainer rank): the trainer writes the
-    version on its writer thread and the ref returns before it exists (``publish_when_written``,
-    ``wait_written``)."""
-    pool = Pool.get(cfg)
-    shards = cfg.loop.rollout_shards
-    method = "train_background" if background else "train"
-    if _shared(cfg):
-        return _train_shared(pool, cfg, batch, ckpt, step=step, method=method)
+    the projection's log-probs before training (the shared actor trains on the batches it holds: none travel).
+    ``background`` (one trainer rank): the trainer writes the version on its writer thread and the ref returns
+    before it exists (``publish_when_written``, ``wait_written``)."""
+    pool, shards, what = Pool.get(cfg), cfg.loop.rollout_shards, f"train step {step}"
+    # a shard sampled again with what the loop's rollouts sample with (engine actors: the policy only)
+    weights = (build.rollout_weights(cfg),) if _shared(cfg) else ()
     refs, resampled = [], 0
     for shard in range(shards):
-        name = _engine_of(cfg, shard)
-        what = f"train step {step}: fetching shard {shard}"
-        got = pool.call(name, "batch_ref", step, shard, what=what)
-        if not got:
-            log.warning("pool: %s holds no batch of step %d shard %d; sampling it again from %s", name, step,
-                        shard, ckpt.uri)
-            pool.call(name, "rollout", ckpt, step, shard, shards, "projection", what=f"re-sampling {what}")
-            got = pool.call(name, "batch_ref", step, shard, what=what)
-            resampled += 1
-        refs.extend(got)
-    ref, metrics = group.call(pool, method, ckpt, step, batch, *refs, what=f"train step {step}")
+        got, again = held_or_sampled(pool, _engine_of(cfg, shard), ("batch_ref", step, shard),
+                                     (ckpt, step, shard, shards, "projection", *weights),
+                                     what=f"{what}: fetching shard {shard}")
+        refs, resampled = refs + got, resampled + again
+    ref, metrics = group.call(pool, "train_background" if background else "train", ckpt, step, batch, *refs,
+                              what=what)
     for name in sorted({_engine_of(cfg, s) for s in range(shards)}):
         pool.remote(name, "release", step)  # not waited for: a lost release only keeps a batch until the next
     metrics["pool/resampled_shards"] = float(resampled)
     return ref, metrics
 
 
-def _train_shared(pool: Pool, cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step: int,
-                  method: str) -> tuple[CheckpointRef, dict[str, float]]:
-    """The shared actor trains on the full batches it sampled itself (nothing travels); a shard it lost (it
-    restarted since the rollout, or the rollout came from a task cache) is sampled again first, as above."""
-    what = f"train step {step}"
-    shards = cfg.loop.rollout_shards
-    missing = pool.call(SHARED, "missing_shards", step, shards, what=f"{what}: fetching shards")
-    weights = build.rollout_weights(cfg)  # what the loop's rollouts sample with
-    for shard in missing:
-        log.warning("pool: %s holds no batch of step %d shard %d; sampling it again from %s", SHARED, step, shard,
-                    ckpt.uri)
-        pool.call(SHARED, "rollout", ckpt, step, shard, shards, "projection", weights,
-                  what=f"re-sampling {what} shard {shard}")
-    ref, metrics = group.call(pool, method, ckpt, step, batch, what=what)
-    metrics["pool/resampled_shards"] = float(len(missing))
-    return ref, metrics
+def held_or_sampled(pool: Pool, name: str, query: tuple, rollout: tuple, *, what: str) -> tuple[list, int]:
+    """The ObjectRefs of the full batches actor ``name`` holds (``query``: its method and arguments, answering None
+    when it holds none), sampled again first (``rollout``: the arguments of its rollout) when it holds none - it
+    restarted since the rollout, or the rollout came from a task cache: the same version and seed sample the same
+    again, and the trainer checks their log-probs against the scored projection's. Returns the refs and 1 when it
+    sampled again, else 0."""
+    got = pool.call(name, *query, what=what)
+    if got is not None:
+        return got, 0
+    log.warning("pool: %s holds nothing for %s; sampling it again", name, what)
+    pool.call(name, "rollout", *rollout, what=f"re-sampling {what}")
+    return pool.call(name, *query, what=what) or [], 1
 
 
 def publish_when_written(cfg: RunConfig, ckpt: CheckpointRef) -> bool:

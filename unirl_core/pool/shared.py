@@ -83,11 +83,12 @@ class SharedActor(TrainerActor):
         metrics["pool/shared"] = 1.0
         return (batch if emit == "full" else project(batch)), metrics
 
-    def missing_shards(self, step: int, num_shards: int) -> list[int]:
-        """The shards of ``step`` whose full batch this process does not hold (sampled before a restart, or
-        served from a task cache): the driver has them sampled again before ``train``."""
+    def batch_ref(self, step: int, shard: int) -> list | None:
+        """``[]`` when this process holds the full batch of (step, shard) (``train`` takes it here: none travels),
+        None when it does not (sampled before a restart, or served from a task cache): the driver has it sampled
+        again before ``train``."""
         with self._held_lock:
-            return [s for s in range(num_shards) if (step, s) not in self._held]
+            return [] if (step, shard) in self._held else None
 
     def _train(self, ckpt: CheckpointRef, step: int, scored: SampleBatch, shards: tuple[SampleBatch, ...], *,
                background: bool) -> tuple[CheckpointRef, dict[str, float]]:
@@ -95,7 +96,7 @@ class SharedActor(TrainerActor):
         (none travel)."""
         if not shards:
             num = self.cfg.loop.rollout_shards
-            missing = self.missing_shards(step, num)
+            missing = [s for s in range(num) if self.batch_ref(step, s) is None]
             if missing:
                 raise field_error(ConfigError, f"{self.name}: train step {step}", f"shards {missing} missing",
                                   "the full batches of every shard of the step", "sample them first (the pool's "

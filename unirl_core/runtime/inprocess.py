@@ -8,27 +8,18 @@ from the version it is given; within one process the trainer stays resident betw
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from typing import Literal
 
 import torch.distributed
 
-from unirl_core.checkpoint import CheckpointRef, load_manifest, save_train_checkpoint
+from unirl_core.checkpoint import CheckpointRef, load_manifest
 from unirl_core.checkpoint.writer import VersionWriter
-from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError
 from unirl_core.runtime import build
 from unirl_core.runtime.resources import Resources
-from unirl_core.runtime.steps import (
-    TRACKER_KEY,
-    advantage_step,
-    check_policy_lag,
-    check_replay_schedule,
-    restore_full_state,
-    sample_step,
-)
+from unirl_core.runtime.steps import advantage_step, restore_full_state, sample_step, train_and_save
 from unirl_core.train.backend import TrainBackend
 from unirl_core.train.distributed import current_world
 from unirl_core.types import SampleBatch
@@ -131,32 +122,21 @@ class InProcessExecutor:
         writer = self.writer if asynchronous and current_world()[1] == 1 else None
         if not (writer and self.writer.pending(ckpt)):
             self.finish_writes()  # any other version in flight is complete (or its failure raises) first
-        check_policy_lag(cfg, batch, ckpt)
         backend = self.resources.trainer(cfg)
-        check_replay_schedule(cfg, batch, backend.policy)
-        extra = self._resident_extra(backend, ckpt, cfg)
-        if extra is None:
-            self.finish_writes()  # ckpt is read from the store
-            extra = restore_full_state(backend, ckpt, cfg)
-        metrics = backend.step(batch).as_dict()
-        if TRACKER_KEY in batch.metadata:
-            extra["tracker"] = json.loads(batch.metadata[TRACKER_KEY])
-        t0 = time.perf_counter()
-        self.finish_writes()  # version ckpt (written while this step trained) is complete, or its failure raises
-        waited = time.perf_counter() - t0
-        # A version `step` can only be a leftover of an interrupted attempt at this same step: replace it.
-        t1 = time.perf_counter()
-        full = cfg.checkpoint.full_state_at(step, cfg.loop.total_steps)
-        ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
-                                    overwrite=True, writer=writer, full_state=full)
-        saved = time.perf_counter() - t1  # the whole write, or (writer) the host snapshot the thread writes from
+
+        def hold() -> dict:
+            extra = self._resident_extra(backend, ckpt, cfg)
+            if extra is None:
+                self.finish_writes()  # ckpt is read from the store
+                extra = restore_full_state(backend, ckpt, cfg)
+            return extra
+
+        ref, extra, out = train_and_save(cfg, backend, batch, ckpt, hold=hold, wait=self.finish_writes, writer=writer,
+                                         background=writer is not None,
+                                         full_state=cfg.checkpoint.full_state_at(step, cfg.loop.total_steps))
         files = None if writer else load_manifest(ref, storage_options=cfg.checkpoint.storage_options).files
         self.resident.update(backend=backend, version=(ref.uri, ref.step, ref.policy_version), files=files,
                              extra=dict(extra))
-        out = {f"train/{k}": float(v) for k, v in metrics.items()}
-        out["checkpoint/save_s"] = saved
-        if writer is not None:  # the previous version's write on the writer thread, and how long this phase waited
-            out.update({"checkpoint/previous_write_s": self.writer.last_seconds, "checkpoint/wait_s": waited})
         return ref, out
 
     def _resident_extra(self, backend: TrainBackend, ckpt: CheckpointRef, cfg: RunConfig) -> dict | None:

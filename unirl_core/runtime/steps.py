@@ -17,8 +17,16 @@ from unirl_core.advantage.batch import assign_advantages
 from unirl_core.advantage.dynamic_sampling import MAX_ROUNDS
 from unirl_core.advantage.tracker import PerPromptStatTracker
 from unirl_core.algorithms.overlong import apply_overlong_penalty
-from unirl_core.checkpoint import CheckpointRef, load_manifest, load_version_json, restore_train_checkpoint
+from unirl_core.checkpoint import (
+    CheckpointRef,
+    load_manifest,
+    load_version_json,
+    restore_train_checkpoint,
+    save_train_checkpoint,
+)
 from unirl_core.checkpoint.store import TRAIN_STATE
+from unirl_core.checkpoint.writer import VersionWriter
+from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, NumericsError, field_error
 from unirl_core.rollout.agentic import AgenticEngine
@@ -233,3 +241,35 @@ def restore_full_state(backend: TrainBackend, ckpt: CheckpointRef, cfg: RunConfi
                           "fork the run from that version (fork_as=..., resume_from=<its step folder>) to retrain "
                           "the steps since; a smaller every_n_steps loses fewer")
     return dict(restore_train_checkpoint(backend, ckpt, storage_options=opts).extra)
+
+
+def train_and_save(cfg: RunConfig, backend: TrainBackend, batch: SampleBatch, ckpt: CheckpointRef, *,
+                   hold: Callable[[], dict], wait: Callable[[], None], writer: VersionWriter | None,
+                   background: bool, full_state: bool) -> tuple[CheckpointRef, dict, dict[str, float]]:
+    """The train phase's work, in this process (``runtime.inprocess``) or in the pool's trainer actor: ``batch``
+    checked (policy lag, replay schedule); ``hold()`` makes ``backend`` hold ``ckpt`` (restoring it when it holds
+    another) and returns the version's extra JSON; one update; then, once ``wait()`` saw the previous version's write
+    complete, the new version saved unpublished (one of that step can only be a leftover of an interrupted
+    attempt at it: replaced), through ``writer`` when given (``background``: the ref returns before the
+    thread has written it; else the write is waited for). Returns the ref, the extra JSON it saved (with the
+    advantage tracker's state) and ``train/*``, ``checkpoint/save_s`` (the whole write, or the host snapshot the
+    thread writes from) and, ``background``, ``checkpoint/wait_s`` / ``previous_write_s``."""
+    check_policy_lag(cfg, batch, ckpt)
+    check_replay_schedule(cfg, batch, backend.policy)
+    extra = dict(hold())
+    metrics = backend.step(batch).as_dict()
+    if TRACKER_KEY in batch.metadata:
+        extra["tracker"] = json.loads(batch.metadata[TRACKER_KEY])
+    t0 = time.perf_counter()
+    wait()
+    waited = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
+                                overwrite=True, writer=writer, full_state=full_state)
+    if writer is not None and not background:
+        writer.wait()  # the version is complete in the store (or its failure raises)
+    out = {f"train/{k}": float(v) for k, v in metrics.items()}
+    out["checkpoint/save_s"] = time.perf_counter() - t1
+    if background:
+        out.update({"checkpoint/wait_s": waited, "checkpoint/previous_write_s": writer.last_seconds})
+    return ref, extra, out

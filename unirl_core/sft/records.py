@@ -175,13 +175,18 @@ def _token_segment(cfg: SFTConfig, rec: TextRecord, encode_prompt, tokenizer, eo
         return conversation_segment(prompt_ids, rec.turns, tokenizer=tokenizer, eos_id=eos_id,
                                     observation_template=cfg.lm.prompt.observation_template,
                                     max_tokens=cfg.lm.max_completion_tokens)
-    completion = tokenizer(rec.completion, add_special_tokens=False)["input_ids"]
-    ids = list(completion) + ([eos_id] if eos_id is not None else [])
-    limit = cfg.lm.max_completion_tokens
-    finish = "stop" if len(ids) <= limit else "length"
-    ids = ids[:limit]
+    return completion_segment(prompt_ids, rec.completion, tokenizer, eos_id, cfg.lm.max_completion_tokens)
+
+
+def completion_segment(prompt_ids, completion: str, tokenizer, eos_id: int | None,
+                       max_tokens: int | None = None) -> TokenSegment:
+    """A supervised segment: ``prompt_ids`` -> the completion's tokens + ``eos_id`` (cut at ``max_tokens``: finish
+    ``length``), with zero log-probs (never read) and a full response mask."""
+    ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + ([eos_id] if eos_id is not None else [])
+    finish = "stop" if max_tokens is None or len(ids) <= max_tokens else "length"
+    ids = ids[:max_tokens]
     if not ids:
-        raise field_error(ConfigError, "record.completion", rec.completion, "a completion of >= 1 token",
+        raise field_error(ConfigError, "record.completion", completion, "a completion of >= 1 token",
                           "drop empty completions from the data")
     r = len(ids)
     return TokenSegment(prompt_ids=prompt_ids, response_ids=torch.tensor(ids, dtype=torch.int64),

@@ -3,6 +3,8 @@
 Each message names the field, the value that was seen, what was expected, and the likely fix.
 """
 
+from collections.abc import Iterable
+
 
 class UniRLError(Exception):
     """Base class of every error this library raises on purpose."""
@@ -57,3 +59,12 @@ def field_error(cls: type[UniRLError], field: str, value: object, expected: str,
     if len(shown) > 200:
         shown = shown[:200] + "..."
     return cls(f"{field}={shown}: expected {expected}; {fix}")
+
+
+def check_ints(section: str, obj: object, names: Iterable[str], fix: str, *, minimum: int = 1) -> None:
+    """Refuse a field of ``obj`` among ``names`` that is not an integer >= ``minimum`` (a bool is none), naming
+    ``<section>.<field>`` (a ``ConfigError``)."""
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise field_error(ConfigError, f"{section}.{name}", v, f"an integer >= {minimum}", fix)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unirl_core.config.loader import check_ints
+from unirl_core.errors import check_ints
 
 EVAL_SEED = 20_261_130
 """Base seed of the evaluation's noise recipe and greedy enhancer (fixed: every evaluation renders the same noise)."""

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from unirl_core.config.loader import check_ints
-from unirl_core.errors import ConfigError, field_error
+from unirl_core.errors import ConfigError, check_ints, field_error
 
 
 @dataclass(frozen=True, kw_only=True)

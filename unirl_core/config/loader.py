@@ -40,15 +40,6 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     return _convert(cls, data, path or cls.__name__)
 
 
-def check_ints(section: str, obj: Any, names: typing.Iterable[str], fix: str, *, minimum: int = 1) -> None:
-    """Refuse a field of ``obj`` among ``names`` that is not an integer >= ``minimum`` (a bool is none), naming
-    ``<section>.<field>``."""
-    for name in names:
-        v = getattr(obj, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise field_error(ConfigError, f"{section}.{name}", v, f"an integer >= {minimum}", fix)
-
-
 def config_key(obj: Any) -> str:
     """The JSON of a config (section): what a thing built from it is kept by (another value, another thing)."""
     return json.dumps(to_dict(obj), sort_keys=True, default=str)

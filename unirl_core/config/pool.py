@@ -7,8 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from unirl_core.config.loader import check_ints
-from unirl_core.errors import ConfigError, field_error
+from unirl_core.errors import ConfigError, check_ints, field_error
 
 Execution = Literal["pods", "pool"]
 Placement = Literal["colocate", "separate", "shared"]

@@ -11,11 +11,11 @@ from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo import GRPOConfig
 from unirl_core.algorithms.registry import AlgorithmChoice
 from unirl_core.config.deployment_checks import check_lm_deployment
-from unirl_core.config.loader import Sectioned, check_ints, from_dict
+from unirl_core.config.loader import Sectioned, from_dict
 from unirl_core.config.diffusion_sampling import DiffusionSamplingConfig
 from unirl_core.data.prompts import PromptDataConfig, check_prompts_per_step
 from unirl_core.data import sources as prompt_sources
-from unirl_core.errors import ConfigError, field_error
+from unirl_core.errors import ConfigError, check_ints, field_error
 from unirl_core.advantage.dynamic_sampling import FilterGroupsConfig
 from unirl_core.config.eval import EvalConfig, check_eval_config
 from unirl_core.models.diffusion import DiffusionModelConfig

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from unirl_core.env.base import EnvChoice, Environment, EnvTask, build_env
 from unirl_core.env.reward import RETURN_TARGET
-from unirl_core.errors import ConfigError, EngineError, field_error
+from unirl_core.errors import ConfigError, EngineError, check_ints, field_error
 from unirl_core.models.text import decode_completion
 from unirl_core.rollout.agent_turns import turn_sampler
 from unirl_core.sde.noise import stable_seed
@@ -98,10 +98,8 @@ class AgentConfig:
     ``mask``: they leave it (``response_mask`` False), like environment tokens."""
 
     def __post_init__(self) -> None:
-        for name, lo in (("max_turns", 1), ("max_response_tokens", 2)):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
-                raise field_error(ConfigError, f"lm.agent.{name}", v, f"an integer >= {lo}", "use e.g. 4 / 128")
+        check_ints("lm.agent", self, ("max_turns",), "use e.g. 4 / 128")
+        check_ints("lm.agent", self, ("max_response_tokens",), "use e.g. 4 / 128", minimum=2)
         if "{observation}" not in self.observation_template:
             raise field_error(ConfigError, "lm.agent.observation_template", self.observation_template,
                               "a template containing {observation}", f"use {CHATML_OBSERVATION!r}")

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from unirl_core.errors import ConfigError, EngineError, field_error
+from unirl_core.errors import ConfigError, EngineError, check_ints, field_error
 from unirl_core.models.lm import LMBundle, build_layout, replay_log_probs
 from unirl_core.models.micro_batch import check_max_tokens, plan_micro_batches, token_lengths
 from unirl_core.models.text import decode_completions
@@ -85,10 +85,8 @@ class AREngineConfig:
     runs eagerly (no graph)."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_batch_size", "stop_check_interval", "finish_check_interval"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise field_error(ConfigError, f"engine.{name}", v, "an integer >= 1", "use e.g. 16")
+        check_ints("engine", self, ("forward_batch_size", "stop_check_interval", "finish_check_interval"),
+                   "use e.g. 16")
         if self.decode_batch_size is not None and not (isinstance(self.decode_batch_size, int)
                                                        and not isinstance(self.decode_batch_size, bool)
                                                        and self.decode_batch_size >= 1):

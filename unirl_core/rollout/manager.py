@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from unirl_core.errors import ConfigError, InvariantError, field_error
+from unirl_core.errors import ConfigError, InvariantError, check_ints, field_error
 from unirl_core.rollout.turn_gate import TurnGate
 
 VersionPolicy = Literal["pinned", "latest"]
@@ -74,10 +74,8 @@ class ManagerConfig:
     """The run's last step: nothing past it is dispatched (None: as far as the lag admits)."""
 
     def __post_init__(self) -> None:
-        for name, low in (("max_policy_lag", 0), ("max_inflight", 1), ("num_shards", 1)):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
-                raise field_error(ConfigError, f"manager.{name}", v, f"an integer >= {low}", "use e.g. 1")
+        check_ints("manager", self, ("max_policy_lag",), "use e.g. 1", minimum=0)
+        check_ints("manager", self, ("max_inflight", "num_shards"), "use e.g. 1")
         if self.last_step is not None and not (isinstance(self.last_step, int) and self.last_step >= 1):
             raise field_error(ConfigError, "manager.last_step", self.last_step, "None or an integer >= 1",
                               "pass loop.total_steps")

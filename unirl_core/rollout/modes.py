@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from unirl_core.errors import ConfigError, field_error
+from unirl_core.errors import ConfigError, check_ints, field_error
 from unirl_core.rollout.registry import engine_entry, engine_names
 
 DeploymentMode = Literal["direct", "separate", "colocate"]
@@ -39,9 +39,7 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if self.method not in ("reload", "lora"):
             raise field_error(ConfigError, "sync.method", self.method, "'reload' or 'lora'", "pick one")
-        if not (isinstance(self.every_n_steps, int) and self.every_n_steps >= 1):
-            raise field_error(ConfigError, "sync.every_n_steps", self.every_n_steps, "an integer >= 1",
-                              "use 1 to publish after every step")
+        check_ints("sync", self, ("every_n_steps",), "use 1 to publish after every step")
         if not (isinstance(self.max_policy_lag, int) and self.max_policy_lag >= self.every_n_steps):
             raise field_error(ConfigError, "sync.max_policy_lag", self.max_policy_lag,
                               f"an integer >= every_n_steps={self.every_n_steps}",

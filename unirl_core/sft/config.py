@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from unirl_core.config.loader import Sectioned, check_ints, from_dict
+from unirl_core.config.loader import Sectioned, from_dict
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
 from unirl_core.config.run import CheckpointConfig, check_name_and_family
-from unirl_core.errors import ConfigError, field_error
+from unirl_core.errors import ConfigError, check_ints, field_error
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
 from unirl_core.rollout.agentic import CHATML_OBSERVATION

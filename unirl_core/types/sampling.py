@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 
-from unirl_core.errors import ConfigError, field_error
+from unirl_core.errors import ConfigError, check_ints, field_error
 
 SDEType = Literal["flow", "dance", "cps", "cps_gaussian", "ode"]
 SDE_TYPES: tuple[str, ...] = ("flow", "dance", "cps", "cps_gaussian", "ode")
@@ -123,11 +123,8 @@ class ARSamplingParams:
                               "log-probs are undefined at temperature 0; use e.g. 1.0 (greedy eval: top_k=1)")
         if not (0 < self.top_p <= 1):
             raise field_error(ConfigError, "sampling.top_p", self.top_p, "a value in (0, 1]", "use 1.0 to disable")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise field_error(ConfigError, "sampling.top_k", self.top_k, "an integer >= 0", "use 0 to disable")
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
-            raise field_error(ConfigError, "sampling.max_new_tokens", self.max_new_tokens, "an integer >= 1",
-                              "set the completion budget, e.g. 256")
+        check_ints("sampling", self, ("top_k",), "use 0 to disable", minimum=0)
+        check_ints("sampling", self, ("max_new_tokens",), "set the completion budget, e.g. 256")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise field_error(ConfigError, "sampling.stop", self.stop, "non-empty strings", "drop empty stop strings")
 

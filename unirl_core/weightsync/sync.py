@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from unirl_core.errors import ConfigError, field_error
+from unirl_core.errors import ConfigError, check_ints, field_error
 from unirl_core.weightsync.wire import (  # noqa: F401  (the wire format, re-exported: importers use this module)
     _DTYPES, _LORA_TAG, PROTOCOL, Bucket, Cast, SyncScope, TensorSpec, WeightSyncError, WeightSyncTimeout, check_names,
     check_specs, decode_header, encode_header, plan_buckets, spec_of, specs_of_header, sync_names, weights_header)
@@ -65,9 +65,7 @@ class WeightSyncConfig:
         if not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
             raise field_error(ConfigError, "weight_sync.master_port", self.master_port, "a TCP port in 1..65535",
                               "pick a free port other than the train job's MASTER_PORT")
-        if not (isinstance(self.num_engines, int) and self.num_engines >= 1):
-            raise field_error(ConfigError, "weight_sync.num_engines", self.num_engines, "an integer >= 1",
-                              "count the engine processes that receive weights")
+        check_ints("weight_sync", self, ("num_engines",), "count the engine processes that receive weights")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise field_error(ConfigError, "weight_sync.backend", self.backend, "'auto', 'nccl' or 'gloo'",
                               "use 'auto' (nccl on CUDA, gloo on CPU)")

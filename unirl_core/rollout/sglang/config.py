@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from unirl_core.errors import ConfigError, field_error
+from unirl_core.errors import ConfigError, check_ints, field_error
 from unirl_core.rollout.dedicated import PromptFormat
 
 SGLangDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -100,10 +100,7 @@ class SGLangEngineConfig:
         if self.mem_fraction_static is not None and not (0 < self.mem_fraction_static < 1):
             raise field_error(ConfigError, "sglang.mem_fraction_static", self.mem_fraction_static,
                               "a fraction in (0, 1) or None", "size it from the wake-up peak, e.g. 0.4")
-        for name in ("max_lora_rank", "max_concurrency"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise field_error(ConfigError, f"sglang.{name}", v, "an integer >= 1", "use a positive size")
+        check_ints("sglang", self, ("max_lora_rank", "max_concurrency"), "use a positive size")
         if self.context_length is not None and not (isinstance(self.context_length, int) and self.context_length >= 2):
             raise field_error(ConfigError, "sglang.context_length", self.context_length, "an integer >= 2 or None",
                               "use the model's context length")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from unirl_core.errors import ConfigError, field_error
+from unirl_core.errors import ConfigError, check_ints, field_error
 from unirl_core.rollout.dedicated import PromptFormat
 
 VLLMDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -101,10 +101,8 @@ class VLLMEngineConfig:
                               "use float32 for the tightest log-prob agreement")
         if self.weight_sync not in ("reload", "lora"):
             raise field_error(ConfigError, "vllm.weight_sync", self.weight_sync, "'reload' or 'lora'", "pick one")
-        for name in ("max_model_len", "max_lora_rank", "max_concurrency", "cpu_kv_cache_gib"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise field_error(ConfigError, f"vllm.{name}", v, "an integer >= 1", "use a positive size")
+        check_ints("vllm", self, ("max_model_len", "max_lora_rank", "max_concurrency", "cpu_kv_cache_gib"),
+                   "use a positive size")
         if self.gpu_memory_utilization is not None and not (0 < self.gpu_memory_utilization <= 1):
             raise field_error(ConfigError, "vllm.gpu_memory_utilization", self.gpu_memory_utilization,
                               "a fraction in (0, 1] or None", "use e.g. 0.4 when colocated with training")

@@ -360,11 +360,8 @@ class RunConfig:
             check_lm_deployment(self.lm, self.train.old_logp_source)
         check_rollout_seeds(self)
         check_agent_config(self)
-        self._check_filter_groups()
-        self._check_rollout_weights()
         check_eval_config(self)
-        self._check_async()
-        self._check_rollout_with_trainer()
+        self._check_combinations()
         check_pool_features(self)
         check_shared(self)
         check_dedicated(self)
@@ -373,60 +370,51 @@ class RunConfig:
     def section(self) -> DiffusionSection | LMSection:
         return self.diffusion if self.family == "diffusion" else self.lm
 
-    def _check_filter_groups(self) -> None:
-        """Dynamic sampling re-slices the batch and runs extra rollouts in the driver's process."""
-        if self.filter_groups is None:
-            return
-        if self.train.old_logp_source != "replay":
-            raise field_error(ConfigError, "train.old_logp_source", self.train.old_logp_source,
-                              "'replay' with filter_groups", "refilled batches mix rollout slices, so pi_old must "
-                              "be replayed over the training micro-batches (the first ratio is then exactly 1)")
-        if self.advantage.drop_zero_std_groups:
-            raise field_error(ConfigError, "advantage.drop_zero_std_groups", True, "False with filter_groups",
-                              "filter_groups already drops flat groups and refills the batch; remove it")
-
-    def _check_rollout_with_trainer(self) -> None:
-        if not self.loop.rollout_with_trainer:
-            return
-        blockers = [("pool.execution", self.pool.execution, self.pool.execution == "pool",
-                     "in the pool use pool.placement='shared' (one actor is trainer and engine)"),
-                    ("async_training.max_policy_lag", self.async_training.max_policy_lag,
-                     self.async_training.max_policy_lag > 0, "one module holds one version: sample lagged rollouts "
-                     "with the rollout bundle (loop.rollout_with_trainer=false)"),
-                    ("train.shard", self.train.shard, self.train.shard == "always",
-                     "an FSDP2-sharded module cannot sample: use train.shard 'auto' or 'never'")]
-        if self.lm is not None:
-            blockers.append(("lm.deployment.engine", self.lm.deployment.engine, self.lm.dedicated is not None,
-                             "a dedicated engine holds its own weights: use the trainside engine"))
-        for name, value, blocked, fix in blockers:
-            if blocked:
-                raise field_error(ConfigError, name, value, "its default with loop.rollout_with_trainer=true",
-                                  f"{fix}, or set loop.rollout_with_trainer=false")
-
-    def _check_async(self) -> None:
-        """Lagged rollouts: no dynamic sampling, versions kept long enough, corrections that can act."""
-        lag = self.async_training.max_policy_lag
-        if lag == 0:
-            if self.async_training.partial_rollout is not None:
-                raise field_error(ConfigError, "async_training.max_policy_lag", 0, ">= 1 with async_training."
-                                  "partial_rollout", "the continuation samples with the next version: set a lag")
-            return
+    def _check_combinations(self) -> None:
+        """Refuse, naming the field, settings that cannot work together: dynamic sampling (it re-slices the batch and
+        runs extra rollouts in the driver's process), EMA rollouts (DiffusionNFT's ``old_policy: ema``: the EMA
+        must be kept, and the pool's engine actors hold the policy weights only), lagged rollouts (no dynamic
+        sampling, corrections that can act) and ``loop.rollout_with_trainer``."""
+        algo, lag, fg = self.section.algorithm, self.async_training.max_policy_lag, self.filter_groups is not None
+        ema, name = getattr(algo, "rollout_weights", "policy") == "ema", f"{self.family}.algorithm"
         where = f"with async_training.max_policy_lag={lag}"
-        if self.filter_groups is not None:
-            raise field_error(ConfigError, "filter_groups", "set", f"unset {where}",
-                              "dynamic sampling's refill rounds sample on-policy; remove one of them")
-        if getattr(self.section.algorithm, "rollout_weights", "policy") == "ema":
-            raise field_error(ConfigError, f"{self.family}.algorithm", self.section.algorithm.name,
-                              f"an algorithm sampling with the policy weights {where}",
-                              "EMA rollouts are not lagged; use lag 0")
-        self._check_partial_rollout()
-        algo = self.section.algorithm
-        corrected = [k for k in ("tis_cap", "mis_bounds") if getattr(algo, k, None) is not None]
-        if corrected and self.train.old_logp_source != "replay":
-            raise field_error(ConfigError, "train.old_logp_source", self.train.old_logp_source,
-                              f"'replay' with {self.family}.algorithm.{corrected[0]} {where}",
-                              "the behaviour weight is pi_old / pi_behav: pi_old must be replayed (with 'rollout' "
-                              "it is pi_behav and the weight is 1)")
+        corrected = next((k for k in ("tis_cap", "mis_bounds") if getattr(algo, k, None) is not None), None)
+        src, rwt = self.train.old_logp_source, self.loop.rollout_with_trainer
+        with_trainer = "its default with loop.rollout_with_trainer=true"
+        keep = ", or set loop.rollout_with_trainer=false"
+        refused = [  # (field, value, refused, expected, fix)
+            ("train.old_logp_source", src, fg and src != "replay", "'replay' with filter_groups", "refilled batches "
+             "mix rollout slices, so pi_old must be replayed over the training micro-batches (the first ratio is "
+             "then exactly 1)"),
+            ("advantage.drop_zero_std_groups", True, fg and self.advantage.drop_zero_std_groups,
+             "False with filter_groups", "filter_groups already drops flat groups and refills the batch; remove it"),
+            ("train.ema_decay", None, ema and self.train.ema_decay is None, f"a decay in (0, 1) with "
+             f"{name}.old_policy='ema'", f"set train.ema_decay (e.g. 0.9), or {name}.old_policy: policy"),
+            ("pool.execution", "pool", ema and self.pool.execution == "pool" and self.pool.placement != "shared",
+             f"'pods' with {name}.old_policy='ema'", f"the pool's engine actors sample the policy weights; use "
+             f"pool.placement 'shared' (the trainer's EMA), execution 'pods' or {name}.old_policy: policy"),
+            ("async_training.max_policy_lag", 0, lag == 0 and self.async_training.partial_rollout is not None,
+             ">= 1 with async_training.partial_rollout", "the continuation samples with the next version: set a lag"),
+            ("filter_groups", "set", lag > 0 and fg, f"unset {where}",
+             "dynamic sampling's refill rounds sample on-policy; remove one of them"),
+            (name, algo.name, lag > 0 and ema, f"an algorithm sampling with the policy weights {where}",
+             "EMA rollouts are not lagged; use lag 0"),
+            ("train.old_logp_source", src, lag > 0 and corrected is not None and src != "replay",
+             f"'replay' with {name}.{corrected} {where}", "the behaviour weight is pi_old / pi_behav: pi_old must "
+             "be replayed (with 'rollout' it is pi_behav and the weight is 1)"),
+            ("pool.execution", self.pool.execution, rwt and self.pool.execution == "pool", with_trainer,
+             f"in the pool use pool.placement='shared' (one actor is trainer and engine){keep}"),
+            ("async_training.max_policy_lag", lag, rwt and lag > 0, with_trainer, "one module holds one version: "
+             f"sample lagged rollouts with the rollout bundle (loop.rollout_with_trainer=false){keep}"),
+            ("train.shard", self.train.shard, rwt and self.train.shard == "always", with_trainer,
+             f"an FSDP2-sharded module cannot sample: use train.shard 'auto' or 'never'{keep}"),
+            ("lm.deployment.engine", self.lm and self.lm.deployment.engine, rwt and self.lm is not None
+             and self.lm.dedicated is not None, with_trainer,
+             f"a dedicated engine holds its own weights: use the trainside engine{keep}")]
+        for field, value, is_refused, expected, fix in refused:
+            if is_refused:
+                raise field_error(ConfigError, field, value, expected, fix)
+        self._check_partial_rollout()  # with a lag: a partial rollout without one is refused above
 
     def _check_partial_rollout(self) -> None:
         partial = self.async_training.partial_rollout
@@ -443,21 +431,6 @@ class RunConfig:
             raise field_error(ConfigError, f"{field}.interrupt_at_tokens", partial.interrupt_at_tokens,
                               f"< lm.sampling.max_new_tokens={self.lm.sampling.max_new_tokens}",
                               "interrupt before the token limit")
-
-    def _check_rollout_weights(self) -> None:
-        """An algorithm that samples with EMA weights (DiffusionNFT's ``old_policy: ema``) needs them kept and
-        pods mode or ``pool.placement: shared`` (the pool's engine actors hold the policy weights only)."""
-        if getattr(self.section.algorithm, "rollout_weights", "policy") != "ema":
-            return
-        algo = f"{self.family}.algorithm"
-        if self.train.ema_decay is None:
-            raise field_error(ConfigError, "train.ema_decay", None, f"a decay in (0, 1) with {algo}.old_policy='ema'",
-                              f"set train.ema_decay (e.g. 0.9), or {algo}.old_policy: policy")
-        if self.pool.execution == "pool" and self.pool.placement != "shared":
-            raise field_error(ConfigError, "pool.execution", "pool", f"'pods' with {algo}.old_policy='ema'",
-                              f"the pool's engine actors sample the policy weights; use pool.placement 'shared' "
-                              f"(the trainer's EMA), execution 'pods' or "
-                              f"{algo}.old_policy: policy")
 
     def _check_token_budget(self, shards: int) -> None:
         """``train.micro_batch_tokens``: LM only; the loop hands it to the trainside engine, whose rescoring packs

@@ -22,7 +22,8 @@ from unirl_core.compose.eval_config import ComposeEvalConfig
 from unirl_core.config.loader import from_dict
 from unirl_core.compose.warm_pairs import warm_pairs_entry
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
-from unirl_core.config.run import CheckpointConfig, DataConfig, DiffusionSection, LMSection, LoopConfig, ReportConfig, RunConfig
+from unirl_core.config.run import (CheckpointConfig, DataConfig, DiffusionSection, LMSection, LoopConfig, ReportConfig,
+                                   RunConfig, refuse)
 from unirl_core.errors import ConfigError, check_ints, field_error
 from unirl_core.config.pool import PoolConfig
 from unirl_core.reward.config import RewardConfig
@@ -185,9 +186,7 @@ class ComposeRunConfig:
              "the composed engine samples with rollout bundles of its own; remove the setting"),
             ("report.wandb", "set", self.report.wandb is not None, "unset in a compose run",
              "W&B is not wired for compose runs yet; TensorBoard scalars are written")]
-        for name, value, is_refused, expected, fix in refused:
-            if is_refused:
-                raise field_error(ConfigError, name, value, expected, fix)
+        refuse(refused)
         if _warm_reference(self) and (self.enhancer.lm.model.finetune != "full"
                                       or not self.enhancer.lm.model.keep_reference):
             raise field_error(ConfigError, "enhancer.lm.algorithm.beta", self.enhancer.lm.algorithm.beta,

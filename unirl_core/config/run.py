@@ -411,9 +411,7 @@ class RunConfig:
             ("lm.deployment.engine", self.lm and self.lm.deployment.engine, rwt and self.lm is not None
              and self.lm.dedicated is not None, with_trainer,
              f"a dedicated engine holds its own weights: use the trainside engine{keep}")]
-        for field, value, is_refused, expected, fix in refused:
-            if is_refused:
-                raise field_error(ConfigError, field, value, expected, fix)
+        refuse(refused)
         self._check_partial_rollout()  # with a lag: a partial rollout without one is refused above
 
     def _check_partial_rollout(self) -> None:
@@ -432,62 +430,51 @@ class RunConfig:
                               f"< lm.sampling.max_new_tokens={self.lm.sampling.max_new_tokens}",
                               "interrupt before the token limit")
 
-    def _check_token_budget(self, shards: int) -> None:
-        """``train.micro_batch_tokens``: LM only; the loop hands it to the trainside engine, whose rescoring packs
-        its rollout shard - the same samples the trainer packs only when there is one shard."""
-        if self.lm is not None and self.lm.engine.micro_batch_tokens is not None:
-            raise field_error(ConfigError, "lm.engine.micro_batch_tokens", self.lm.engine.micro_batch_tokens,
-                              "unset in a run config (the loop passes train.micro_batch_tokens to the engine)",
-                              "remove it and set train.micro_batch_tokens")
-        if self.train.micro_batch_tokens is None:
-            return
-        if self.family != "lm":
-            raise field_error(ConfigError, "train.micro_batch_tokens", self.train.micro_batch_tokens,
-                              "None for family='diffusion'", "remove it and use train.micro_batch_size")
-        if self.train.old_logp_source == "rollout" and shards != 1:
-            raise field_error(ConfigError, "loop.rollout_shards", shards,
-                              "1 with train.micro_batch_tokens and train.old_logp_source='rollout'",
-                              "each shard packs its own samples, so its recorded log-probs are not over the "
-                              "trainer's micro-batches; use one shard or set train.old_logp_source='replay'")
-
     def _check_geometry(self) -> None:
-        total = self.data.samples_per_step
-        shards = self.loop.rollout_shards
-        if self.data.prompts_per_step % shards:
-            raise field_error(ConfigError, "loop.rollout_shards", shards,
-                              f"a divisor of data.prompts_per_step={self.data.prompts_per_step}",
-                              "every shard must hold whole groups")
-        mb = self.train.micro_batch_size
-        self._check_token_budget(shards)
-        if self.train.micro_batch_tokens is None and total % mb:
-            raise field_error(ConfigError, "train.micro_batch_size", mb, f"a divisor of samples per step ({total})",
-                              "keep micro-batches equal so every update sees the same geometry")
-        algo_src = self.section.algorithm.old_logp_source if hasattr(self.section.algorithm, "old_logp_source") \
-            else None
-        if algo_src is not None and algo_src != self.train.old_logp_source:
-            raise field_error(ConfigError, f"{self.family}.algorithm.old_logp_source", algo_src,
-                              f"the same as train.old_logp_source ({self.train.old_logp_source!r})",
-                              "set both to 'rollout' (exact, needs equal slicing) or both to 'replay'")
-        if self.train.old_logp_source == "rollout" and self.train.micro_batch_tokens is None:
-            fbs = self.section.engine.forward_batch_size
-            per_shard = total // shards
-            if fbs != mb or per_shard % mb:
-                raise field_error(ConfigError, "train.micro_batch_size", mb,
-                                  f"equal to {self.family}.engine.forward_batch_size ({fbs}) and dividing the "
-                                  f"samples of one rollout shard ({per_shard})",
-                                  "the stored log-probs are exact only over the same slices; match them or set "
-                                  "train.old_logp_source='replay'")
-        if self.train.old_logp_source == "rollout":
-            if self.advantage.drop_zero_std_groups:
-                raise field_error(ConfigError, "advantage.drop_zero_std_groups", True,
-                                  "False while train.old_logp_source='rollout'",
-                                  "dropping groups re-slices the batch; use old_logp_source='replay' with it")
-            if self.reward.failure_policy == "mark_invalid":
-                raise field_error(ConfigError, "reward.failure_policy", "mark_invalid",
-                                  "'fail' while train.old_logp_source='rollout'",
-                                  "excluding invalid samples re-slices the batch; use old_logp_source='replay'")
-        if not math.isfinite(self.train.lr):
-            raise field_error(ConfigError, "train.lr", self.train.lr, "a finite number", "e.g. 1e-4")
+        """How the step's samples split into shards and micro-batches. ``train.micro_batch_tokens``: LM only; the
+        loop hands it to the trainside engine, whose rescoring packs its rollout shard - the same samples the
+        trainer packs only when there is one shard. Recorded log-probs (``old_logp_source: rollout``) are exact only
+        over the slices they were sampled in."""
+        total, shards, mb, mbt = (self.data.samples_per_step, self.loop.rollout_shards, self.train.micro_batch_size,
+                                  self.train.micro_batch_tokens)
+        src, fbs, per_shard = self.train.old_logp_source, self.section.engine.forward_batch_size, total // shards
+        algo_src = getattr(self.section.algorithm, "old_logp_source", None)
+        engine_mbt = self.lm and self.lm.engine.micro_batch_tokens
+        refuse([  # (field, value, refused, expected, fix)
+            ("loop.rollout_shards", shards, self.data.prompts_per_step % shards,
+             f"a divisor of data.prompts_per_step={self.data.prompts_per_step}", "every shard must hold whole groups"),
+            ("lm.engine.micro_batch_tokens", engine_mbt, engine_mbt is not None,
+             "unset in a run config (the loop passes train.micro_batch_tokens to the engine)",
+             "remove it and set train.micro_batch_tokens"),
+            ("train.micro_batch_tokens", mbt, mbt is not None and self.family != "lm", "None for family='diffusion'",
+             "remove it and use train.micro_batch_size"),
+            ("loop.rollout_shards", shards, mbt is not None and src == "rollout" and shards != 1,
+             "1 with train.micro_batch_tokens and train.old_logp_source='rollout'", "each shard packs its own "
+             "samples, so its recorded log-probs are not over the trainer's micro-batches; use one shard or set "
+             "train.old_logp_source='replay'"),
+            ("train.micro_batch_size", mb, mbt is None and total % mb, f"a divisor of samples per step ({total})",
+             "keep micro-batches equal so every update sees the same geometry"),
+            (f"{self.family}.algorithm.old_logp_source", algo_src, algo_src is not None and algo_src != src,
+             f"the same as train.old_logp_source ({src!r})",
+             "set both to 'rollout' (exact, needs equal slicing) or both to 'replay'"),
+            ("train.micro_batch_size", mb, src == "rollout" and mbt is None and (fbs != mb or per_shard % mb),
+             f"equal to {self.family}.engine.forward_batch_size ({fbs}) and dividing the samples of one rollout "
+             f"shard ({per_shard})", "the stored log-probs are exact only over the same slices; match them or set "
+             "train.old_logp_source='replay'"),
+            ("advantage.drop_zero_std_groups", True, src == "rollout" and self.advantage.drop_zero_std_groups,
+             "False while train.old_logp_source='rollout'",
+             "dropping groups re-slices the batch; use old_logp_source='replay' with it"),
+            ("reward.failure_policy", "mark_invalid", src == "rollout" and self.reward.failure_policy == "mark_invalid",
+             "'fail' while train.old_logp_source='rollout'",
+             "excluding invalid samples re-slices the batch; use old_logp_source='replay'"),
+            ("train.lr", self.train.lr, not math.isfinite(self.train.lr), "a finite number", "e.g. 1e-4")])
+
+
+def refuse(refused: list[tuple[str, object, object, str, str]]) -> None:
+    """Raise a ``ConfigError`` for the first ``(field, value, refused, expected, fix)`` whose ``refused`` is true."""
+    for field, value, is_refused, expected, fix in refused:
+        if is_refused:
+            raise field_error(ConfigError, field, value, expected, fix)
 
 
 def check_name_and_family(cfg, example: str) -> None:

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import logging
-import sys
 import time
 
 import fsspec
 
+from unirl_core.loop.local import say
 from unirl_core.report.tensorboard import ScalarLog
 from unirl_core.sft.config import SFTConfig
 from unirl_core.sft.phases import export_model, init_sft, publish_sft, train_chunk
-
-log = logging.getLogger(__name__)
 
 METRICS_FILE = "sft_metrics.jsonl"
 """One JSON line of metrics per step, appended under ``<root>/<run>/``."""
@@ -43,13 +40,9 @@ class StepLog:
         self._pending.append(metrics)
         total = self.cfg.loop.total_steps
         if step % self.cfg.loop.log_every == 0 or step == total:
-            done = step - self._first + 1
-            eta = (time.perf_counter() - self._t0) / done * (total - step)
-            line = sft_progress_line(step, total, metrics, eta)
-            self.lines.append(line)
-            log.info(line)
-            if self.show:
-                print(line, file=sys.stderr, flush=True)
+            eta = (time.perf_counter() - self._t0) / (step - self._first + 1) * (total - step)
+            self.lines.append(sft_progress_line(step, total, metrics, eta))
+            say(self.lines[-1], self.show)
 
     def close(self) -> None:
         """Append the buffered metrics lines and flush the scalars."""

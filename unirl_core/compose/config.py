@@ -19,11 +19,10 @@ from typing import Literal
 from unirl_core.advantage.config import AdvantageConfig
 from unirl_core.checkpoint.ref import step_dirname
 from unirl_core.compose.eval_config import ComposeEvalConfig
-from unirl_core.config.loader import from_dict
+from unirl_core.config.loader import from_dict, refuse
 from unirl_core.compose.warm_pairs import warm_pairs_entry
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
-from unirl_core.config.run import (CheckpointConfig, DataConfig, DiffusionSection, LMSection, LoopConfig, ReportConfig,
-                                   RunConfig, refuse)
+from unirl_core.config.run import CheckpointConfig, DataConfig, DiffusionSection, LMSection, LoopConfig, ReportConfig, RunConfig
 from unirl_core.errors import ConfigError, check_ints, field_error
 from unirl_core.config.pool import PoolConfig
 from unirl_core.reward.config import RewardConfig

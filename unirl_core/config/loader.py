@@ -40,6 +40,13 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     return _convert(cls, data, path or cls.__name__)
 
 
+def refuse(refused: list[tuple[str, object, object, str, str]]) -> None:
+    """Raise a ``ConfigError`` for the first ``(field, value, refused, expected, fix)`` whose ``refused`` is true."""
+    for field, value, is_refused, expected, fix in refused:
+        if is_refused:
+            raise field_error(ConfigError, field, value, expected, fix)
+
+
 def config_key(obj: Any) -> str:
     """The JSON of a config (section): what a thing built from it is kept by (another value, another thing)."""
     return json.dumps(to_dict(obj), sort_keys=True, default=str)

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from unirl_core.config.loader import refuse
 from unirl_core.errors import ConfigError, check_ints, field_error
 
 Execution = Literal["pods", "pool"]
@@ -191,13 +192,11 @@ def check_shared(cfg) -> None:
     if cfg.pool.execution != "pool" or cfg.pool.placement != "shared":
         return
     lag = cfg.async_training.max_policy_lag
-    if lag != 0:
-        raise field_error(ConfigError, "async_training.max_policy_lag", lag, "0 with pool.placement='shared' (the "
-                          "engine samples with the trainer's current weights, it cannot hold an older version)",
-                          "use placement 'colocate' or 'separate' (engines of their own) for lagged rollouts")
-    if cfg.train.shard == "always":
-        raise field_error(ConfigError, "train.shard", "always", "'auto' with pool.placement='shared' (one "
-                          "unsharded trainer the engine samples through)", "set train.shard: auto")
+    refuse([("async_training.max_policy_lag", lag, lag != 0, "0 with pool.placement='shared' (the engine samples "
+             "with the trainer's current weights, it cannot hold an older version)",
+             "use placement 'colocate' or 'separate' (engines of their own) for lagged rollouts"),
+            ("train.shard", "always", cfg.train.shard == "always", "'auto' with pool.placement='shared' (one "
+             "unsharded trainer the engine samples through)", "set train.shard: auto")])
 
 
 def check_dedicated(cfg) -> None:
@@ -211,26 +210,23 @@ def check_dedicated(cfg) -> None:
     lm, p = cfg.lm, cfg.pool
     kind = lm.deployment.engine
     want = f"with pool.execution='pool' and lm.deployment.engine={kind!r}"
-    if kind != "vllm":
+    if kind != "vllm":  # the rest reads lm.vllm
         raise field_error(ConfigError, "lm.deployment.engine", kind, "'trainside' or 'vllm' with pool.execution="
                           "'pool'", "the pool owns vLLM servers only (SGLang is attached, not started); use "
                           "execution 'pods'")
-    checks = [
-        ("pool.placement", p.placement, p.placement != "shared", "'colocate' or 'separate' " + want,
+    refuse([
+        ("pool.placement", p.placement, p.placement == "shared", "'colocate' or 'separate' " + want,
          "a vLLM server samples, not the trainer's module; use placement 'colocate'"),
-        ("pool.num_engines", p.num_engines, p.num_engines == 1, "1 " + want,
+        ("pool.num_engines", p.num_engines, p.num_engines != 1, "1 " + want,
          "one engine actor owns one server (several servers have not run); set pool.num_engines=1"),
-        ("pool.publish", p.publish, p.publish == "object_store" or lm.deployment.sync.method == "reload",
+        ("pool.publish", p.publish, p.publish != "object_store" and lm.deployment.sync.method != "reload",
          "'object_store' " + want + " and lm.deployment.sync.method='lora'",
          "the server loads an adapter from a folder (its LoRA manager), not from the trainer's broadcast; set "
          "pool.publish=object_store"),
-        ("async_training.max_policy_lag", cfg.async_training.max_policy_lag, cfg.async_training.max_policy_lag == 0,
+        ("async_training.max_policy_lag", cfg.async_training.max_policy_lag, cfg.async_training.max_policy_lag != 0,
          "0 " + want, "lagged rollouts have not run on a vLLM engine actor; use execution 'pods' for them"),
-        ("lm.deployment.mode", lm.deployment.mode, lm.deployment.mode == "separate", "'separate' " + want,
+        ("lm.deployment.mode", lm.deployment.mode, lm.deployment.mode != "separate", "'separate' " + want,
          "sleep / wake beside the trainer actor is not built; use mode 'separate'"),
-        ("lm.vllm.base_url", lm.vllm.base_url, lm.vllm.base_url is None, "None " + want,
+        ("lm.vllm.base_url", lm.vllm.base_url, lm.vllm.base_url is not None, "None " + want,
          "the engine actor starts and owns its server; leave base_url unset (or use execution 'pods' to attach)"),
-    ]
-    for field_name, value, ok, expected, fix in checks:
-        if not ok:
-            raise field_error(ConfigError, field_name, value, expected, fix)
+    ])

@@ -11,7 +11,7 @@ from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo import GRPOConfig
 from unirl_core.algorithms.registry import AlgorithmChoice
 from unirl_core.config.deployment_checks import check_lm_deployment
-from unirl_core.config.loader import Sectioned, from_dict
+from unirl_core.config.loader import Sectioned, from_dict, refuse
 from unirl_core.config.diffusion_sampling import DiffusionSamplingConfig
 from unirl_core.data.prompts import PromptDataConfig, check_prompts_per_step
 from unirl_core.data import sources as prompt_sources
@@ -468,13 +468,6 @@ class RunConfig:
              "'fail' while train.old_logp_source='rollout'",
              "excluding invalid samples re-slices the batch; use old_logp_source='replay'"),
             ("train.lr", self.train.lr, not math.isfinite(self.train.lr), "a finite number", "e.g. 1e-4")])
-
-
-def refuse(refused: list[tuple[str, object, object, str, str]]) -> None:
-    """Raise a ``ConfigError`` for the first ``(field, value, refused, expected, fix)`` whose ``refused`` is true."""
-    for field, value, is_refused, expected, fix in refused:
-        if is_refused:
-            raise field_error(ConfigError, field, value, expected, fix)
 
 
 def check_name_and_family(cfg, example: str) -> None:

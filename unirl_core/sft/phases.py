@@ -29,7 +29,6 @@ from unirl_core.checkpoint import (
 from unirl_core.config.loader import config_key, to_dict
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.runtime.build import apply_policy_weights, fresh_bundle
-from unirl_core.runtime.executor import ProcessExecutors
 from unirl_core.sft.config import SFTConfig
 from unirl_core.sft.losses import CompletionSFT, FlowMatchingSFT
 from unirl_core.sft.records import Record, load_records, supervised_batch
@@ -55,7 +54,7 @@ def store(cfg: SFTConfig) -> CheckpointStore:
 
 class SFTResources:
     """What an SFT process keeps between its phases: one trainer and one run's records (each kept while its
-    config stays; another config replaces it). Owned by the process's in-process executor slot (``PROCESS``)."""
+    config stays; another config replaces it). One per process (``PROCESS``)."""
 
     def __init__(self) -> None:
         self._trainer: tuple[str, TrainBackend] | None = None
@@ -75,23 +74,19 @@ class SFTResources:
         return self._records[1]
 
 
-def _no_pool() -> SFTResources:
-    raise field_error(ConfigError, "pool.execution", "pool", "in-process for SFT", "SFT runs in its task's process")
-
-
-PROCESS: ProcessExecutors[SFTResources] = ProcessExecutors(SFTResources, _no_pool)
-"""This process's SFT state (in-process only: SFT has no pool executor)."""
+PROCESS = SFTResources()
+"""This process's SFT state (SFT runs in its task's process: it has no pool executor)."""
 
 
 def trainer(cfg: SFTConfig) -> TrainBackend:
     """The process's backend (keyed by model/train/loss config); restore a version into it before training: it
     holds whatever the last chunk left."""
-    return PROCESS.in_process().trainer(cfg)
+    return PROCESS.trainer(cfg)
 
 
 def records(cfg: SFTConfig) -> list[Record]:
     """The run's records, read (or generated) once per process."""
-    return PROCESS.in_process().records(cfg)
+    return PROCESS.records(cfg)
 
 
 def step_batch(cfg: SFTConfig, policy, step: int, *, policy_version: int) -> SampleBatch:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from unirl_core.config.loader import Sectioned, from_dict
+from unirl_core.config.loader import Sectioned, from_dict, refuse
 from unirl_core.config.recipes import load_recipe_dict, recipe_names
 from unirl_core.config.run import CheckpointConfig, check_name_and_family
 from unirl_core.errors import ConfigError, check_ints, field_error
@@ -175,24 +175,21 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         check_name_and_family(self, "sft-shapes")
-        ck = self.checkpoint
-        for name, value, default in (("every_n_steps", ck.every_n_steps, 1), ("full_state", ck.full_state, "file")):
-            if value != default:
-                raise field_error(ConfigError, f"checkpoint.{name}", value, "the default in an SFT run",
-                                  "an SFT version holds its full state every step; remove the setting")
-        if self.data.batch_size % self.train.micro_batch_size:
-            raise field_error(ConfigError, "train.micro_batch_size", self.train.micro_batch_size,
-                              f"a divisor of data.batch_size ({self.data.batch_size})",
-                              "pick micro-batches that split a step's records evenly")
-        if self.train.num_updates_per_batch != 1:
-            raise field_error(ConfigError, "train.num_updates_per_batch", self.train.num_updates_per_batch,
-                              "1 for SFT (every step draws fresh records)", "raise data.batch_size instead")
-        if self.train.old_logp_source != "rollout":
-            raise field_error(ConfigError, "train.old_logp_source", self.train.old_logp_source,
-                              "'rollout' for SFT (there is no pi_old to replay)", "remove the field")
-        if self.loop.export_ema and self.train.ema_decay is None:
-            raise field_error(ConfigError, "loop.export_ema", True, "False unless train.ema_decay is set",
-                              "set train.ema_decay (e.g. 0.99) or export the trained weights")
+        ck, t = self.checkpoint, self.train
+        full_state = "an SFT version holds its full state every step; remove the setting"
+        refuse([  # (field, value, refused, expected, fix)
+            ("checkpoint.every_n_steps", ck.every_n_steps, ck.every_n_steps != 1, "the default in an SFT run",
+             full_state),
+            ("checkpoint.full_state", ck.full_state, ck.full_state != "file", "the default in an SFT run", full_state),
+            ("train.micro_batch_size", t.micro_batch_size, self.data.batch_size % t.micro_batch_size,
+             f"a divisor of data.batch_size ({self.data.batch_size})",
+             "pick micro-batches that split a step's records evenly"),
+            ("train.num_updates_per_batch", t.num_updates_per_batch, t.num_updates_per_batch != 1,
+             "1 for SFT (every step draws fresh records)", "raise data.batch_size instead"),
+            ("train.old_logp_source", t.old_logp_source, t.old_logp_source != "rollout",
+             "'rollout' for SFT (there is no pi_old to replay)", "remove the field"),
+            ("loop.export_ema", True, self.loop.export_ema and t.ema_decay is None,
+             "False unless train.ema_decay is set", "set train.ema_decay (e.g. 0.99) or export the trained weights")])
         if self.data.source != "jsonl":
             entry = record_sources.record_source(self.data.source)
             if self.family not in entry.families:

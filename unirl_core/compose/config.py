@@ -230,10 +230,8 @@ def check_compose_pool(cfg: ComposeRunConfig) -> None:
                ("image.diffusion.algorithm.rollout_weights", "ema",
                 getattr(cfg.image.diffusion.algorithm, "rollout_weights", "policy") == "policy", "'policy'",
                 "EMA rollouts are not built in the pool"))
-    for name, value, ok, expected, why in unbuilt:
-        if not ok:
-            raise field_error(ConfigError, name, value, f"{expected} with pool.execution='pool' in a compose run",
-                              f"{why}; or run it with pool.execution='pods'")
+    refuse([(name, value, not ok, f"{expected} with pool.execution='pool' in a compose run",
+             f"{why}; or run it with pool.execution='pods'") for name, value, ok, expected, why in unbuilt])
 
 
 def _warm_reference(cfg: ComposeRunConfig) -> bool:

@@ -179,10 +179,8 @@ def check_pool_features(cfg) -> None:
         ("lm.agent", lm is not None and lm.agent is not None, "agentic rollouts have not run on the pool's engine "
          "actors (its Arrow projection also drops the turn structure the deck shows)"),
     ]
-    for name, is_set, why in refused:
-        if is_set:
-            raise field_error(ConfigError, name, "set", "unset with pool.execution='pool'",
-                              f"{why}; remove it or use execution 'pods'")
+    refuse([(name, "set", is_set, "unset with pool.execution='pool'", f"{why}; remove it or use execution 'pods'")
+            for name, is_set, why in refused])
 
 
 def check_shared(cfg) -> None:

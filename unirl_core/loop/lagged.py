@@ -75,8 +75,9 @@ class RolloutSource:
     train), ``mark_available`` (after publish), ``quiesce`` (before an eval), ``published`` (after the step); all
     but ``take`` have nothing to do here."""
 
-    background_writes: bool = True
-    """True when nothing reads the store before the next train phase: versions are written in the background."""
+    background_writes: bool = False
+    """True when nothing reads the store before the next train phase: versions are written in the background (a
+    source opts in; the safe default writes each version before the step ends)."""
 
     def take(self, step: int) -> tuple[list[SampleBatch], list[dict[str, float]], dict[str, float]]:
         raise NotImplementedError
@@ -108,6 +109,8 @@ def rollout_source(cfg: RunConfig, ckpt: CheckpointRef) -> RolloutSource:
 class SyncRollouts(RolloutSource):
     """Lag 0: ``take(n)`` samples every shard of step ``n`` with the version the step trains from, the trainer's
     copy of it (``rollout_phase(trainer_copy=True)``)."""
+
+    background_writes = True  # nothing reads the store before the next train phase
 
     def __init__(self, cfg: RunConfig, ckpt: CheckpointRef) -> None:
         self.cfg, self._ckpt = cfg, ckpt
@@ -164,7 +167,6 @@ class LaggedRollouts(RolloutSource):
             self._refs[version] = lagged_checkpoint(self.cfg, self._start, version)
         return self._refs[version]
 
-    background_writes = False  # a lagged rollout reads its version from the store
 
     @property
     def quiesce_before_publish(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from flytekit.extras.accelerators import H100, H200
 import tasks.run_types  # noqa: F401  (registers RunConfig's transformer before any task signature is typed)
 import tasks.types  # noqa: F401  (registers SampleBatch's transformer)
 from unirl_core.errors import ConfigError, TransientError, field_error
+from unirl_core.loop import resume
 
 # Bump when a task's behaviour changes for the same inputs (new phase code that must not reuse old outputs).
 CACHE_VERSION = "unirl-1"
@@ -158,8 +160,29 @@ def _on_sigint(signum, frame) -> None:
 
 
 def _say_interrupted() -> None:
-    from unirl_core.loop import resume
-
     if _INTERRUPTED_RUN:
-        command = resume.pyflyte_resume_command(sys.argv) or GENERIC_RESUME
+        command = pyflyte_resume_command(sys.argv) or GENERIC_RESUME
         resume.tell(resume.interrupted_message(_INTERRUPTED_RUN[0], command))
+
+
+def pyflyte_resume_command(argv: list[str], env: dict[str, str] | None = None) -> str | None:
+    """The command that continues the local ``pyflyte run`` of ``argv``: the same line with ``--resume latest``
+    (a fork's line stays as it is: run again, it continues the fork), after the thread variables of ``env``
+    (default: this process's) that are set. None when ``argv`` is not a local ``pyflyte run``."""
+    args = list(argv)
+    if not args or "pyflyte" not in os.path.basename(args[0]) or "run" not in args or "--remote" in args:
+        return None
+    env = os.environ if env is None else env
+    prefix = "".join(f"{k}={shlex.quote(env[k])} " for k in resume.THREAD_VARIABLES if env.get(k))
+    if any(a == "--fork_as" or a.startswith("--fork_as=") for a in args):
+        return prefix + shlex.join(args)
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = True
+        elif not a.startswith("--resume="):
+            out.append(a)
+    return prefix + shlex.join([*out, "--resume", "latest"])

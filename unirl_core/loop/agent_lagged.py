@@ -1,20 +1,10 @@
 """Agentic rollouts under a lag (``lm.agent`` with ``async_training.max_policy_lag >= 1``): turn-boundary suspension.
 
 ``LaggedRollouts`` launches each agentic request through ``agentic_rollout`` on its sampler thread, with the
-manager's ``TurnGate``. The rollout of step ``n`` starts with version ``v = max(0, n - 1 - k)``; between two turns
-``LaggedTurns`` may suspend the whole batch of trajectories (the conversation state stays in the engine):
-
-- on ``quiesce()`` (before an eval, which loads weights into the shared rollout model; with ``resume_version:
-  latest`` also before every publication) the gate closes, the batch finishes the turn in flight and parks;
-  ``resume()`` reopens it and the batch reloads weights and continues under ``resume_version``'s choice;
-- with ``lm.agent.switch_at_turn: t`` (``pinned``) the batch suspends itself before turn ``t`` until version
-  ``v + 1`` is published and samples the remaining turns with it (warm-up steps with ``v + 1 > n - 1`` keep ``v``).
-
-Which version samples which turn is then a function of the step and the turn alone under ``pinned`` (turn seeds
-do not depend on suspensions either), so a lagged agentic run is reproducible; ``latest`` depends on timing.
-Every turn's version is recorded (``agent.turn_versions``); the Part's ``policy_version`` is the oldest one (the
-request's), so sample staleness counts conservatively; older turns keep their behaviour log-probs
-(``stale_turns: correct``, rescored under their weights when the suspension began) or leave the loss (``mask``).
+manager's ``TurnGate``: a quiesce (eval; with ``resume_version: latest`` every publication) parks the batch at its
+next turn boundary, ``resume()`` reloads weights and continues; ``lm.agent.switch_at_turn: t`` (``pinned``) samples
+turns >= t with version ``v + 1`` (reproducible; ``latest`` depends on timing). Every turn's version is recorded in
+``agent.turn_versions``; the Part's ``policy_version`` is the oldest. Details: ``docs/engines.md``.
 """
 
 from __future__ import annotations

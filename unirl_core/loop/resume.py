@@ -1,22 +1,7 @@
 """Where a run starts: which version a ``resume_from`` names, what the config may change against that
-version, forks into a new run name, and the messages a user gets when there is nothing to do or the run
-is interrupted.
-
-A version's ``config.json`` holds the config it was trained with. Starting from a version compares the
-run's config with it key by key (dotted paths) and sorts every difference by :data:`RESUME_RULES`:
-
-- ``apply``: safe between two steps (optimizer hyper-parameters, loop length, retention, reward,
-  advantage, loss coefficients, the serving engine). Used from the next step on, logged at WARNING,
-  recorded in ``<run>/history.json`` (and, for a fork, in the fork's lineage).
-- ``fork``: changes what a step samples or how its batch is cut (sampling, data, group size,
-  micro-batches, prompt format). Refused on resume - one run keeps one trajectory layout -
-  and allowed when forking a new run from the version.
-- ``never``: the version's weights / train state would not fit, or the value cannot take effect (the
-  model section, ``train.weights_scope``, ``train.ema_decay``, ``train.seed``). Refused; start a new run.
-
-Keys a rule does not list fall under their longest listed prefix; a key under no prefix is ``fork``.
-``name``, ``checkpoint.root`` and ``checkpoint.storage_options`` say where the run lives and are not compared;
-nor is ``report`` (what the run shows).
+version (:data:`RESUME_RULES`: ``apply`` from the next step, ``fork`` only into a new run, ``never``; a key falls
+under its longest listed prefix, an unlisted one is ``fork``), forks into a new run name, and the messages a user
+gets when there is nothing to do or the run is interrupted. The rules, as a table: ``docs/concepts.md``.
 """
 
 from __future__ import annotations
@@ -25,10 +10,9 @@ import dataclasses
 import json
 import logging
 import os
-import shlex
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_version_json
@@ -336,29 +320,6 @@ def interrupted_message(cfg: RunConfig, resume_command: str) -> str:
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 """The environment variables that set a process's CPU threads (recorded with a run, repeated by its resume line)."""
-
-
-def pyflyte_resume_command(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
-    """The command that continues the local ``pyflyte run`` of ``argv``: the same line with ``--resume latest``
-    (a fork's line stays as it is: run again, it continues the fork), after the thread variables of ``env``
-    (default: this process's) that are set. None when ``argv`` is not a local ``pyflyte run``."""
-    args = list(argv)
-    if not args or "pyflyte" not in os.path.basename(args[0]) or "run" not in args or "--remote" in args:
-        return None
-    env = os.environ if env is None else env
-    prefix = "".join(f"{k}={shlex.quote(env[k])} " for k in THREAD_VARIABLES if env.get(k))
-    if any(a == "--fork_as" or a.startswith("--fork_as=") for a in args):
-        return prefix + shlex.join(args)
-    out: list[str] = []
-    skip = False
-    for a in args:
-        if skip:
-            skip = False
-        elif a == "--resume":
-            skip = True
-        elif not a.startswith("--resume="):
-            out.append(a)
-    return prefix + shlex.join([*out, "--resume", "latest"])
 
 
 def library_resume_command(cfg: RunConfig, resume_from: str, fork_as: str | None) -> str:

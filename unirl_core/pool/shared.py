@@ -1,26 +1,9 @@
 """``pool.placement: shared``: one actor process hosts the trainer and the trainside engine.
 
-The engine samples with the trainer's own module (``TrainBackend.policy``) inside the policy's compute context
-(``unirl_core.models.precision``): the trainer keeps fp32 master weights and every forward - the engine's decode,
-the trainer's replay of pi_old and its loss forward - reads them cast to the model dtype. That cast rounds exactly
-as loading a published fp32 version into a model-dtype rollout bundle does, so the engine samples the bits a
-published version would give and the first update's ratio is exactly 1, with one copy of the weights in memory
-and no publication transfer (a publish records the version; ``pool/publish_bytes`` is 0).
-
-What the two roles share and what they keep apart:
-
-- the module: the trainside engines switch it to eval mode for sampling and back, and run under ``no_grad``;
-  gradient checkpointing is inactive there (transformers checkpoints only layers whose ``training`` flag the
-  trainer raises for its grad-enabled forwards; diffusers only with grad enabled);
-- the RNG: sampling draws from explicit generators seeded per step and shard; the global RNG state the trainer
-  checkpoints is forked around it anyway, so a rollout here leaves it as a rollout in another process would;
-- EMA rollouts (``old_policy: ema``): the trainer's EMA shadow is swapped into the module for the rollout
-  (``TrainBackend.ema_applied``), the values a load of the version's EMA weights gives;
-- memory: the engine holds no weights; its KV cache and activations are freed when a rollout returns and the
-  process's one CUDA caching allocator hands those blocks to the train step;
-- the version: the module always holds the trainer's current state, so a rollout of another version restores
-  that version's full state first (after a restart or a retried step), exactly what the next train call would
-  do; a lagged rollout (an older version beside a newer trainer) is refused by config.
+The engine samples with the trainer's own module inside the policy's compute context: the fp32 masters read as
+casts to the model dtype, the rounding a load of the published version gives, so the first update's ratio is
+exactly 1 with one copy of the weights and no publication transfer. What the two roles share (module mode, RNG,
+EMA swaps, memory, the version held) and what is refused: ``docs/execution.md`` ("Shared placement").
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
-"""The pool's vLLM engine actor: an ``EngineActor`` that starts and owns the run's vLLM server.
-
-Why an actor owns it: in pods / local execution the process that runs the rollout phase starts the server
-(``Resources.dedicated_engine``) and keeps it for its life; in the pool that process is the engine actor, which
-lives for the run, so the server does too (started on the first rollout or publish, ~40 s on the CPU backend).
-
-- rollout: as the trainside engine actor (``EngineActor.rollout``): the bundle loads the version from the store
-  only when the pool has not published it here, then ``steps.sample_step`` runs the local path
-  (``_dedicated_rollout``: sync the server if it serves another version, generate, replay every sampled token
-  with the bundle and fail closed past ``lm.logp_check``). The full batch stays in the object store for the
-  trainer, the driver gets the projection.
-- publish (``pool.publish: object_store``): the trainer actor's ``model_state_dict`` arrives through Ray's object
-  store; the bundle takes it (the replay check needs the served version) and the server reloads it from a staged
-  folder through the worker extension (full weights, ``stage_state_dict``) or loads it as a peft adapter (LoRA,
-  written from the bundle as the local path does), then is labelled with the version.
-- publish (``pool.publish: collective``, full weights): the server's worker is one more rank of the pool's publish
-  group (``sync_ranks`` 2: rank r for the bundle's receiver, r + 1 for the worker, joined through the worker
-  extension's ``unirl_join_sync``); each publish drains the server, and the trainer's broadcast reaches the bundle
-  and the worker at once, the worker streaming the buckets into vLLM's in-place reload
-  (``unirl_core.weightsync.stream``): no state dict through the object store, no staged folder. A replaced
-  server leaves the group (the actor's sync token is cleared), so the next publish opens a new one.
-- failures: a server that died (between calls or under a request) raises ``EngineError`` naming the actor and
-  drops the engine, so the retried phase starts a new server; a dead actor is ``PoolActorDied`` (cluster.py), and a
-  watchdog (``ManagedServer.stop_with_parent``) stops the orphaned server group. ``shutdown`` (pool close) stops
-  the server before the actor is killed.
+"""The pool's vLLM engine actor: an ``EngineActor`` that starts and owns the run's vLLM server, which lives as
+long as the actor (the run). Rollout as ``EngineActor.rollout`` (the dedicated-engine path of ``steps.sample_step``);
+publish through the object store (staged full weights or a peft adapter) or as one more rank of the collective
+publish group (``sync_ranks`` 2); a dead server raises ``EngineError`` and is replaced on the retried phase. How
+each path works and what is refused: ``docs/execution.md`` ("vLLM engine actor").
 """
 
 from __future__ import annotations

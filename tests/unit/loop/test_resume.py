@@ -169,19 +169,6 @@ def test_ctrl_c_says_what_was_published_and_how_to_resume(tmp_path, caplog, caps
     assert [h["step"] for h in run_local(_cfg(tmp_path, 4))] == [3.0, 4.0]
 
 
-def test_pyflyte_resume_command():
-    cmd = resume.pyflyte_resume_command(
-        [".venv/bin/pyflyte", "run", "workflows/grpo.py", "grpo", "--recipe", "tiny-grpo", "--overrides",
-         '["loop.total_steps=20", "train.lr=1e-3"]', "--resume", "runs/x/step-00000003"], env={})
-    assert cmd == (".venv/bin/pyflyte run workflows/grpo.py grpo --recipe tiny-grpo --overrides "
-                   "'[\"loop.total_steps=20\", \"train.lr=1e-3\"]' --resume latest")
-    fork = ["pyflyte", "run", "workflows/grpo.py", "grpo", "--resume=runs/x/step-00000003", "--fork_as", "y"]
-    assert resume.pyflyte_resume_command(fork, env={"OMP_NUM_THREADS": "1", "HOME": "/h"}) == \
-        "OMP_NUM_THREADS=1 pyflyte run workflows/grpo.py grpo --resume=runs/x/step-00000003 --fork_as y"
-    assert resume.pyflyte_resume_command(["pytest", "-q"]) is None
-    assert resume.pyflyte_resume_command(["pyflyte", "run", "--remote", "workflows/grpo.py", "grpo"]) is None
-
-
 def test_resume_rules_name_every_config_section():
     keys = []
 

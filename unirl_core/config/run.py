@@ -12,7 +12,7 @@ from unirl_core.algorithms.grpo import GRPOConfig
 from unirl_core.algorithms.registry import AlgorithmChoice
 from unirl_core.config.deployment_checks import check_lm_deployment
 from unirl_core.config.loader import Sectioned, from_dict, refuse
-from unirl_core.config.diffusion_sampling import DiffusionSamplingConfig
+from unirl_core.sde.sampling_config import DiffusionSamplingConfig
 from unirl_core.data.prompts import PromptDataConfig, check_prompts_per_step
 from unirl_core.data import sources as prompt_sources
 from unirl_core.errors import ConfigError, check_ints, field_error

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_diffusion_replay import micro_batch  # noqa: E402
 from bench_diffusion_rollout import build, sync  # noqa: E402
-from common import report  # noqa: E402
+from common import matmul_peak_tflops, report  # noqa: E402
 
 from unirl_core.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig, gaussian_kl_same_std  # noqa: E402
 from unirl_core.models.cuda_graphs import graph_pool_bytes  # noqa: E402
@@ -174,6 +174,7 @@ def main() -> None:
     modes = tuple(f"{c}+graphs" if g == "always" else c for c in args.cfg_batch.split(",")
                   for g in args.cuda_graphs.split(","))
     rows, data = [], []
+    peak_tflops = matmul_peak_tflops(args.device)
     for b in sizes:
         ref_bundle = copy.deepcopy(rollout)
         sides, firsts, pools = {}, {}, {}
@@ -222,21 +223,32 @@ def main() -> None:
                 times[name].append(clock() - t0)
         if args.profile:
             profile_sides(order, args.device, Path(args.profile), b)
+        # MFU: the algorithm's model FLOPs (the reference step, counted op by op: CFG forwards of 2B rows, the
+        # backward, the KL reference forward) over each side's median step time and this GPU's bf16 matmul peak
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            ref.step()
+        flops = counter.get_total_flops()
         a = times["reference"]
         med_a = statistics.median(a)
+        mfu = (lambda t: flops / (t * peak_tflops * 1e12)) if peak_tflops else (lambda t: float("nan"))
         for mode in modes:
             o, first = times[mode], firsts[mode]
             ratio = statistics.median(x / y for x, y in zip(o, a))  # ours / reference time, per pair
             med_o = statistics.median(o)
             rows.append([b, mode, f"{med_a:.3f}", f"{med_o:.3f}", f"{med_o / med_a:.3f}", f"{ratio:.3f}",
                          f"{peaks['reference']:.1f}", f"{peaks[mode]:.1f}",
-                         f"{first['ratio_min']:.9g}..{first['ratio_max']:.9g}", f"{first['logp_absdiff_max']:.3g}"])
+                         f"{first['ratio_min']:.9g}..{first['ratio_max']:.9g}", f"{first['logp_absdiff_max']:.3g}",
+                         f"{mfu(med_a):.1%}", f"{mfu(med_o):.1%}"])
             data.append({"micro_batch": b, "cfg_batch": mode, "trained_steps": len(steps), "height": height,
                          "grad_ckpt": args.grad_ckpt, "reference_s": med_a, "ours_s": med_o,
                          "graph_pool_gib": pools[mode], "ratio_of_medians": med_o / med_a, "median_pair_ratio": ratio,
                          "reference_peak_gib": peaks["reference"], "ours_peak_gib": peaks[mode],
                          "first_update_ratio_min": first["ratio_min"], "first_update_ratio_max": first["ratio_max"],
-                         "logp_absdiff_max": first["logp_absdiff_max"], "reference_times": a, "ours_times": o})
+                         "logp_absdiff_max": first["logp_absdiff_max"], "reference_times": a, "ours_times": o,
+                         "model_tflop_per_step": flops / 1e12, "matmul_peak_tflops": peak_tflops,
+                         "reference_mfu": mfu(med_a), "ours_mfu": mfu(med_o)})
         del sides, ref, ref_bundle
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -245,13 +257,15 @@ def main() -> None:
         cell += "_smoke"
     report("flow_grpo_step", f"Flow-GRPO train step, all 10 steps trained: TrainBackend vs reference-style loop ({args.preset})",
            ["micro-batch", "ours cfg_batch", "reference s", "ours s", "ours/ref (medians)", "ours/ref (median of pairs)",
-            "reference peak GiB", "ours peak GiB", "first-update ratio", "max abs dlogp"], rows, data,
+            "reference peak GiB", "ours peak GiB", "first-update ratio", "max abs dlogp", "reference MFU", "ours MFU"],
+           rows, data,
            notes=f"Median of {args.repeats} interleaved pairs after a warmup step each; peak = max allocated during "
                  "one step minus what was allocated before it (both sides hold the same resident models), plus a "
                  "graphed side's graph pool (``+graphs``: diffusion.model.cuda_graphs always; its resident "
                  "activations). "
                  "LoRA r32, CFG 4.5, KL beta 0.01, clip 1e-4, 512 px unless --height. Target: ours/ref <= 0.9, "
-                 "peak <= reference.", cell=cell)
+                 "peak <= reference. MFU: the reference step's model FLOPs (torch's FlopCounterMode) over the side's "
+                 "median step time and this GPU's bf16 matmul peak measured in the same run.", cell=cell)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from common import RESULTS, write_record  # noqa: E402
+from common import RESULTS, matmul_peak_tflops, write_record  # noqa: E402
 
 PRESETS = {
     "tiny": dict(shape="tiny", dtype="float32", prompts=2, group=4, new_tokens=8, prompt_len=8, micro_batch=4,
@@ -89,6 +89,25 @@ SHAPES = {"qwen3-0.6b": QWEN3,
           "qwen3-mini": dict(QWEN3, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=16)}
 EOS, PAD = 151_645, 151_643
+
+
+def model_flops_per_step(a) -> float | None:
+    """Model FLOPs of one GRPO step at the shape, the work both sides must do: generation (prefill of the prompt,
+    one decode step per new token) and one forward + backward of every sample (3x a forward), matmuls of the
+    decoder and the LM head (on response positions) plus causal attention. Not counted: our rescoring forward and
+    recomputation under gradient checkpointing (they are overhead, not model work). Full fine-tune, no CFG."""
+    if a.shape not in SHAPES:
+        return None
+    c = SHAPES[a.shape]
+    d, ff, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    body = 2 * L * (d * q + 2 * d * kv + q * d + 3 * d * ff)  # per token: projections and the gated MLP
+    attn = lambda ctx: 4 * L * q * ctx  # per token: QK^T and AV over ``ctx`` keys  # noqa: E731
+    head = 2 * d * V
+    p, r = a.prompt_len, a.new_tokens
+    gen = p * (body + attn(p / 2)) + r * (body + head + attn(p + r / 2))
+    train = 3 * ((p + r) * body + r * head + (p + r) * attn((p + r) / 2))
+    return a.prompts * a.group * (gen + train)
 
 
 def text_reward(text: str) -> float:
@@ -153,11 +172,49 @@ def prompt_texts(a, tokenizer, count: int = 64) -> list[str]:
 # ----------------------------------------------------------------------------- ours
 
 
+def recipe_config(a, texts: list[str], root: str):
+    """``--recipe``: the loop side runs the shipped recipe; only what makes it this benchmark is set (the shape's
+    random-init model, its dtype and device, the inline prompts and the hash reward, lengths, the micro-batch and
+    the run's length and root). Engine, decode, replay chunking, checkpointing, optimizer and sampling knobs stay
+    as the recipe ships them. One rollout shard: the benchmark's whole step is what one of the recipe's shards
+    holds (64 samples)."""
+    from unirl_core.config.loader import from_dict
+    from unirl_core.config.recipes import load_recipe_dict
+    from unirl_core.config.run import RunConfig
+
+    over = [f"checkpoint.root={root}", "checkpoint.keep_last=1", "checkpoint.keep_every=null",
+            f"loop.total_steps={a.warmup + a.steps}", "loop.rollout_shards=1", f"lm.model.dtype={a.dtype}",
+            "lm.model.model=tiny",  # the hub id out (no hub here): _prepare_ours builds the shape at random init
+            f"lm.model.device={a.device}", f"lm.sampling.max_new_tokens={a.new_tokens}",
+            f"lm.engine.forward_batch_size={a.micro_batch}", "lm.engine.apply_chat_template=false",
+            f"lm.algorithm.max_response_tokens={a.new_tokens}", f"train.micro_batch_size={a.micro_batch}",
+            "report.progress=false", "report.tensorboard=true"]
+    data = load_recipe_dict(a.recipe, over)
+    data["name"] = "bench"
+    data["data"] = {"source": "inline", "prompts": texts, "prompts_per_step": a.prompts,
+                    "samples_per_prompt": a.group}
+    data["reward"] = {"components": [{"name": "bench_text_hash", "weight": 1.0}]}
+    return from_dict(RunConfig, data, "bench")
+
+
+def recipe_shape(a) -> None:
+    """``--recipe``: what both sides share with the recipe (loss, epsilons, gradient checkpointing, lr)."""
+    from unirl_core.config.recipes import load_recipe_dict
+
+    d = load_recipe_dict(a.recipe)
+    lm = d.get("lm", {})
+    a.loss = lm.get("algorithm", {}).get("loss_agg", a.loss)
+    a.grad_ckpt = bool(lm.get("model", {}).get("gradient_checkpointing", a.grad_ckpt))
+    a.lr = float(d.get("train", {}).get("lr", a.lr))
+
+
 def run_config(a, texts: list[str], root: str):
     from unirl_core.config.loader import from_dict
     from unirl_core.config.recipes import load_recipe_dict
     from unirl_core.config.run import RunConfig
 
+    if a.recipe:
+        return recipe_config(a, texts, root)
     n = a.prompts * a.group
     over = [f"checkpoint.root={root}", "checkpoint.keep_last=1", f"loop.total_steps={a.warmup + a.steps}",
             f"lm.model.dtype={a.dtype}", f"lm.model.device={a.device}", "lm.model.finetune=full",
@@ -304,6 +361,8 @@ def trl_side(a, texts: list[str]) -> dict:
     from transformers import TrainerCallback
 
     model, tok = build_model(a)
+    if a.trl_dtype:  # e.g. float32: fp32 weights and AdamW state, bf16 autocast (TRL's fp32-master setup)
+        model = model.to(getattr(__import__("torch"), a.trl_dtype))
     ds = datasets.Dataset.from_list([{"prompt": t} for t in texts])
 
     def reward(completions, **_):
@@ -335,6 +394,7 @@ def trl_side(a, texts: list[str]) -> dict:
         epsilon=0.2, epsilon_high=0.28 if a.loss == "dapo" else 0.2, scale_rewards="group", learning_rate=a.lr,
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         gradient_checkpointing=a.grad_ckpt, use_cpu=not cuda, bf16=cuda and a.dtype == "bfloat16",
+        # with --trl-dtype float32 the model holds fp32 weights and bf16=True runs its forwards under autocast
         logging_steps=1, report_to="none", save_strategy="no", max_steps=a.warmup + a.steps, seed=0,
         disable_dropout=True, log_completions=False, dataloader_num_workers=0,
         # default: TrainingArguments' own optimizer (fused AdamW on torch >= 2.8)
@@ -412,7 +472,7 @@ def run_side(a, side: str) -> dict:
     for k in ("shape", "dtype", "device", "prompts", "group", "new_tokens", "prompt_len", "micro_batch",
               "decode_batch", "micro_batch_tokens", "loss", "lr", "steps", "warmup", "checkpoint_root",
               "master_weights", "full_state_every", "logprob_chunk", "optimizer_impl", "trl_optim",
-              "memory_report"):
+              "memory_report", "recipe", "trl_dtype"):
         if getattr(a, k) is not None:
             argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.grad_ckpt:
@@ -456,6 +516,11 @@ def main() -> None:
     ap.add_argument("--trl-optim", default=None,
                     help="TRL: TrainingArguments.optim (default: its own default; transformers 5 on torch >= 2.8: "
                          "adamw_torch_fused; the runs before 2026-12-02 forced adamw_torch)")
+    ap.add_argument("--recipe", default=None,
+                    help="the loop side runs this shipped recipe (e.g. qwen3-math) with only the benchmark's shape, "
+                         "data, reward and run length set; loss, grad ckpt and lr follow it on both sides")
+    ap.add_argument("--trl-dtype", default=None, choices=("float32",),
+                    help="TRL's weights (and AdamW state) in this dtype, bf16 autocast: fp32 masters like ours")
     ap.add_argument("--lr", type=float)
     ap.add_argument("--grad-ckpt", action="store_true", default=None)
     ap.add_argument("--sides", help="comma list of loop, backend, trl (default: the preset's)")
@@ -475,8 +540,13 @@ def main() -> None:
     for k, v in PRESETS[a.preset].items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
+    global ARGS
+    ARGS = a
+    if a.recipe:
+        recipe_shape(a)
     if a.worker:
         return worker(a)
+    a.peak_tflops = matmul_peak_tflops(a.device)
     sides = [s.strip() for s in a.sides.split(",") if s.strip()]
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     for _ in range(a.rounds):
@@ -508,6 +578,10 @@ def summarise(side: str, rounds: list[dict], base: list[dict] | None) -> dict:
                ratio_max_dev=ok[-1].get("ratio_max_dev"))
     if ok[-1].get("phase_peak_mib"):
         row["phase_peak_mib"] = ok[-1]["phase_peak_mib"]
+    flops, peak = model_flops_per_step(ARGS), getattr(ARGS, "peak_tflops", None)
+    if flops and peak:
+        row.update(model_tflop_per_step=flops / 1e12, matmul_peak_tflops=peak,
+                   mfu=flops / (row["median_step_s"] * peak * 1e12))
     if base is not None:
         pairs = [t / u for r, b in zip(rounds, base) if "failed" not in r and "failed" not in b
                  for t, u, s in zip(r["times"], b["times"], steady(r)) if s]
@@ -526,22 +600,26 @@ def report(a, sides: list[str], runs: dict[str, list[dict]], *, final: bool = Tr
         _write(a, rows, runs, hardware())
         return
     trl_row = next((r for r in rows if r["side"] == "trl" and "median_step_s" in r), None)
-    setup = (f"{a.preset}: {a.shape} ({a.dtype}, random init), {a.prompts} prompts x {a.group} samples x "
+    setup = (f"{a.preset}{f' (recipe {a.recipe} as shipped)' if a.recipe else ''}: {a.shape} ({a.dtype}, random init), {a.prompts} prompts x {a.group} samples x "
              f"{a.new_tokens} new tokens, prompt {a.prompt_len}, micro-batch {a.micro_batch}, decode batch "
-             f"{a.decode_batch}, micro-batch tokens {a.micro_batch_tokens or '-'}, loss {a.loss}, grad ckpt {a.grad_ckpt}, {a.rounds} rounds x {a.steps} steps after "
+             f"{'as the recipe' if a.recipe else a.decode_batch}, micro-batch tokens {a.micro_batch_tokens or '-'}, loss {a.loss}, grad ckpt {a.grad_ckpt}, {a.rounds} rounds x {a.steps} steps after "
              f"{a.warmup} warm-up, device {a.device}")
     print(setup)
     mem = "peak GiB" if a.device.startswith("cuda") else "peak RSS GiB"
+    if getattr(a, "peak_tflops", None):
+        print(f"MFU: model FLOPs per step {model_flops_per_step(a) / 1e12:.2f} TFLOP (generation + forward/backward) "
+              f"over step time x measured bf16 matmul peak {a.peak_tflops:.0f} TFLOP/s")
     print(f"{'side':<10}{'median s':>10}{'min s':>9}{'vs TRL (medians)':>18}{'median pair ratio':>19}{mem:>14}"
-          f"{'len':>8}")
+          f"{'len':>8}{'MFU':>8}")
     for r in rows:
         if "median_step_s" not in r:
             print(f"{r['side']:<10} failed: {r['failed']}")
             continue
         vs = f"{r['median_step_s'] / trl_row['median_step_s']:.3f}x" if trl_row and r is not trl_row else "-"
         pair = f"{r['median_pair_ratio_vs_trl']:.3f}x" if "median_pair_ratio_vs_trl" in r else "-"
+        mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
         print(f"{r['side']:<10}{r['median_step_s']:>10.3f}{r['min_step_s']:>9.3f}{vs:>18}{pair:>19}"
-              f"{r['peak_mib'] / 1024:>14.2f}{r['completion_len_mean']:>8.1f}")
+              f"{r['peak_mib'] / 1024:>14.2f}{r['completion_len_mean']:>8.1f}{mfu:>8}")
     loop = next((r for r in rows if r["side"] == "loop" and r.get("phases")), None)
     if loop and "full_state_step_s" in loop:
         every = a.full_state_every
@@ -560,6 +638,8 @@ def report(a, sides: list[str], runs: dict[str, list[dict]], *, final: bool = Tr
     print(f"wrote {_write(a, rows, runs, hardware())}")
 
 
+ARGS = None  # the driver's arguments (MFU needs the shape)
+
 BENCHMARKS = {"tiny": "grpo_recipe_tiny_cpu", "0.6b": "grpo_recipe_qwen3_0.6b", "math": "grpo_recipe_math",
               "4b": "grpo_recipe_qwen3_4b"}
 
@@ -573,6 +653,8 @@ def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> 
     tag += "_graphs" if a.cuda_graphs else ""
     tag += f"_opt-{a.optimizer_impl}" if a.optimizer_impl else ""
     tag += f"_trl-{a.trl_optim}" if a.trl_optim else ""
+    tag = (f"_recipe-{a.recipe}" if a.recipe else "") + tag
+    tag += f"_trl-{a.trl_dtype}" if a.trl_dtype else ""
     tag += f"_{a.name}" if a.name else ""
     device = a.device.split(":")[0]
     usual = "cpu" if a.preset == "tiny" else "cuda"
@@ -580,10 +662,10 @@ def _write(a, rows: list[dict], runs: dict[str, list[dict]], hardware: dict) -> 
     # Folders of this machine stay out of the record (results dir, checkpoint root): only whether one was given.
     args = {k: (("<set>" if v else v) if k in ("results", "checkpoint_root", "memory_report") else v)
             for k, v in vars(a).items() if k not in ("worker", "out")}
-    md = ["| side | median s | min s | median pair ratio vs TRL | peak MiB |", "|---|---:|---:|---:|---:|"]
+    md = ["| side | median s | min s | median pair ratio vs TRL | peak MiB | MFU |", "|---|---:|---:|---:|---:|---:|"]
     md += [f"| {r['side']} | {r.get('median_step_s', float('nan')):.3f} | {r.get('min_step_s', float('nan')):.3f} | "
-           f"{r.get('median_pair_ratio_vs_trl', float('nan')):.3f} | {r.get('peak_mib', float('nan')):.0f} |"
-           for r in rows]
+           f"{r.get('median_pair_ratio_vs_trl', float('nan')):.3f} | {r.get('peak_mib', float('nan')):.0f} | "
+           f"{format(r['mfu'], '.1%') if 'mfu' in r else '-'} |" for r in rows]
     return write_record(BENCHMARKS[a.preset], {"setup": args, "rows": rows, "runs": runs}, "\n".join(md),
                         cell=cell, env=hardware, results_dir=Path(a.results))
 

@@ -197,3 +197,24 @@ def render_md(record: dict) -> str:
 def _anchor(heading: str) -> str:
     keep = "".join(ch for ch in heading.lower() if ch.isalnum() or ch in " -_")
     return keep.replace(" ", "-")
+
+
+def matmul_peak_tflops(device: str) -> float | None:
+    """The measured bf16 matmul peak of this GPU (8192^3 products, best of 10 after 3 warm-ups), the denominator of
+    MFU; None on a CPU (no MFU there)."""
+    if not device.startswith("cuda"):
+        return None
+    import time
+
+    import torch
+
+    x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for i in range(13):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x @ x
+        torch.cuda.synchronize()
+        if i >= 3:
+            best = min(best, time.perf_counter() - t0)
+    return 2 * 8192**3 / best / 1e12

@@ -54,7 +54,7 @@ def setup_task(recipe: str, overrides: list[str]) -> Setup:
     cfg, cluster = load_run_config(recipe, overrides)
     cfg.async_training.check_workflow()
     cfg.loop.check_workflow()
-    cfg.checkpoint.check_workflow(cfg.pool.execution)
+    cfg = dataclasses.replace(cfg, checkpoint=cfg.checkpoint.for_workflow(cfg.pool.execution))
     check_agent_workflow(cfg)
     # a local execution starts any vLLM server here; on a cluster the engine's pod has its own interpreter
     for note in preflight(cfg, engines_here=local_execution()):

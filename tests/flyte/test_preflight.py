@@ -44,16 +44,18 @@ def test_setup_writes_the_kuberay_spec_and_stops_without_an_address(tmp_path, ru
 def test_workflow_refuses_rollout_with_trainer_in_setup(tmp_path, run_name):
     """loop.rollout_with_trainer is run_local's (one process is rollout and trainer): the workflow, whose phases are
     separate tasks, stops at setup naming the field and the fix."""
-    with pytest.raises(Exception, match=r"loop.rollout_with_trainer=True: expected false in a Flyte workflow.*"
+    with pytest.raises(Exception, match=r"loop.rollout_with_trainer=True: expected unset or false in a Flyte workflow.*"
                                         r"pool.placement='shared'"):
         setup_task(recipe="tiny-grpo", overrides=[f"checkpoint.root={tmp_path}", f"name={run_name}",
                                                   "loop.rollout_with_trainer=true"])
 
 
-def test_pods_workflow_refuses_sparse_full_states_in_setup(tmp_path, run_name):
-    """Every pods train task restores the previous version's full state: checkpoint.every_n_steps > 1 (fine in
-    run_local and the pool) stops the workflow at setup, naming the field and the fix."""
-    with pytest.raises(Exception, match=r"checkpoint.every_n_steps=2: expected 1 in a Flyte workflow with "
-                                        r"pool.execution='pods'.*set pool.execution='pool'"):
-        setup_task(recipe="tiny-grpo", overrides=[f"checkpoint.root={tmp_path}", f"name={run_name}",
-                                                  "checkpoint.every_n_steps=2"])
+def test_pods_workflow_writes_the_full_state_every_step(tmp_path, run_name):
+    """Every pods train task restores the previous version's full state: a recipe's checkpoint.every_n_steps > 1
+    (what run_local and the pool honour) becomes 1 in a pods workflow's setup, which every task then runs with."""
+    out = setup_task(recipe="tiny-grpo", overrides=[f"checkpoint.root={tmp_path}", f"name={run_name}",
+                                                    "checkpoint.every_n_steps=2"])
+    assert out.cfg.checkpoint.every_n_steps == 1
+    pool = setup_task(recipe="tiny-grpo", overrides=[f"checkpoint.root={tmp_path}", f"name={run_name}-pool",
+                                                     "checkpoint.every_n_steps=2", "pool.execution=pool"])
+    assert pool.cfg.checkpoint.every_n_steps == 2

@@ -181,7 +181,7 @@ class ComposeRunConfig:
              "the composed rollout runs as one shard"),
             ("checkpoint.every_n_steps", self.checkpoint.every_n_steps, self.checkpoint.every_n_steps != 1,
              "1 in a compose run", "each stack's version holds its full state every step here; leave it at 1"),
-            ("loop.rollout_with_trainer", True, self.loop.rollout_with_trainer, "false in a compose run",
+            ("loop.rollout_with_trainer", True, self.loop.rollout_with_trainer is True, "unset or false in a compose run",
              "the composed engine samples with rollout bundles of its own; remove the setting"),
             ("report.wandb", "set", self.report.wandb is not None, "unset in a compose run",
              "W&B is not wired for compose runs yet; TensorBoard scalars are written")]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
@@ -176,8 +178,8 @@ class CheckpointConfig:
     every_n_steps: int = 1
     """Steps between writes of the full resumable state (optimizer, RNG, counters) and at the last step; the
     weights are a version every step. Above 1 where the trainer stays resident between steps: pool mode and
-    ``run_local``; a Flyte workflow in pods mode refuses it (each train pod restores the previous version's full
-    state, ``check_workflow``). A run resumes only from a version with the full state."""
+    ``run_local``; a Flyte workflow in pods mode writes it every step (each train pod restores the previous version's full
+    state, ``for_workflow``). A run resumes only from a version with the full state."""
     full_state: Literal["file", "sharded"] = "file"
     """``file``: ``train_state.pt`` in the version (gathered to rank 0, written before the step returns);
     ``sharded``: ``state-<step>/`` per rank via torch.distributed.checkpoint, written asynchronously while the
@@ -187,14 +189,15 @@ class CheckpointConfig:
         """Whether version ``step`` holds the full resumable state: every ``every_n_steps``-th and the last."""
         return step % self.every_n_steps == 0 or step >= total_steps
 
-    def check_workflow(self, execution: str) -> None:
-        """Refuse what a Flyte workflow in pods mode cannot run: every train pod restores the full state of the
-        version before it, so every version must hold it."""
-        if execution != "pool" and self.every_n_steps != 1:
-            raise field_error(ConfigError, "checkpoint.every_n_steps", self.every_n_steps,
-                              f"1 in a Flyte workflow with pool.execution={execution!r}", "each pods train task "
-                              "restores the previous version's full state; set pool.execution='pool' (its trainer "
-                              "keeps the state resident) or run it with run_local")
+    def for_workflow(self, execution: str) -> CheckpointConfig:
+        """This config as a Flyte workflow in ``execution`` mode runs it: in pods mode every train pod restores the
+        full state of the version before it, so every version holds it (``every_n_steps`` 1, said once)."""
+        if execution == "pool" or self.every_n_steps == 1:
+            return self
+        logging.getLogger(__name__).warning(
+            "checkpoint.every_n_steps=%d applies in run_local and pool.execution='pool'; a Flyte workflow in pods "
+            "mode writes the full state every step (each train pod restores it)", self.every_n_steps)
+        return dataclasses.replace(self, every_n_steps=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,25 +212,27 @@ class LoopConfig:
     """Prompt shards rolled out in parallel (map_task); each shard holds whole groups."""
     seed: int = 0
     """Base seed of the per-step NoiseRecipe and the sampling generators."""
-    rollout_with_trainer: bool = False
+    rollout_with_trainer: bool | None = None
     """In-process runs (``run_local``): the trainside engine samples with the trainer's own module (its compute
     context reads fp32 masters as the model dtype, the rounding a published version gives; ``ema`` rollouts swap
     the trainer's EMA in), so the process holds one copy of the weights instead of two and copies none per step.
-    Bitwise the default rollout. The trainer restores the version first when it does not hold it (step 1, after a
-    failure). Not with a dedicated engine, lagged rollouts, ``train.shard: always`` or ``pool.execution: pool``
-    (there: ``pool.placement: shared``). Evaluation and extra dynamic-sampling rounds still use a rollout bundle."""
+    Bitwise the rollout bundle's sampling. The trainer restores the version first when it does not hold it (step 1,
+    after a failure). None (default): wherever it applies - not with a dedicated engine, lagged rollouts,
+    ``train.shard: always``, ``pool.execution: pool`` (there: ``pool.placement: shared``) or in a Flyte workflow
+    (rollout and train are separate tasks); True: required (those are refused); False: always a rollout bundle.
+    Evaluation and extra dynamic-sampling rounds still use a rollout bundle."""
 
     def check_workflow(self) -> None:
         """Refuse what the Flyte workflow cannot honour: its rollout and train phases are separate tasks."""
-        if self.rollout_with_trainer:
-            raise field_error(ConfigError, "loop.rollout_with_trainer", True, "false in a Flyte workflow",
+        if self.rollout_with_trainer is True:
+            raise field_error(ConfigError, "loop.rollout_with_trainer", True, "unset or false in a Flyte workflow",
                               "rollout and train are separate tasks there (pods) or actors (pool): use "
                               "pool.placement='shared' for one copy of the weights in the pool, or run_local")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rollout_with_trainer, bool):
-            raise field_error(ConfigError, "loop.rollout_with_trainer", self.rollout_with_trainer, "true or false",
-                              "use false (the default) or true")
+        if self.rollout_with_trainer is not None and not isinstance(self.rollout_with_trainer, bool):
+            raise field_error(ConfigError, "loop.rollout_with_trainer", self.rollout_with_trainer,
+                              "unset, true or false", "leave it unset (on wherever it applies)")
         check_ints("loop", self, ("total_steps", "steps_per_chunk", "rollout_shards"), "use e.g. 1")
 
 
@@ -370,6 +375,15 @@ class RunConfig:
     def section(self) -> DiffusionSection | LMSection:
         return self.diffusion if self.family == "diffusion" else self.lm
 
+    @property
+    def rollout_with_trainer(self) -> bool:
+        """Whether ``run_local`` samples with the trainer's module (``loop.rollout_with_trainer``; None: wherever
+        it applies, see there)."""
+        if self.loop.rollout_with_trainer is not None:
+            return self.loop.rollout_with_trainer
+        return (self.pool.execution != "pool" and self.async_training.max_policy_lag == 0
+                and self.train.shard != "always" and (self.lm is None or self.lm.dedicated is None))
+
     def _check_combinations(self) -> None:
         """Refuse, naming the field, settings that cannot work together: dynamic sampling (it re-slices the batch and
         runs extra rollouts in the driver's process), EMA rollouts (DiffusionNFT's ``old_policy: ema``: the EMA
@@ -379,7 +393,7 @@ class RunConfig:
         ema, name = getattr(algo, "rollout_weights", "policy") == "ema", f"{self.family}.algorithm"
         where = f"with async_training.max_policy_lag={lag}"
         corrected = next((k for k in ("tis_cap", "mis_bounds") if getattr(algo, k, None) is not None), None)
-        src, rwt = self.train.old_logp_source, self.loop.rollout_with_trainer
+        src, rwt = self.train.old_logp_source, self.loop.rollout_with_trainer is True
         with_trainer = "its default with loop.rollout_with_trainer=true"
         keep = ", or set loop.rollout_with_trainer=false"
         refused = [  # (field, value, refused, expected, fix)

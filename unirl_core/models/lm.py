@@ -48,6 +48,16 @@ DType = Literal["float32", "bfloat16", "float16"]
 FineTune = Literal["lora", "full"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_LOGPROB_CHUNK_TOKENS = 1024
+LOGPROB_CHUNK_BYTES = 256 * 2**20
+"""``logprob_chunk_tokens: None``: the chunk is the largest power of two (64 to 1024) whose fp32 logits ``chunk x
+vocab`` fit in this many bytes: 1024 up to a 64k vocabulary, 256 at Qwen's 151,936."""
+
+
+def auto_logprob_chunk_tokens(vocab_size: int) -> int:
+    """The replay chunk of ``logprob_chunk_tokens: None`` for a head of ``vocab_size`` rows (a function of the
+    model alone, so the engine's recording and the trainer's replay agree)."""
+    fits = max(1, LOGPROB_CHUNK_BYTES // (4 * max(int(vocab_size), 1)))
+    return max(64, min(DEFAULT_LOGPROB_CHUNK_TOKENS, 1 << (fits.bit_length() - 1)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,16 +116,16 @@ class LMConfig:
     """Seed of the tiny preset's random init and of a LoRA adapter's ``lora_A``."""
     tiny: TinyLMSpec = field(default_factory=TinyLMSpec)
     """Shape of the tiny preset (ignored for real models)."""
-    logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS
+    logprob_chunk_tokens: int | None = None
     """Response tokens per chunk of the LM head + fp32 log-softmax in ``replay_log_probs``: the replay holds
     about ``chunk x vocab`` fp32 logits at a time instead of ``B x R x vocab``. Part of the numerics
     (a chunk's matmul shape can change a logit's last bits): the rollout engine's recording and the
-    trainer's replay both read it from this config, so keep it fixed over a run. At vocab 151,936 a
+    trainer's replay both read it from the bundle, so keep it fixed over a run. None (default): sized from the
+    vocabulary (``auto_logprob_chunk_tokens``: 1024 up to 64k rows, 256 at 151,936). At vocab 151,936 a
     chunk of 1024 holds ~0.6 GB of fp32 logits (plus their compute-dtype copy, the log-sum-exp's and the
     entropy's temporaries and, in backward, their gradient), 256 a quarter of that: measured at the
     Qwen3-0.6B shape on an H200 (micro-batch 8 x 256 response tokens, bf16), the train step's peak is
-    11.5 GiB with 256 vs 13.7 GiB with 1024 (``bench_grpo_recipe.py --logprob-chunk``), not slower. The
-    default stays 1024 so runs and numbers recorded with it keep their bits; set 256 for large vocabularies."""
+    11.5 GiB with 256 vs 13.7 GiB with 1024 (``bench_grpo_recipe.py --logprob-chunk``), not slower."""
     gradient_checkpointing: bool = False
     """Recompute decoder activations in backward (transformers' ``gradient_checkpointing_enable``,
     non-reentrant); same forward numerics, less memory, about one more forward of compute per update."""
@@ -123,10 +133,11 @@ class LMConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise field_error(ConfigError, "lm.dtype", self.dtype, f"one of {tuple(_DTYPES)}", "use 'float32'")
-        if (isinstance(self.logprob_chunk_tokens, bool) or not isinstance(self.logprob_chunk_tokens, int)
-                or self.logprob_chunk_tokens < 1):
-            raise field_error(ConfigError, "lm.logprob_chunk_tokens", self.logprob_chunk_tokens, "an integer >= 1",
-                              f"use {DEFAULT_LOGPROB_CHUNK_TOKENS} (lower it if the replay runs out of memory)")
+        c = self.logprob_chunk_tokens
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise field_error(ConfigError, "lm.logprob_chunk_tokens", c, "None or an integer >= 1",
+                              "leave it unset (sized from the vocabulary), or e.g. 256 (lower it if the replay "
+                              "runs out of memory)")
         if self.finetune not in ("lora", "full"):
             raise field_error(ConfigError, "lm.finetune", self.finetune, "'lora' or 'full'", "pick a mode")
         if self.reference is not None and (self.finetune != "full" or not self.keep_reference):
@@ -158,8 +169,10 @@ class LMBundle:
 
     @property
     def logprob_chunk_tokens(self) -> int:
-        """Chunk size of ``replay_log_probs`` (``LMConfig.logprob_chunk_tokens``), shared by engine and trainer."""
-        return self.config.logprob_chunk_tokens
+        """Chunk size of ``replay_log_probs`` (``LMConfig.logprob_chunk_tokens``; None: from the vocabulary), shared
+        by engine and trainer."""
+        chunk = self.config.logprob_chunk_tokens
+        return chunk if chunk is not None else auto_logprob_chunk_tokens(self.module.config.vocab_size)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -481,8 +494,8 @@ class _ChunkedLogProbHead(nn.Module):
 
 
 def logprob_chunk_tokens(policy) -> int:
-    """The replay chunk size of a policy: its ``config.logprob_chunk_tokens`` (an ``LMBundle``), else the default."""
-    value = getattr(getattr(policy, "config", None), "logprob_chunk_tokens", None)
+    """The replay chunk size of a policy: an ``LMBundle``'s ``logprob_chunk_tokens``, else the default."""
+    value = getattr(policy, "logprob_chunk_tokens", None)
     return DEFAULT_LOGPROB_CHUNK_TOKENS if value is None else int(value)
 
 

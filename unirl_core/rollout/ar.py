@@ -32,12 +32,17 @@ from torch import Tensor
 
 from unirl_core.errors import ConfigError, EngineError, check_ints, field_error
 from unirl_core.models.lm import LMBundle, build_layout, replay_log_probs
+from unirl_core.models.precision import module_dtype
 from unirl_core.models.micro_batch import check_max_tokens, plan_micro_batches, token_lengths
 from unirl_core.models.text import decode_completions
 from unirl_core.rollout.ar_decoder import SUPPORTED_MODEL_TYPES, LeanDecoder, lean_decoder_supported
 from unirl_core.types import ARSamplingParams, NoiseRecipe, Sample, SampleBatch, TokenSegment
 
 logger = logging.getLogger(__name__)
+
+DECODE_KV_FRACTION = 0.4
+"""``decode_batch_size: None`` on a GPU: the share of the device memory not yet allocated that the decode's KV
+cache may take (the rest is left to the prefill's activations, the logits and the caching allocator)."""
 
 LogpSource = Literal["rescore", "decode"]
 DecoderKind = Literal["auto", "lean", "transformers"]
@@ -51,10 +56,12 @@ class AREngineConfig:
     """Rows per rescoring micro-batch (and per decode batch unless ``decode_batch_size`` is set); set it to the
     trainer's micro_batch_size."""
     decode_batch_size: int | None = None
-    """Rows per KV-cached decode batch; None uses ``forward_batch_size``. Wider is faster for long completions
-    (one decode step per token for the whole batch) and costs a KV cache of ``rows x (prompt + max_new_tokens)``;
-    recorded log-probs still come from the rescoring micro-batches, so exactness does not depend on it.
-    Changing it changes which random draws a row gets (per-chunk seeds), not the sampling distribution."""
+    """Rows per KV-cached decode batch. None (default): on a GPU, as many rows as a KV cache of ``rows x (prompt +
+    max_new_tokens)`` fits in ``DECODE_KV_FRACTION`` of the device memory not yet allocated (a multiple of
+    ``forward_batch_size``; the width used is the metric ``rollout/decode_width``); on a CPU ``forward_batch_size``.
+    Wider is faster for long completions (one decode step per token for the whole batch); recorded log-probs still
+    come from the rescoring micro-batches, so exactness does not depend on it. Changing it changes which random
+    draws a row gets (per-chunk seeds), not the sampling distribution: set it to pin the draws across machines."""
     micro_batch_tokens: int | None = None
     """Rescore over token-budget packs (``unirl_core.models.micro_batch``) instead of ``forward_batch_size``
     slices; must equal the trainer's ``train.micro_batch_tokens`` (the loop passes that value, leave it unset
@@ -77,12 +84,13 @@ class AREngineConfig:
     (the model's own forward with a DynamicCache), or ``auto`` (lean where supported)."""
     ignore_eos: bool = False
     """Keep sampling past EOS until ``max_new_tokens`` (throughput benchmarks); EOS then never ends a row."""
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     """Lean decoder only: give its single-token step fixed shapes (attention over the whole KV cache under a mask)
     and, on a GPU, replay it as one CUDA graph per token instead of ~20 kernel launches per layer (the decode of a
     small model is launch-bound). Sampling logits differ from the dynamic step's only in float rounding; recorded
-    log-probs still come from the rescoring forward, so exactness does not depend on it. On a CPU the static step
-    runs eagerly (no graph)."""
+    log-probs still come from the rescoring forward, so exactness does not depend on it. None (default): on when
+    the model is on a GPU and the lean decoder applies, else off (one log line says why); True: required (refused
+    where the lean decoder does not apply; on a CPU the static step runs eagerly, no graph); False: off."""
 
     def __post_init__(self) -> None:
         check_ints("engine", self, ("forward_batch_size", "stop_check_interval", "finish_check_interval"),
@@ -96,7 +104,7 @@ class AREngineConfig:
         if self.decoder not in ("auto", "lean", "transformers"):
             raise field_error(ConfigError, "engine.decoder", self.decoder, "'auto', 'lean' or 'transformers'",
                               "use 'auto'")
-        if self.cuda_graphs and self.decoder == "transformers":
+        if self.cuda_graphs is True and self.decoder == "transformers":
             raise field_error(ConfigError, "engine.cuda_graphs", True, "decoder 'auto' or 'lean' (the graph replays "
                               "the lean decoder's step)", "set engine.decoder=auto, or engine.cuda_graphs=false")
         if self.logp_source not in ("rescore", "decode"):
@@ -145,6 +153,9 @@ class TrainsideAREngine:
         self._generator = torch.Generator(device=self._device).manual_seed(self.config.seed)
         self.last_decode_rescore_absdiff: float | None = None
         """Max |decode - rescore| log-prob of the last generate() (rescore mode): the KV-cache drift."""
+        self.last_decode_width: int | None = None
+        """Rows per decode batch of the last decode (``decode_width``)."""
+        self._said_graphs = False
 
     @property
     def _device(self) -> torch.device:
@@ -193,8 +204,8 @@ class TrainsideAREngine:
         module.eval()
         try:
             with torch.no_grad(), self.bundle.compute():
-                width = self.config.decode_batch_size or self.config.forward_batch_size
                 for sp, rows in _group_by_params(sps).items():
+                    width = self.decode_width(len(rows), max(int(prompts[i].numel()) for i in rows), sp.max_new_tokens)
                     for k in range(0, len(rows), width):
                         chunk = rows[k:k + width]
                         gen = self._generator_for(sp, k // width)
@@ -215,7 +226,7 @@ class TrainsideAREngine:
         """Continue token-id contexts ``[P_i]`` (no template, no rescoring): per row the sampled ids ``[R]``,
         their decode-time log-probs ``[R]`` and finish reason (``stop`` / ``length``). Rows are decoded in
         batches of the decode width; multi-turn engines (``unirl_core.rollout.agentic``) call it once per turn."""
-        width = self.config.decode_batch_size or self.config.forward_batch_size
+        width = self.decode_width(len(prompts), max((int(x.numel()) for x in prompts), default=1), sp.max_new_tokens)
         gen = generator or self._generator
         module, out = self.bundle.module, []
         was_training = module.training
@@ -248,11 +259,42 @@ class TrainsideAREngine:
         if mode == "lean" and not ok:
             raise field_error(ConfigError, "engine.decoder", mode, f"a model of type {SUPPORTED_MODEL_TYPES}",
                               "use decoder='auto' or 'transformers'")
-        if self.config.cuda_graphs and not ok:
+        if self.config.cuda_graphs is True and not ok:
             raise field_error(ConfigError, "engine.cuda_graphs", True, "the lean decoder (decoder 'auto' or 'lean' "
                               f"on a model of type {SUPPORTED_MODEL_TYPES}, sdpa or eager attention)",
                               "set engine.cuda_graphs=false for this model")
         return ok
+
+    def _graphs(self) -> bool:
+        """Whether the lean decoder's step replays as a CUDA graph (``cuda_graphs``; None: on a GPU)."""
+        want = self.config.cuda_graphs
+        if want is None:
+            want = self._device.type == "cuda"
+            if not want and not self._said_graphs:
+                self._said_graphs = True
+                logger.info("engine.cuda_graphs=auto: the decode step runs eager (the model is on %s)", self._device)
+        return bool(want)
+
+    def decode_width(self, rows: int, prompt_len: int, max_new_tokens: int) -> int:
+        """Rows per decode batch for ``rows`` requests (``decode_batch_size``; None: sized from device memory on a
+        GPU, ``forward_batch_size`` on a CPU); remembered as ``last_decode_width``."""
+        fixed = self.config.decode_batch_size
+        fbs = self.config.forward_batch_size
+        if fixed is not None or self._device.type != "cuda":
+            width = fixed or fbs
+        else:
+            cfg = self.bundle.module.config
+            heads = cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+            itemsize = torch.empty((), dtype=module_dtype(self.bundle.module)).element_size()
+            per_row = 2 * cfg.num_hidden_layers * kv_heads * head_dim * (prompt_len + max_new_tokens) * itemsize
+            total = torch.cuda.get_device_properties(self._device).total_memory
+            budget = DECODE_KV_FRACTION * (total - torch.cuda.memory_allocated(self._device))
+            fits = int(budget // max(per_row, 1)) // fbs * fbs
+            width = max(fbs, min(fits, -(-rows // fbs) * fbs))
+        self.last_decode_width = min(width, rows)
+        return width
 
     def _generator_for(self, sp: ARSamplingParams, chunk_index: int) -> torch.Generator:
         if sp.seed is None:
@@ -300,7 +342,7 @@ class TrainsideAREngine:
         ids, mask = ids.to(dev), mask.to(dev)
         lean = None
         if self._use_lean(model):
-            lean = LeanDecoder(model, batch=b, max_len=p + n, graphs=self.config.cuda_graphs)
+            lean = LeanDecoder(model, batch=b, max_len=p + n, graphs=self._graphs())
             logits, step = lean.prefill(ids, mask), lean.step
         else:
             logits, step = _transformers_stepper(model, ids, mask, n)

@@ -54,7 +54,7 @@ class InProcessExecutor:
         """Sample one shard with ``ckpt``'s weights in its rollout bundle (``resources.bundle``), or with
         ``trainer_copy`` from the trainer when it holds exactly ``ckpt`` (see ``loop.phases.rollout_phase``)."""
         t0 = time.perf_counter()
-        if trainer_copy and cfg.loop.rollout_with_trainer and current_world()[1] == 1:
+        if trainer_copy and cfg.rollout_with_trainer and current_world()[1] == 1:
             return self._rollout_with_trainer(cfg, ckpt, step=step, shard=shard, num_shards=num_shards,
                                               weights=weights, gen_round=gen_round, started=t0)
         policy = self.resources.bundle(cfg)

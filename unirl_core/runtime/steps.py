@@ -110,6 +110,8 @@ def sample_step(cfg: RunConfig, policy, ckpt: CheckpointRef, *, step: int, shard
         if engine.last_decode_rescore_absdiff is not None:
             # How far the KV-cached decode drifts from the full forward (recorded log-probs come from the latter).
             metrics["rollout/decode_rescore_absdiff_max"] = engine.last_decode_rescore_absdiff
+        if engine.last_decode_width is not None:
+            metrics["rollout/decode_width"] = float(engine.last_decode_width)
     if cfg.family == "diffusion":
         verify_batch_sigmas(batch)  # every engine echoes the schedule it ran; a mismatch fails closed
     seconds = time.perf_counter() - t0

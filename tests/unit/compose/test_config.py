@@ -36,7 +36,7 @@ def test_recipe_loads_and_derives_one_run_config_per_stack(tmp_path):
     ("enhancer.lm.algorithm.beta=0.1", "enhancer.lm.algorithm.beta=0.1"),
     ("enhancer.warm_start.lr=-1", "enhancer.warm_start.lr=-1"),
     ("checkpoint.every_n_steps=2", "checkpoint.every_n_steps=2: expected 1 in a compose run"),
-    ("loop.rollout_with_trainer=true", "loop.rollout_with_trainer=True: expected false in a compose run"),
+    ("loop.rollout_with_trainer=true", "loop.rollout_with_trainer=True: expected unset or false in a compose run"),
 ])
 def test_bad_values_fail_naming_the_compose_field(tmp_path, override, names):
     with pytest.raises(ConfigError) as info:

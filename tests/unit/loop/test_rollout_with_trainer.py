@@ -1,5 +1,6 @@
 """loop.rollout_with_trainer: run_local samples with the trainer's own module (one copy of the weights, no copy per
-step) and trains bitwise the default run's trajectory; settings it cannot honour are refused naming the field."""
+step; the default wherever it applies) and trains bitwise the rollout bundle's trajectory; settings it cannot honour
+are refused naming the field when it is asked for explicitly."""
 
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ def test_rollout_with_the_trainer_module_is_bitwise_the_default_run(tmp_path, mo
     torch.set_num_threads(1)
     extra = BF16[recipe] if precision == "bf16" else []
     steps = 3
-    ref = run_local(_cfg(recipe, tmp_path / "ref", steps, *extra))
+    ref = run_local(_cfg(recipe, tmp_path / "ref", steps, *extra, "loop.rollout_with_trainer=false"))
     monkeypatch.setattr(in_process().resources, "_bundles", {})  # what the shared run builds, and only that
-    got = run_local(_cfg(recipe, tmp_path / "shared", steps, *extra, "loop.rollout_with_trainer=true"))
+    got = run_local(_cfg(recipe, tmp_path / "shared", steps, *extra))  # the default: on wherever it applies
     keys = [k for k in KEYS if k in ref[0]]  # DiffusionNFT has no ratio
     assert "train/loss" in keys
     for a, b in zip(ref, got, strict=True):
@@ -85,3 +86,19 @@ def test_settings_it_cannot_honour_are_refused(tmp_path, extra, field):
 def test_a_dedicated_engine_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"lm.deployment.engine='vllm'.*loop.rollout_with_trainer"):
         load_recipe("tiny-grpo-vllm", [f"checkpoint.root={tmp_path}", "loop.rollout_with_trainer=true"])
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ((), True),
+    (("loop.rollout_with_trainer=false",), False),
+    (("pool.execution=pool",), False),
+    (("async_training.max_policy_lag=1", "train.old_logp_source=replay"), False),
+    (("train.shard=always",), False),
+])
+def test_the_default_samples_with_the_trainer_wherever_it_applies(tmp_path, extra, expected):
+    assert _cfg("tiny-grpo", tmp_path, 2, *extra).rollout_with_trainer is expected
+
+
+def test_the_default_leaves_a_dedicated_engine_alone(tmp_path):
+    cfg = load_recipe("tiny-grpo-vllm", [f"checkpoint.root={tmp_path}"])
+    assert cfg.loop.rollout_with_trainer is None and cfg.rollout_with_trainer is False

@@ -41,16 +41,17 @@ def test_bad_values_name_the_field(override, field):
         load_recipe("tiny-grpo", [override])
 
 
-def test_every_n_steps_outside_the_pool_is_run_local_only():
+def test_every_n_steps_outside_the_pool_is_run_local_only(caplog):
     """run_local keeps its trainer resident (like the pool); a Flyte workflow in pods mode restores the full
-    state in every train pod, so its setup refuses every_n_steps > 1, naming the field and the fix."""
+    state in every train pod, so its setup derives every_n_steps 1 for it, saying so once."""
     cfg = load_recipe("tiny-grpo", ["checkpoint.every_n_steps=3"])
     assert cfg.checkpoint.every_n_steps == 3 and cfg.pool.execution == "pods"
-    with pytest.raises(ConfigError, match=r"checkpoint.every_n_steps=3: expected 1 in a Flyte workflow with "
-                                          r"pool.execution='pods'.*set pool.execution='pool'"):
-        cfg.checkpoint.check_workflow(cfg.pool.execution)
+    with caplog.at_level("WARNING"):
+        pods = cfg.checkpoint.for_workflow(cfg.pool.execution)
+    assert pods.every_n_steps == 1 and pods.keep_last == cfg.checkpoint.keep_last
+    assert "checkpoint.every_n_steps=3 applies in run_local" in caplog.text
     pool = load_recipe("tiny-grpo", ["checkpoint.every_n_steps=3", "pool.execution=pool"])
-    pool.checkpoint.check_workflow(pool.pool.execution)  # the pool's trainer keeps the state resident
+    assert pool.checkpoint.for_workflow(pool.pool.execution) is pool.checkpoint  # the pool's trainer keeps it
 
 
 def test_full_state_every_n_steps_in_pool_mode():

@@ -54,11 +54,13 @@ RESUME_RULES: dict[str, Rule] = {
     "diffusion.algorithm": "apply",
     "lm.model": "never",
     "lm.model.attn_implementation": "apply",
+    "lm.model.logprob_chunk_tokens": "apply",  # recording and replay read it together, from the next step on
     "lm.model.device": "apply",
     "lm.sampling": "fork",
     "lm.engine": "fork",
     "lm.engine.decoder": "apply",
     "lm.engine.decode_batch_size": "apply",
+    "lm.engine.cuda_graphs": "apply",  # like the decode width: which draws a row gets, never the recorded log-probs
     "lm.engine.stop_check_interval": "apply",
     "lm.engine.finish_check_interval": "apply",
     "lm.algorithm": "apply",

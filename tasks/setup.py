@@ -38,6 +38,7 @@ from unirl_core.rollout.agentic import check_agent_workflow
 if train_image.is_container():
     from unirl_core.loop import phases
     from unirl_core.loop.resume import forked_config
+    from unirl_core.loop.run_init import run_lease
 
 
 class Setup(NamedTuple):
@@ -81,6 +82,8 @@ def init_task(cfg: RunConfig, resume: str, fork_as: str) -> Start:
     run that starts from that version (``init_run``)."""
     timings: dict[str, float] = {}
     fork = fork_as or None
+    # one writer per run: this execution takes the run's lease (renewed by each publish, released by release_task)
+    run_lease(forked_config(cfg, fork)).acquire()
     with phase("init", timings):
         ckpt = phases.init_run(cfg, resume_from=resume, fork_as=fork)
     run_cfg = forked_config(cfg, fork)

@@ -20,7 +20,7 @@ from tasks.common import CPU_TASK, chunk_steps
 from tasks.dynamic_sampling import dynamic_sampling_task
 from tasks.evaluate import eval_task
 from tasks.lagged import lagged_version_task
-from tasks.publish import publish_task
+from tasks.publish import publish_task, release_task
 from tasks.report import report_task
 from tasks.reward import reward_task
 from tasks.rollout import Joined, join_shards_task, rollout_one_task, rollout_task
@@ -53,7 +53,7 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
     first, total = ckpt.step + 1, cfg.loop.total_steps
     budget = total - ckpt.step if max_steps <= 0 else min(max_steps, total - ckpt.step)
     if budget <= 0:
-        return ckpt
+        return release_task(cfg=cfg, ckpt=ckpt)
     last = first + min(chunk_steps(cfg.loop.steps_per_chunk, total), budget) - 1
     shards = cfg.loop.rollout_shards
     # pool mode: the train task is a thin client of the pool's trainer actor, one process whatever the topology
@@ -94,7 +94,7 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
     done = last - first + 1
     if budget > done:
         return grpo_chunk(cfg=cfg, cluster=cluster, session=session, ckpt=state, max_steps=budget - done)
-    return state
+    return release_task(cfg=cfg, ckpt=state)  # the execution's last write: the run's lease goes back
 
 
 def grpo(recipe: str = "shapes-flow-grpo-count", overrides: list[str] = [],  # noqa: B006 (flytekit copies defaults)

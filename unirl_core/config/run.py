@@ -10,6 +10,7 @@ from unirl_core.advantage.config import AdvantageConfig, StatTrackerConfig
 from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo import GRPOConfig
 from unirl_core.algorithms.registry import AlgorithmChoice
+from unirl_core.checkpoint.lease import LeaseConfig
 from unirl_core.config.deployment_checks import check_lm_deployment
 from unirl_core.config.loader import Sectioned, from_dict, refuse
 from unirl_core.sde.sampling_config import DiffusionSamplingConfig
@@ -182,6 +183,9 @@ class CheckpointConfig:
     """``file``: ``train_state.pt`` in the version (gathered to rank 0, written before the step returns);
     ``sharded``: ``state-<step>/`` per rank via torch.distributed.checkpoint, written asynchronously while the
     next steps run (pool mode; ``unirl_core/checkpoint/sharded.py``)."""
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    """One writer per run: ``<root>/<name>/LEASE``, taken when ``run_local`` or the Flyte init task starts
+    writing the run, released at its end; a second execution of the run refuses or waits (``on_held``)."""
 
     def full_state_at(self, step: int, total_steps: int) -> bool:
         """Whether version ``step`` holds the full resumable state: every ``every_n_steps``-th and the last."""

@@ -5,6 +5,7 @@ It is the baseline of the orchestration benchmark and the quickest way to debug 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -13,12 +14,14 @@ import time
 from collections.abc import Callable
 
 from unirl_core.checkpoint import CheckpointRef
+from unirl_core.checkpoint.lease import RunLease
 from unirl_core.config.preflight import preflight
 from unirl_core.config.run import RunConfig
 from unirl_core.loop import resume
 from unirl_core.loop.evaluate import eval_phase
 from unirl_core.loop.lagged import RolloutSource, rollout_source
 from unirl_core.loop.metrics import merge_shard_metrics
+from unirl_core.loop.run_init import run_lease
 from unirl_core.loop.phases import (
     advantage_phase,
     dynamic_sampling_phase,
@@ -73,14 +76,30 @@ def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | Non
         for note in preflight(cfg):
             say(f"preflight: {note}", show)
     try:
-        say(f"run {cfg.name}: opening it (resume_from={resume_from!r}{f', fork_as={fork_as!r}' if fork_as else ''}"
-            f"; an empty run builds model {_model_name(cfg)} for its step-0 version) ...", show)
-        ckpt = init_run(cfg, resume_from=resume_from, fork_as=fork_as)
-        return _run_steps(resume.forked_config(cfg, fork_as), ckpt, on_step, show)
+        # one writer per run: rank 0 holds the run's lease (the forked run's, when forking) until the run ends
+        with (run_lease(resume.forked_config(cfg, fork_as)).kept() if os.environ.get("RANK", "0") == "0"
+              else contextlib.nullcontext()) as lease:
+            say(f"run {cfg.name}: opening it (resume_from={resume_from!r}"
+                f"{f', fork_as={fork_as!r}' if fork_as else ''}; an empty run builds model {_model_name(cfg)} for "
+                "its step-0 version) ...", show)
+            ckpt = init_run(cfg, resume_from=resume_from, fork_as=fork_as)
+            return _run_steps(resume.forked_config(cfg, fork_as), ckpt, _checking_lease(on_step, lease), show)
     except KeyboardInterrupt:
         resume.tell(resume.interrupted_message(resume.forked_config(cfg, fork_as),
                                                resume.library_resume_command(cfg, resume_from, fork_as)))
         raise
+
+
+def _checking_lease(on_step: StepCallback | None, lease: RunLease | None) -> StepCallback | None:
+    """``on_step`` preceded by the lease's check: a run whose lease was taken over stops after the step."""
+    if lease is None:
+        return on_step
+
+    def checked(metrics: dict, batch: SampleBatch) -> None:
+        lease.check()
+        if on_step is not None:
+            on_step(metrics, batch)
+    return checked
 
 
 def say(message: str, show: bool) -> None:

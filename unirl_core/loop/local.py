@@ -124,7 +124,7 @@ def open_sinks(report: ReportConfig, run_uri: str, name: str, *, storage_options
             if tb is not None:
                 tb.close()
             raise
-        log.info("W&B run %s (%s)", wb.run_id, wb.url or report.wandb.mode)
+        log.info("W&B run %s (%s)", wb.run_id, wb.url or wb.mode)
     return MetricSinks(tb, wb)
 
 

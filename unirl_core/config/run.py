@@ -22,6 +22,7 @@ from unirl_core.config.eval import EvalConfig, check_eval_config
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
 from unirl_core.config.pool import PoolConfig, check_dedicated, check_pool_features, check_shared
+from unirl_core.report.mlflow_log import MlflowConfig
 from unirl_core.report.wandb_log import WandbConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.rollout.agentic import AgentConfig, check_agent_config
@@ -307,6 +308,9 @@ class ReportConfig:
     ``run_local(..., progress=...)`` overrides it. The Flyte tasks always log the progress line."""
     wandb: WandbConfig | None = None
     """Also log every step's metrics to Weights & Biases (``unirl_core/report/wandb_log.py``); None: not."""
+    mlflow: MlflowConfig | None = None
+    """Also log every step's metrics to MLflow (``unirl_core/report/mlflow_log.py``; ``{}`` follows
+    ``MLFLOW_TRACKING_URI`` / ``MLFLOW_EXPERIMENT_NAME``); None: not."""
     index_every_n_steps: int = 10
     """The Flyte report task re-renders the run report's ``index.html`` (~10 SVG charts, sample strips and
     tables) at step 1, every this many steps and at the last step; each step's records, pages and scalars are

@@ -33,6 +33,7 @@ from unirl_core.loop.phases import (
 )
 from unirl_core.report.run_report import RunReport
 from unirl_core.report.tensorboard import ScalarLog
+from unirl_core.report.mlflow_log import MlflowLog
 from unirl_core.report.wandb_log import MetricSinks, WandbLog
 from unirl_core.config.run import ReportConfig
 from unirl_core.types import SampleBatch
@@ -112,8 +113,8 @@ def say(message: str, show: bool) -> None:
 def open_sinks(report: ReportConfig, run_uri: str, name: str, *, storage_options: dict,
                run_config: dict) -> MetricSinks:
     """The per-step metric sinks ``report`` asks for: TensorBoard scalars under ``<run_uri>/tensorboard``, a W&B
-    run (id: the run name, so a resumed run continues it)."""
-    tb = wb = None
+    run (id: the run name, so a resumed run continues it), an MLflow run (tagged with the run name, likewise)."""
+    tb = wb = ml = None
     if report.tensorboard:
         tb = ScalarLog(run_uri, storage_options=storage_options)
         log.info("TensorBoard scalars: tensorboard --logdir %s", tb.uri)
@@ -125,7 +126,14 @@ def open_sinks(report: ReportConfig, run_uri: str, name: str, *, storage_options
                 tb.close()
             raise
         log.info("W&B run %s (%s)", wb.run_id, wb.url or wb.mode)
-    return MetricSinks(tb, wb)
+    if report.mlflow is not None:
+        try:
+            ml = MlflowLog(report.mlflow, name, run_config=run_config)
+        except BaseException:
+            MetricSinks(tb, wb).close()
+            raise
+        log.info("MLflow run %s (experiment %s)", ml.run_id, ml.experiment_id)
+    return MetricSinks(tb, wb, ml)
 
 
 def timed(times: dict[str, float], metrics: dict, name: str, phase: Callable, *args, **kwargs):

@@ -11,6 +11,7 @@ from typing import NamedTuple
 from flytekit import task
 
 from images import train_image
+from tasks import resources
 from tasks.common import (
     CPU_TASK,
     DECK,
@@ -56,6 +57,7 @@ def setup_task(recipe: str, overrides: list[str]) -> Setup:
     cfg.async_training.check_workflow()
     cfg.loop.check_workflow()
     cfg.checkpoint.check_workflow(cfg.pool.execution)
+    resources.check_all(cfg, cluster)  # the recipe's pods (cluster: section over its shape's defaults)
     check_agent_workflow(cfg)
     # a local execution starts any vLLM server here; on a cluster the engine's pod has its own interpreter
     for note in preflight(cfg, engines_here=local_execution()):

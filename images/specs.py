@@ -49,6 +49,8 @@ _CORE = [
     "flytekit==1.16.31",
 ]
 _MODELS = ["diffusers>=0.35", "transformers>=4.56,<5.20", "peft>=0.17", "accelerate>=1.0"]
+# report.wandb / report.mlflow: the report task (train image) opens the run's sinks
+_TRACKING = ["wandb==0.31.0", "mlflow-skinny==3.18.0"]
 _REWARD = ["rapidocr>=3.0", "onnxruntime-gpu>=1.17", "math-verify[antlr4_13_2]>=0.7", "fastapi>=0.110",
            "uvicorn>=0.29", "httpx>=0.27"]
 
@@ -123,5 +125,6 @@ rollout_image = _spec("rollout", _CORE + _MODELS)
 reward_image = _spec("reward", _CORE + _MODELS + _REWARD, apt=["libgl1", "libglib2.0-0"])
 """Reward scoring: OCR (ONNX), math verification, CLIP-family scorers (they need the model stack too)."""
 
-train_image = _spec("train", _CORE + _MODELS + ["flytekitplugins-kfpytorch==1.16.31", "kubernetes<37"])
-"""Training (FSDP2 under PyTorch-Elastic), advantage, publish and the small bookkeeping tasks."""
+train_image = _spec("train", _CORE + _MODELS + _TRACKING + ["flytekitplugins-kfpytorch==1.16.31", "kubernetes<37"])
+"""Training (FSDP2 under PyTorch-Elastic), advantage, publish, report (W&B, MLflow) and the small bookkeeping
+tasks."""

@@ -299,10 +299,21 @@ def roots() -> list[tuple[str, type, str]]:
             ("compose", ComposeRunConfig, "Composed recipes (`ComposeRunConfig`: `workflows/enhance.py`)")]
 
 
+def sections(root: type) -> list[Section]:
+    """The documented sections of a root config: its own and, for RL recipes, the ``cluster:`` section the Flyte
+    layer splits off before ``RunConfig`` parses the rest (``tasks.run_types.ClusterConfig``)."""
+    out = walk(root, "")
+    if root.__name__ == "RunConfig":
+        from tasks.run_types import ClusterConfig
+
+        out += walk(ClusterConfig, "cluster", "Flyte pods; run_local ignores it")
+    return out
+
+
 def config_paths(root: type) -> dict[str, bool]:
     """Every dotted field path of a root config -> whether it is a section (has fields of its own)."""
     paths: dict[str, bool] = {}
-    for s in walk(root, ""):
+    for s in sections(root):
         if s.path:
             paths[s.path] = True
         for f in s.fields:
@@ -322,7 +333,7 @@ def config_reference() -> str:
            "registered choice (`name: ...`).", ""]
     for kind, root, title in roots():
         out += [f"## {title}", ""]
-        for s in walk(root, ""):
+        for s in sections(root):
             head = f"`{s.path}`" if s.path else "top level"
             if s.title:
                 head += f" ({s.title})"
@@ -341,7 +352,7 @@ def config_reference() -> str:
 
 def undocumented() -> list[str]:
     return sorted({f"{s.cls.__module__}.{s.cls.__qualname__}.{f.path.rsplit('.', 1)[-1]}"
-                   for _, root, _ in roots() for s in walk(root, "") for f in s.fields if not f.doc})
+                   for _, root, _ in roots() for s in sections(root) for f in s.fields if not f.doc})
 
 
 # ---------------------------------------------------------------- main

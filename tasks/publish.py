@@ -16,6 +16,7 @@ from unirl_core.report.phase_html import publish_html
 
 if train_image.is_container():
     from unirl_core.loop import phases
+    from unirl_core.loop.run_init import run_lease
 
 
 class Published(NamedTuple):
@@ -28,9 +29,20 @@ class Published(NamedTuple):
 @task(container_image=train_image, **CPU_TASK, retries=3, timeout=SMALL_TIMEOUT, **DECK)
 def publish_task(cfg: RunConfig, ckpt: CheckpointRef) -> Published:
     timings: dict[str, float] = {}
+    run_lease(cfg).renew()  # the run's heartbeat; raises when another execution took the run over
     with phase("publish", timings):
         info = phases.publish_phase(cfg, ckpt)
     info.update(timings)
     deck("publish", publish_html(info))
     use_storage_options(cfg)
     return Published(ckpt=ckpt, info=json.dumps(info, sort_keys=True))
+
+
+@task(container_image=train_image, **CPU_TASK, retries=3, timeout=SMALL_TIMEOUT)
+def release_task(cfg: RunConfig, ckpt: CheckpointRef) -> HashedCheckpointRef:
+    """The execution's last task: release the run's lease (``init_task`` took it) so the next execution (a
+    schedule's) may write the run; returns ``ckpt``. A failed execution releases nothing: its lease goes stale
+    after ``checkpoint.lease.ttl_s``."""
+    run_lease(cfg).release()
+    use_storage_options(cfg)
+    return ckpt

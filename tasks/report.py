@@ -14,6 +14,7 @@ from unirl_core.loop.resume import ended_message
 from unirl_core.report.phase_html import advantage_html, publish_html, reward_html, rollout_html, train_html
 from unirl_core.report.run_report import RunReport, StepRecord, step_seconds
 from unirl_core.report.tensorboard import ScalarLog
+from unirl_core.report.mlflow_log import MlflowLog
 from unirl_core.report.wandb_log import WandbLog
 from unirl_core.types import SampleBatch
 
@@ -37,15 +38,27 @@ def write_wandb(cfg: RunConfig, step: int, metrics: dict[str, float]) -> str | N
     adds to one run; the execution is recorded in the run's config and notes); returns the run's URL."""
     if cfg.report.wandb is None:
         return None
-    execution = None
-    try:
-        execution = current_context().execution_id.name
-    except Exception:  # noqa: BLE001 - outside a Flyte task (a direct call in a test): no execution to link
-        pass
     with WandbLog(cfg.report.wandb, cfg.name, run_config={"recipe": cfg.name, "family": cfg.family},
-                  execution=execution) as wb:
+                  execution=_execution()) as wb:
         wb.log(step, metrics)
         return wb.url
+
+
+def write_mlflow(cfg: RunConfig, step: int, metrics: dict[str, float]) -> None:
+    """Step ``step``'s metrics into the run's MLflow run (found again by its ``unirl.run`` tag by every report
+    task); nothing without ``report.mlflow``."""
+    if cfg.report.mlflow is None:
+        return
+    with MlflowLog(cfg.report.mlflow, cfg.name, run_config={"recipe": cfg.name, "family": cfg.family},
+                   execution=_execution()) as ml:
+        ml.log(step, metrics)
+
+
+def _execution() -> str | None:
+    try:
+        return current_context().execution_id.name
+    except Exception:  # noqa: BLE001 - outside a Flyte task (a direct call in a test): no execution to link
+        return None
 
 
 def progress(records: list[StepRecord], rec: StepRecord, total: int, session: str) -> str:
@@ -64,7 +77,7 @@ def report_task(cfg: RunConfig, session: str, step: int, batch: SampleBatch, rol
                 reward: dict[str, float], advantage: dict[str, float], train: dict[str, float],
                 published: str, evaluation: dict[str, float] | None = None) -> int:
     """Write step ``step`` into the run report, re-render ``index.html`` (``report.index_every_n_steps``), add its
-    TensorBoard scalars and log the progress line.
+    TensorBoard scalars (and W&B / MLflow metrics when set) and log the progress line.
 
     ``evaluation``: the ``eval/*`` metrics of this step's version when it was evaluated (charted in the index).
     Returns ``step`` so the workflow can order the reports of consecutive steps (one writer of index.html)."""
@@ -79,6 +92,7 @@ def report_task(cfg: RunConfig, session: str, step: int, batch: SampleBatch, rol
         report.render(title=f"run {cfg.name}")
     write_scalars(cfg, step, rec.metrics)
     url = write_wandb(cfg, step, rec.metrics)
+    write_mlflow(cfg, step, rec.metrics)
     if url:
         progress_logger().info("W&B run: %s", url)
     progress_logger().info(progress(report.steps(), rec, cfg.loop.total_steps, session))

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 from typing import Annotated
 
 from flytekit import FlyteContext, HashMethod
@@ -105,20 +106,64 @@ HashedCheckpointRef = Annotated[CheckpointRef, HashMethod(checkpoint_digest)]
 TRAIN_TOPOLOGIES = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8))
 
 
+_QUANTITY = re.compile(r"^\d+(\.\d+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PodResources:
+    """One role's pod resources (``cluster.rollout`` / ``cluster.reward`` / ``cluster.train``); an unset field takes
+    the default of the recipe's shape (``tasks/resources.py``: a tiny preset model runs on CPU pods, any other model
+    on 1 GPU, 8 CPUs, 64 Gi requested / 96 Gi limit)."""
+
+    gpu: int | None = None
+    """GPUs of the pod (0: a CPU pod, no accelerator). The train task of a multi-GPU topology takes
+    ``cluster.train_nproc_per_node`` instead."""
+    cpu: str | None = None
+    """CPU request, a Kubernetes quantity (``8``, ``500m``)."""
+    mem: str | None = None
+    """Memory request (``64Gi``)."""
+    mem_limit: str | None = None
+    """Memory limit (``96Gi``); at least the request."""
+
+    def check(self, where: str) -> None:
+        if self.gpu is not None and (isinstance(self.gpu, bool) or not isinstance(self.gpu, int) or self.gpu < 0):
+            raise field_error(ConfigError, f"{where}.gpu", self.gpu, "an integer >= 0", "e.g. 1 (0: a CPU pod)")
+        for name in ("cpu", "mem", "mem_limit"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and _QUANTITY.match(v)):
+                raise field_error(ConfigError, f"{where}.{name}", v, "a Kubernetes quantity as a string",
+                                  "e.g. '8' or '500m' for cpu, '64Gi' for memory")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    """How the train phase spreads over GPUs (the optional ``cluster:`` section of a recipe).
+    """Where the phases run on a cluster (the optional ``cluster:`` section of a recipe): how the train phase
+    spreads over GPUs, each role's pod resources and the GPU kind.
 
     It is orchestration, not training semantics, so it is kept out of RunConfig (and out of the checkpoint's
-    config): the same RunConfig trains identically on 1x8 or 2x8 GPUs. The GPU kind is a property of the
-    cluster, not of the recipe: it is fixed when the workflow is registered (``UNIRL_ACCELERATOR``)."""
+    config): the same RunConfig trains identically on 1x8 or 2x8 GPUs. ``run_local`` ignores the section."""
 
     train_nnodes: int = 1
     """Nodes of the train job; above 1 it runs as a PyTorchJob (PyTorch-Elastic plugin)."""
     train_nproc_per_node: int = 1
     """Training processes (GPUs) per node; 1 node x 1 process trains in the task's own process."""
+    accelerator: str | None = None
+    """GPU kind of the GPU pods: ``h100`` or ``h200``; None: ``UNIRL_ACCELERATOR`` when the workflow is registered
+    (default ``h200``)."""
+    rollout: PodResources = dataclasses.field(default_factory=PodResources)
+    """Rollout pods (each shard's), the held-out eval's and DAPO's dynamic-sampling rounds' (they sample with the
+    model too)."""
+    reward: PodResources = dataclasses.field(default_factory=PodResources)
+    """Reward pods."""
+    train: PodResources = dataclasses.field(default_factory=PodResources)
+    """Train pods (each node's pod of a multi-node train job)."""
 
     def __post_init__(self) -> None:
+        if self.accelerator is not None and self.accelerator not in ("h100", "h200"):
+            raise field_error(ConfigError, "cluster.accelerator", self.accelerator, "'h100' or 'h200'",
+                              "name the GPU kind of your cluster's GPU nodes, or leave it unset (UNIRL_ACCELERATOR)")
+        for role in ("rollout", "reward", "train"):
+            getattr(self, role).check(f"cluster.{role}")
         shape = (self.train_nnodes, self.train_nproc_per_node)
         if shape not in TRAIN_TOPOLOGIES:
             raise field_error(ConfigError, "cluster.train_nnodes x train_nproc_per_node", shape,

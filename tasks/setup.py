@@ -11,6 +11,7 @@ from typing import NamedTuple
 from flytekit import task
 
 from images import train_image
+from tasks import resources
 from tasks.common import (
     CPU_TASK,
     DECK,
@@ -38,6 +39,7 @@ from unirl_core.rollout.agentic import check_agent_workflow
 if train_image.is_container():
     from unirl_core.loop import phases
     from unirl_core.loop.resume import forked_config
+    from unirl_core.loop.run_init import run_lease
 
 
 class Setup(NamedTuple):
@@ -55,6 +57,7 @@ def setup_task(recipe: str, overrides: list[str]) -> Setup:
     cfg.async_training.check_workflow()
     cfg.loop.check_workflow()
     cfg = dataclasses.replace(cfg, checkpoint=cfg.checkpoint.for_workflow(cfg.pool.execution))
+    resources.check_all(cfg, cluster)  # the recipe's pods (cluster: section over its shape's defaults)
     check_agent_workflow(cfg)
     # a local execution starts any vLLM server here; on a cluster the engine's pod has its own interpreter
     for note in preflight(cfg, engines_here=local_execution()):
@@ -81,6 +84,8 @@ def init_task(cfg: RunConfig, resume: str, fork_as: str) -> Start:
     run that starts from that version (``init_run``)."""
     timings: dict[str, float] = {}
     fork = fork_as or None
+    # one writer per run: this execution takes the run's lease (renewed by each publish, released by release_task)
+    run_lease(forked_config(cfg, fork)).acquire()
     with phase("init", timings):
         ckpt = phases.init_run(cfg, resume_from=resume, fork_as=fork)
     run_cfg = forked_config(cfg, fork)

@@ -16,14 +16,15 @@ from flytekit import dynamic, map_task, workflow
 
 from images import train_image
 from tasks.advantage import advantage_task
+from tasks import resources
 from tasks.common import CPU_TASK, chunk_steps
 from tasks.dynamic_sampling import dynamic_sampling_task
 from tasks.evaluate import eval_task
 from tasks.lagged import lagged_version_task
-from tasks.publish import publish_task
+from tasks.publish import publish_task, release_task
 from tasks.report import report_task
 from tasks.reward import reward_task
-from tasks.rollout import Joined, join_shards_task, rollout_one_task, rollout_task
+from tasks.rollout import join_shards_task, rollout_one_task, rollout_task
 from tasks.run_types import ClusterConfig
 from tasks.setup import init_task, setup_task
 from tasks.train import TRAIN_TASKS
@@ -32,16 +33,13 @@ from unirl_core.config import RunConfig
 from unirl_core.config.recipes import recipe_names
 
 
-@workflow
-def rollout_step(cfg: RunConfig, ckpt: CheckpointRef, step: int, num_shards: int, shards: list[int]) -> Joined:
-    """The rollout pod pool of ``loop.rollout_shards`` > 1: one mapped task per prompt shard, then the shards joined
-    in order (one shard: ``rollout_one_task``, no map task and no join).
-
-    A static sub-workflow (not wired inside the dynamic) so the map task is part of the registered package."""
+def sharded_rollout(cfg: RunConfig, ckpt: CheckpointRef, step: int, num_shards: int, pods: dict):
+    """The rollout pod pool of ``loop.rollout_shards`` > 1, wired inside the chunk: one mapped task per prompt shard
+    (with the recipe's rollout resources), then the shards joined in order (one shard: ``rollout_one_task``, no map
+    task and no join)."""
     batches = map_task(functools.partial(rollout_task, cfg=cfg, ckpt=ckpt, step=step, num_shards=num_shards))(
-        shard=shards)
-    joined = join_shards_task(shards=batches)
-    return joined.batch, joined.metrics
+        shard=list(range(num_shards))).with_overrides(**pods)
+    return join_shards_task(shards=batches)
 
 
 @dynamic(container_image=train_image, **CPU_TASK)
@@ -53,37 +51,40 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
     first, total = ckpt.step + 1, cfg.loop.total_steps
     budget = total - ckpt.step if max_steps <= 0 else min(max_steps, total - ckpt.step)
     if budget <= 0:
-        return ckpt
+        return release_task(cfg=cfg, ckpt=ckpt)
     last = first + min(chunk_steps(cfg.loop.steps_per_chunk, total), budget) - 1
     shards = cfg.loop.rollout_shards
     # pool mode: the train task is a thin client of the pool's trainer actor, one process whatever the topology
     pool = cfg.pool.execution == "pool"
     train = TRAIN_TASKS[(1, 1) if pool else (cluster.train_nnodes, cluster.train_nproc_per_node)]
     state, prev_report = ckpt, None
+    # the recipe's pod resources per role (cluster.rollout / reward / train over its shape's defaults)
+    pods = {role: resources.overrides(cfg, cluster, role) for role in ("rollout", "reward", "train")}
     # The published version of each step: step n's rollout samples with version n - 1 - max_policy_lag, so with a
     # lag it depends on that publication only and Flyte runs it beside train n - 1 (lag 0: the previous publish).
     published_at = {ckpt.step: ckpt}
     if ckpt.step == 0 and cfg.eval is not None and cfg.eval.due(0, total):
-        prev_report = eval_task(cfg=cfg, ckpt=ckpt)  # the starting policy: the report's held-out "before"
+        # the starting policy: the report's held-out "before"
+        prev_report = eval_task(cfg=cfg, ckpt=ckpt).with_overrides(**pods["rollout"])
     for step in range(first, last + 1):
         version = cfg.async_training.rollout_version(step)
         if version not in published_at:  # published before this chunk: read its ref from the store
             published_at[version] = lagged_version_task(cfg=cfg, ckpt=ckpt, version=version)
         if shards == 1:  # one task instead of a map task + join task: one batch file written and read, not two
-            joined = rollout_one_task(cfg=cfg, ckpt=published_at[version], step=step)
+            joined = rollout_one_task(cfg=cfg, ckpt=published_at[version], step=step).with_overrides(
+                **pods["rollout"])
         else:
-            joined = rollout_step(cfg=cfg, ckpt=published_at[version], step=step, num_shards=shards,
-                                  shards=list(range(shards)))
-        scored = reward_task(cfg=cfg, batch=joined.batch)
+            joined = sharded_rollout(cfg, published_at[version], step, shards, pods["rollout"])
+        scored = reward_task(cfg=cfg, batch=joined.batch).with_overrides(**pods["reward"])
         if cfg.filter_groups is not None:  # DAPO dynamic sampling: flat groups dropped, refilled by extra rounds
             scored = dynamic_sampling_task(cfg=cfg, batch=scored.batch, ckpt=state, step=step,
-                                           reward_metrics=scored.metrics)
+                                           reward_metrics=scored.metrics).with_overrides(**pods["rollout"])
         adv = advantage_task(cfg=cfg, batch=scored.batch, ckpt=state)
-        trained = train(cfg=cfg, batch=adv.batch, ckpt=state, step=step)
+        trained = train(cfg=cfg, batch=adv.batch, ckpt=state, step=step).with_overrides(**pods["train"])
         published = publish_task(cfg=cfg, ckpt=trained.ckpt)
         evaluated = {}  # held-out eval of this step's version; its eval/* metrics join the step's report
         if cfg.eval is not None and cfg.eval.due(step, total):
-            evaluated = {"evaluation": eval_task(cfg=cfg, ckpt=published.ckpt)}
+            evaluated = {"evaluation": eval_task(cfg=cfg, ckpt=published.ckpt).with_overrides(**pods["rollout"])}
         report = report_task(cfg=cfg, session=session, step=step, batch=adv.batch, rollout=joined.metrics,
                              reward=scored.metrics, advantage=adv.metrics, train=trained.metrics,
                              published=published.info, **evaluated)
@@ -94,7 +95,7 @@ def grpo_chunk(cfg: RunConfig, cluster: ClusterConfig, session: str, ckpt: Check
     done = last - first + 1
     if budget > done:
         return grpo_chunk(cfg=cfg, cluster=cluster, session=session, ckpt=state, max_steps=budget - done)
-    return state
+    return release_task(cfg=cfg, ckpt=state)  # the execution's last write: the run's lease goes back
 
 
 def grpo(recipe: str = "shapes-flow-grpo-count", overrides: list[str] = [],  # noqa: B006 (flytekit copies defaults)

@@ -17,9 +17,9 @@ from workflows.grpo import grpo_chunk
 HINTS = {"cfg": RunConfig, "cluster": ClusterConfig, "session": str, "ckpt": CheckpointRef, "max_steps": int}
 
 
-def _compile(overrides: list[str], *, from_step: int = 0, max_steps: int = 0):
-    cfg, cluster = load_run_config("tiny-grpo", overrides)
-    ref = CheckpointRef(uri=f"s3://b/runs/tiny-grpo/step-{from_step:08d}", run="tiny-grpo", step=from_step,
+def _compile(overrides: list[str], *, from_step: int = 0, max_steps: int = 0, recipe: str = "tiny-grpo"):
+    cfg, cluster = load_run_config(recipe, overrides)
+    ref = CheckpointRef(uri=f"s3://b/runs/{cfg.name}/step-{from_step:08d}", run=cfg.name, step=from_step,
                         policy_version=from_step)
     settings = SerializationSettings(project="p", domain="d", version="v1",
                                      image_config=ImageConfig.auto_default_image())
@@ -35,8 +35,9 @@ def _compile(overrides: list[str], *, from_step: int = 0, max_steps: int = 0):
 
 
 def _targets(spec) -> list[str]:
-    return [n.task_node.reference_id.name if n.task_node else n.workflow_node.sub_workflow_ref.name
-            for n in spec.nodes]
+    return [n.task_node.reference_id.name if n.task_node
+            else n.array_node.node.task_node.reference_id.name if n.array_node
+            else n.workflow_node.sub_workflow_ref.name for n in spec.nodes]
 
 
 def test_a_chunk_is_k_steps_then_the_next_chunk():
@@ -54,14 +55,14 @@ def test_a_chunk_is_k_steps_then_the_next_chunk():
 
 def test_more_than_one_shard_maps_the_rollout_and_joins_the_shards():
     spec = _compile(["loop.total_steps=2", "loop.rollout_shards=2"])
-    names = [t.rsplit(".", 1)[1] for t in _targets(spec)]
-    assert names == ["rollout_step", "reward_task", "advantage_task", "train_task", "publish_task", "report_task"] * 2
-    sub = spec.subworkflows[0]
-    assert sub.id.name == "workflows.grpo.rollout_step"  # holds the map task and the join
-    assert [n.array_node is not None for n in sub.nodes] == [True, False]
-    assert sub.nodes[1].task_node.reference_id.name == "tasks.rollout.join_shards_task"
-    node = next(n for n in spec.nodes if n.workflow_node)
-    shards = next(b for b in node.inputs if b.var == "shards").binding.collection.bindings
+    names = [t.rsplit(".", 1)[1].split("_task_")[0].removesuffix("_task") + "_task" for t in _targets(spec)]
+    assert names == ["map_rollout_task", "join_shards_task", "reward_task", "advantage_task", "train_task",
+                     "publish_task", "report_task"] * 2 + ["release_task"]
+    arrays = [n for n in spec.nodes if n.array_node is not None]
+    assert len(arrays) == 2 and not spec.subworkflows  # the map task is wired in the chunk (recipe resources)
+    inner = arrays[0].array_node.node.task_node
+    assert inner.reference_id.name.startswith("tasks.rollout.map_rollout_task")
+    shards = next(b for b in arrays[0].array_node.node.inputs if b.var == "shard").binding.collection.bindings
     assert [b.scalar.primitive.integer for b in shards] == [0, 1]
 
 
@@ -69,7 +70,7 @@ def test_filter_groups_wires_dynamic_sampling_between_reward_and_advantage():
     spec = _compile(["loop.total_steps=1", "filter_groups={max_num_gen_batches: 3}", "train.old_logp_source=replay"])
     names = [t.rsplit(".", 1)[1] for t in _targets(spec)]
     assert names == ["rollout_one_task", "reward_task", "dynamic_sampling_task", "advantage_task", "train_task",
-                     "publish_task", "report_task"]
+                     "publish_task", "report_task", "release_task"]
     task = next(t for t in spec.tasks if t.id.name.endswith("dynamic_sampling_task"))
     reward = next(t for t in spec.tasks if t.id.name.endswith("reward_task"))
     # it samples and scores: a GPU like the rollout and reward tasks, the reward image (a superset of rollout's)
@@ -85,7 +86,12 @@ def test_cluster_section_picks_the_elastic_train_task():
 
 
 def test_last_chunk_and_budget():
-    assert _targets(_compile(["loop.total_steps=5"], from_step=4))[-1].endswith("report_task")  # no next chunk
+    # the last chunk: no next chunk; the execution releases the run's lease after the last publish
+    spec = _compile(["loop.total_steps=5"], from_step=4)
+    assert _targets(spec)[-1].endswith("release_task")
+    kind = {n.id: n.task_node.reference_id.name.rsplit(".", 1)[1] for n in spec.nodes}
+    release = next(i for i in kind if kind[i] == "release_task")
+    assert any(kind[i] == "publish_task" for i in _upstream(spec, release))
     spec = _compile(["loop.total_steps=10", "loop.steps_per_chunk=2"], max_steps=3)
     nxt = spec.nodes[-1]
     assert nxt.task_node.reference_id.name == "workflows.grpo.grpo_chunk"

@@ -86,3 +86,19 @@ def test_every_role_image_holds_the_library_dependencies():
     for spec in (rollout_image, reward_image, train_image):
         missing = needed - {name(p) for p in spec.packages}
         assert not missing, (spec.name, sorted(missing))
+
+
+def test_the_report_tasks_image_holds_the_tracking_extra():
+    """report.wandb / report.mlflow import their client in the report task (train image): every package of the
+    ``tracking`` extra is in it, by name."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    def name(requirement: str) -> str:
+        return re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    needed = {name(r) for r in project["optional-dependencies"]["tracking"]}
+    assert {"wandb", "mlflow-skinny"} <= needed
+    assert not needed - {name(p) for p in train_image.packages}

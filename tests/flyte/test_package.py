@@ -94,16 +94,11 @@ def test_elastic_train_tasks(package):
     assert _task(package, "tasks.train.train_elastic_1x8")["type"] == "python-task"
 
 
-def test_rollout_fans_out_with_a_map_task(package):
-    """``loop.rollout_shards`` > 1 wires this sub-workflow; one shard wires ``rollout_one_task`` (both packaged)."""
-    assert "tasks.rollout.rollout_one_task#1" in package
-    wf = package["workflows.grpo.rollout_step#2"]["template"]
-    array = [n for n in wf["nodes"] if "arrayNode" in n]
-    assert len(array) == 1
-    inner = array[0]["arrayNode"]["node"]["taskNode"]["referenceId"]["name"]
-    assert inner.startswith("tasks.rollout.map_rollout_task")
-    assert any(n.get("taskNode", {}).get("referenceId", {}).get("name") == "tasks.rollout.join_shards_task"
-               for n in wf["nodes"])
+def test_rollout_tasks_and_the_dynamic_chunk_are_packaged(package):
+    """``loop.rollout_shards`` > 1 maps ``rollout_task`` inside the chunk (with the recipe's resources,
+    ``tests/flyte/test_resources.py``); one shard wires ``rollout_one_task``. Both tasks are packaged."""
+    assert "tasks.rollout.rollout_one_task#1" in package and "tasks.rollout.rollout_task#1" in package
+    assert "tasks.rollout.join_shards_task#1" in package
     assert package["workflows.grpo.grpo_chunk#1"]["template"]["metadata"]["runtime"]  # the @dynamic chunk
 
 
@@ -128,8 +123,8 @@ def test_the_image_given_with_dash_dash_image_runs_every_task(package):
 
 def test_a_named_role_image_overrides_its_role_and_the_image_specs_stay_the_default(tmp_path):
     images = _images(_decode(_package(tmp_path, ("rollout=ghcr.io/example/rollout:7",))))
-    rollout = {k for k in images if k.startswith("tasks.rollout.rollout_") or "map_rollout_task" in k}
-    assert len(rollout) == 3
+    rollout = {k for k in images if k.startswith("tasks.rollout.rollout_")}
+    assert len(rollout) == 2
     assert {images[k] for k in rollout} == {"ghcr.io/example/rollout:7"}
     # no default --image: the other roles keep their ImageSpec (built by flytekit when missing)
     assert images["tasks.reward.reward_task"].startswith("unirl-reward:")

@@ -184,7 +184,9 @@ class ComposeRunConfig:
             ("loop.rollout_with_trainer", True, self.loop.rollout_with_trainer is True, "unset or false in a compose run",
              "the composed engine samples with rollout bundles of its own; remove the setting"),
             ("report.wandb", "set", self.report.wandb is not None, "unset in a compose run",
-             "W&B is not wired for compose runs yet; TensorBoard scalars are written")]
+             "W&B is not wired for compose runs yet; TensorBoard scalars are written"),
+            ("report.mlflow", "set", self.report.mlflow is not None, "unset in a compose run",
+             "MLflow is not wired for compose runs yet; TensorBoard scalars are written")]
         refuse(refused)
         if _warm_reference(self) and (self.enhancer.lm.model.finetune != "full"
                                       or not self.enhancer.lm.model.keep_reference):
@@ -254,7 +256,7 @@ def _stack(cfg: ComposeRunConfig, stack: str, **section) -> RunConfig:
         return RunConfig(name=stack, data=dataclasses.replace(cfg.data, samples_per_prompt=group),
                          reward=cfg.reward, advantage=cfg.advantage, train=getattr(cfg, stack).train,
                          checkpoint=dataclasses.replace(cfg.checkpoint, root=cfg.run_root), loop=cfg.loop,
-                         report=dataclasses.replace(cfg.report, tensorboard=False, wandb=None), **section)
+                         report=dataclasses.replace(cfg.report, tensorboard=False, wandb=None, mlflow=None), **section)
     except ConfigError as e:
         # The stack's RunConfig names `train.x` / `lm.x`; in a compose recipe those live under the stack.
         raise ConfigError(f"{stack}.{e} (in the {stack} stack: {group} samples per prompt per step)") from e

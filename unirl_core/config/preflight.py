@@ -2,6 +2,8 @@
 
 - ``checkpoint.root`` is writable: a small probe object ``<root>/<run>/.preflight-<random>`` is written and
   deleted (local directory or ``s3://``, with ``checkpoint.storage_options``);
+- the prompt set (``data.source: file``) is there: ``data.file.path`` (a local path, any fsspec URL or a hub dataset
+  id) exists, has a known format, is not empty and its first rows carry the prompt field;
 - the model is reachable: a local directory exists, or a hub id answers ``huggingface_hub.auth_check``
   (found, and not gated for this token); with ``HF_HUB_OFFLINE=1`` the hub is not asked and the model must
   be in the local cache instead. Tiny presets always pass.
@@ -22,6 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from unirl_core.config.run import RunConfig
+from unirl_core.data.prompts import check_columns, check_prompts_per_step
+from unirl_core.data.prompts import where as prompt_where
+from unirl_core.data.uri import probe_rows
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.diffusion import is_preset
 from unirl_core.models.presets import tokenizer_preset
@@ -44,6 +49,7 @@ def preflight(cfg: RunConfig, *, timeout: float = DEFAULT_TIMEOUT, network: bool
     ``network``: ask the hub about hub ids (None: unless ``UNIRL_PREFLIGHT_NETWORK=0``). ``engines_here``: a
     dedicated engine the run starts starts on this machine (its interpreter is checked)."""
     check_checkpoint_root(cfg, timeout=timeout)
+    check_prompt_data(cfg, timeout=timeout)
     if engines_here:
         check_vllm_python(cfg, timeout=timeout)
     return check_models(cfg, timeout=timeout, network=network)
@@ -143,6 +149,30 @@ def check_checkpoint_root(cfg: RunConfig, *, timeout: float = DEFAULT_TIMEOUT) -
         raise field_error(ConfigError, "checkpoint.root", root,
                           f"a store this process can write (writing a probe under {root.rstrip('/')}/{cfg.name}/ "
                           f"failed: {_why(err)})", fix) from err
+
+
+def check_prompt_data(cfg: RunConfig, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """``data.source: file``: the prompt set at ``data.file.path`` (any fsspec URI or a hub dataset id) exists, has
+    a known format, is not empty, its first rows parse and carry ``prompt_field`` / ``answer_field``, and (when the
+    probe read all of it) holds at least ``data.prompts_per_step`` prompts. Reads the head of a large file only.
+    A ``ConfigError`` names the field, the URI and what was found (``unirl_core/data/uri.py``)."""
+    if cfg.data.source != "file":
+        return
+    file = cfg.data.file
+    box: list = []
+    done, err = _bounded(lambda: box.append(probe_rows(prompt_where(file))), timeout)
+    if not done:
+        raise field_error(ConfigError, "data.file.path", file.path, f"a prompt set readable within {timeout:g} s",
+                          "found: no answer in time; check the network, the endpoint and the credentials")
+    if err is not None:
+        if isinstance(err, ConfigError):
+            raise err
+        raise field_error(ConfigError, "data.file.path", file.path, "a readable prompt set",
+                          f"found: {_why(err)}; check the URI and the credentials") from err
+    rows, whole = box[0]
+    check_columns(file, rows)
+    if whole:
+        check_prompts_per_step(cfg.data.prompts_per_step, len(rows), f"data.file.path={file.path!r}")
 
 
 def _model_fields(cfg: RunConfig) -> list[tuple[str, str, str]]:

@@ -66,5 +66,9 @@ def load_recipe_dict(name_or_path: str, overrides: Sequence[str] = (), folder: P
 
 
 def load_recipe(name_or_path: str, overrides: Sequence[str] = ()) -> RunConfig:
-    """Parse a recipe (shipped name or YAML path), apply ``a.b=value`` overrides, validate everything."""
-    return from_dict(RunConfig, load_recipe_dict(name_or_path, overrides), "recipe")
+    """Parse a recipe (shipped name or YAML path), apply ``a.b=value`` overrides, validate everything. The recipe's
+    ``cluster:`` section (pods, resources, GPU kind: the Flyte layer's ``tasks.run_types.ClusterConfig``) is not
+    part of the run config and is left out here."""
+    data = load_recipe_dict(name_or_path, overrides)
+    data.pop("cluster", None)
+    return from_dict(RunConfig, data, "recipe")

@@ -12,6 +12,7 @@ from unirl_core.advantage.config import AdvantageConfig, StatTrackerConfig
 from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo import GRPOConfig
 from unirl_core.algorithms.registry import AlgorithmChoice
+from unirl_core.checkpoint.lease import LeaseConfig
 from unirl_core.config.deployment_checks import check_lm_deployment
 from unirl_core.config.loader import Sectioned, from_dict, refuse
 from unirl_core.sde.sampling_config import DiffusionSamplingConfig
@@ -23,6 +24,7 @@ from unirl_core.config.eval import EvalConfig, check_eval_config
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
 from unirl_core.config.pool import PoolConfig, check_dedicated, check_pool_features, check_shared
+from unirl_core.report.mlflow_log import MlflowConfig
 from unirl_core.report.wandb_log import WandbConfig
 from unirl_core.reward.config import RewardConfig
 from unirl_core.rollout.agentic import AgentConfig, check_agent_config
@@ -184,6 +186,9 @@ class CheckpointConfig:
     """``file``: ``train_state.pt`` in the version (gathered to rank 0, written before the step returns);
     ``sharded``: ``state-<step>/`` per rank via torch.distributed.checkpoint, written asynchronously while the
     next steps run (pool mode; ``unirl_core/checkpoint/sharded.py``)."""
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    """One writer per run: ``<root>/<name>/LEASE``, taken when ``run_local`` or the Flyte init task starts
+    writing the run, released at its end; a second execution of the run refuses or waits (``on_held``)."""
 
     def full_state_at(self, step: int, total_steps: int) -> bool:
         """Whether version ``step`` holds the full resumable state: every ``every_n_steps``-th and the last."""
@@ -308,6 +313,9 @@ class ReportConfig:
     ``run_local(..., progress=...)`` overrides it. The Flyte tasks always log the progress line."""
     wandb: WandbConfig | None = None
     """Also log every step's metrics to Weights & Biases (``unirl_core/report/wandb_log.py``); None: not."""
+    mlflow: MlflowConfig | None = None
+    """Also log every step's metrics to MLflow (``unirl_core/report/mlflow_log.py``; ``{}`` follows
+    ``MLFLOW_TRACKING_URI`` / ``MLFLOW_EXPERIMENT_NAME``); None: not."""
     index_every_n_steps: int = 10
     """The Flyte report task re-renders the run report's ``index.html`` (~10 SVG charts, sample strips and
     tables) at step 1, every this many steps and at the last step; each step's records, pages and scalars are

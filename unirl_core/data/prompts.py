@@ -1,4 +1,5 @@
-"""Prompt data sets: records from jsonl, parquet or a local HF ``datasets`` directory.
+"""Prompt data sets: records from jsonl, parquet, a saved HF ``datasets`` directory or a hub dataset, at any
+fsspec URI (``unirl_core/data/uri.py``).
 
 A ``PromptDataset`` is an immutable list of ``PromptRecord`` plus a deterministic sampler:
 ``batch(step, n)`` returns the prompts of optimizer step ``step``. The order is a permutation
@@ -13,11 +14,12 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from unirl_core.data.uri import Where, read_rows
 from unirl_core.errors import ConfigError, InvariantError, field_error
 from unirl_core.types import PromptRecord
 
@@ -29,7 +31,10 @@ class PromptDataConfig:
     """Where prompts come from and which fields they use."""
 
     path: str
-    """A ``.jsonl`` / ``.parquet`` file, or a directory written by ``datasets.Dataset.save_to_disk``."""
+    """Where the prompts are: a ``.jsonl`` / ``.json`` / ``.parquet`` file as a local path or any fsspec URL
+    (``s3://bucket/train.jsonl``, ``https://host/train.jsonl``, ``hf://datasets/<org>/<name>/train.jsonl``), a local
+    directory written by ``datasets.Dataset.save_to_disk``, or a hub dataset by id, ``hf://datasets/<org>/<name>``
+    (``datasets.load_dataset``, split ``split`` or ``train``). The setup task checks it (``config/preflight.py``)."""
     prompt_field: str = "prompt"
     """Column holding the prompt text."""
     answer_field: str | None = "answer"
@@ -42,6 +47,9 @@ class PromptDataConfig:
     """Shuffle seed; the order of epoch e is a permutation seeded by (seed, e)."""
     shuffle: bool = True
     """False keeps file order (evaluation)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for ``path`` (e.g. ``{"endpoint_url": ...}`` for an S3-compatible store); credentials come
+    from the environment."""
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -168,35 +176,31 @@ class PromptDataset:
         return out
 
 
-def _rows(cfg: PromptDataConfig) -> list[dict]:
-    path = Path(cfg.path)
-    if path.is_dir():
-        try:
-            import datasets
-        except ModuleNotFoundError as e:
-            raise field_error(ConfigError, "data.path", cfg.path, "the datasets package for a saved HF dataset",
-                              "pip install datasets, or export the prompts to jsonl/parquet") from e
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if cfg.split not in ds:
-                raise field_error(ConfigError, "data.split", cfg.split, f"one of {sorted(ds)}", "name a split")
-            ds = ds[cfg.split]
-        return [dict(r) for r in ds]
-    if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+def where(cfg: PromptDataConfig, field: str = "data.file.path") -> Where:
+    """``cfg``'s prompt set as ``unirl_core.data.uri`` reads it; errors name ``field``."""
+    return Where(field, cfg.path, cfg.split, cfg.storage_options)
 
-        return pq.read_table(path).to_pylist()
-    raise field_error(ConfigError, "data.path", cfg.path, "a .jsonl or .parquet file or a saved HF dataset dir",
-                      "convert the prompts to one of these formats")
+
+def check_columns(cfg: PromptDataConfig, rows: list[dict], section: str = "data.file") -> None:
+    """Refuse rows without ``prompt_field`` (or ``answer_field``) as a ``ConfigError`` naming the field, the URI and
+    the columns found (the preflight's check of the first rows)."""
+    for name, value in (("prompt_field", cfg.prompt_field), ("answer_field", cfg.answer_field)):
+        if value is None:
+            continue
+        for i, row in enumerate(rows):
+            if value not in row or (name == "prompt_field" and not isinstance(row[value], str)):
+                found = (f"row {i} has {type(row.get(value)).__name__} there" if value in row
+                         else f"row {i} has columns {sorted(row)}")
+                kind = "a string column" if name == "prompt_field" else "a column"
+                fix = f"found: {found}; set {section}.{name} to one of them" + \
+                    (" (or null)" if name == "answer_field" else "")
+                raise field_error(ConfigError, f"{section}.{name}", value, f"{kind} of every row of {cfg.path}", fix)
 
 
 def load_prompts(cfg: PromptDataConfig) -> PromptDataset:
     """Read ``cfg.path`` into a ``PromptDataset``; every row must carry the prompt (and answer) field."""
     records = []
-    for i, row in enumerate(_rows(cfg)):
+    for i, row in enumerate(read_rows(where(cfg))):
         if not isinstance(row.get(cfg.prompt_field), str):
             raise field_error(InvariantError, f"{cfg.path}[{i}].{cfg.prompt_field}", row.get(cfg.prompt_field),
                               "a string prompt", f"fix the row or set prompt_field (columns: {sorted(row)})")

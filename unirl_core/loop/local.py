@@ -5,6 +5,7 @@ It is the baseline of the orchestration benchmark and the quickest way to debug 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -13,12 +14,14 @@ import time
 from collections.abc import Callable
 
 from unirl_core.checkpoint import CheckpointRef
+from unirl_core.checkpoint.lease import RunLease
 from unirl_core.config.preflight import preflight
 from unirl_core.config.run import RunConfig
 from unirl_core.loop import resume
 from unirl_core.loop.evaluate import eval_phase
 from unirl_core.loop.lagged import RolloutSource, rollout_source
 from unirl_core.loop.metrics import merge_shard_metrics
+from unirl_core.loop.run_init import run_lease
 from unirl_core.loop.phases import (
     advantage_phase,
     dynamic_sampling_phase,
@@ -30,6 +33,7 @@ from unirl_core.loop.phases import (
 )
 from unirl_core.report.run_report import RunReport
 from unirl_core.report.tensorboard import ScalarLog
+from unirl_core.report.mlflow_log import MlflowLog
 from unirl_core.report.wandb_log import MetricSinks, WandbLog
 from unirl_core.config.run import ReportConfig
 from unirl_core.types import SampleBatch
@@ -73,14 +77,30 @@ def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | Non
         for note in preflight(cfg):
             say(f"preflight: {note}", show)
     try:
-        say(f"run {cfg.name}: opening it (resume_from={resume_from!r}{f', fork_as={fork_as!r}' if fork_as else ''}"
-            f"; an empty run builds model {_model_name(cfg)} for its step-0 version) ...", show)
-        ckpt = init_run(cfg, resume_from=resume_from, fork_as=fork_as)
-        return _run_steps(resume.forked_config(cfg, fork_as), ckpt, on_step, show)
+        # one writer per run: rank 0 holds the run's lease (the forked run's, when forking) until the run ends
+        with (run_lease(resume.forked_config(cfg, fork_as)).kept() if os.environ.get("RANK", "0") == "0"
+              else contextlib.nullcontext()) as lease:
+            say(f"run {cfg.name}: opening it (resume_from={resume_from!r}"
+                f"{f', fork_as={fork_as!r}' if fork_as else ''}; an empty run builds model {_model_name(cfg)} for "
+                "its step-0 version) ...", show)
+            ckpt = init_run(cfg, resume_from=resume_from, fork_as=fork_as)
+            return _run_steps(resume.forked_config(cfg, fork_as), ckpt, _checking_lease(on_step, lease), show)
     except KeyboardInterrupt:
         resume.tell(resume.interrupted_message(resume.forked_config(cfg, fork_as),
                                                resume.library_resume_command(cfg, resume_from, fork_as)))
         raise
+
+
+def _checking_lease(on_step: StepCallback | None, lease: RunLease | None) -> StepCallback | None:
+    """``on_step`` preceded by the lease's check: a run whose lease was taken over stops after the step."""
+    if lease is None:
+        return on_step
+
+    def checked(metrics: dict, batch: SampleBatch) -> None:
+        lease.check()
+        if on_step is not None:
+            on_step(metrics, batch)
+    return checked
 
 
 def say(message: str, show: bool) -> None:
@@ -93,8 +113,8 @@ def say(message: str, show: bool) -> None:
 def open_sinks(report: ReportConfig, run_uri: str, name: str, *, storage_options: dict,
                run_config: dict) -> MetricSinks:
     """The per-step metric sinks ``report`` asks for: TensorBoard scalars under ``<run_uri>/tensorboard``, a W&B
-    run (id: the run name, so a resumed run continues it)."""
-    tb = wb = None
+    run (id: the run name, so a resumed run continues it), an MLflow run (tagged with the run name, likewise)."""
+    tb = wb = ml = None
     if report.tensorboard:
         tb = ScalarLog(run_uri, storage_options=storage_options)
         log.info("TensorBoard scalars: tensorboard --logdir %s", tb.uri)
@@ -105,8 +125,15 @@ def open_sinks(report: ReportConfig, run_uri: str, name: str, *, storage_options
             if tb is not None:
                 tb.close()
             raise
-        log.info("W&B run %s (%s)", wb.run_id, wb.url or report.wandb.mode)
-    return MetricSinks(tb, wb)
+        log.info("W&B run %s (%s)", wb.run_id, wb.url or wb.mode)
+    if report.mlflow is not None:
+        try:
+            ml = MlflowLog(report.mlflow, name, run_config=run_config)
+        except BaseException:
+            MetricSinks(tb, wb).close()
+            raise
+        log.info("MLflow run %s (experiment %s)", ml.run_id, ml.experiment_id)
+    return MetricSinks(tb, wb, ml)
 
 
 def timed(times: dict[str, float], metrics: dict, name: str, phase: Callable, *args, **kwargs):

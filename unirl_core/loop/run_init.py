@@ -13,6 +13,7 @@ import os
 import torch
 
 from unirl_core.checkpoint import CheckpointRef, load_checkpoint, save_train_checkpoint
+from unirl_core.checkpoint.lease import RunLease
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, field_error
@@ -85,6 +86,13 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None
     del backend, fresh
     gc.collect()
     return ref
+
+
+def run_lease(cfg: RunConfig) -> RunLease:
+    """The single-writer lease of run ``cfg.name`` (``checkpoint.lease``): ``run_local`` keeps it for the whole run,
+    the Flyte init task takes it and each publish task renews it (``unirl_core/checkpoint/lease.py``)."""
+    return RunLease(cfg.checkpoint.root, cfg.name, cfg.checkpoint.lease,
+                    storage_options=cfg.checkpoint.storage_options)
 
 
 def _resume_point(cfg: RunConfig, resume_from: str, *, forking: bool = False) -> CheckpointRef | None:

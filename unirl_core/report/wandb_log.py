@@ -6,7 +6,9 @@ W&B run whichever pod wrote them. The run id is ``report.wandb.run_id`` or, by d
 (``RunConfig.name``; a resumed run continues its W&B run, a ``fork_as`` fork gets its own). The Flyte
 execution is linked both ways: the report task puts the execution URL (``FLYTE_EXECUTION_URL``, set by
 Flyte in task pods) into the run's notes and the execution name into ``config.flyte_execution``, and logs the
-W&B run URL in its progress log. ``mode: offline`` writes the run under ``dir`` (one ``writer-*`` folder per writer) for
+W&B run URL in its progress log. Unset fields follow the environment (``WANDB_PROJECT``, ``WANDB_MODE``, ...):
+``WANDB_MODE=offline`` runs a recipe without an API key unless the recipe itself says ``mode: online``.
+``mode: offline`` writes the run under ``dir`` (one ``writer-*`` folder per writer) for
 ``wandb sync <dir>/writer-*/wandb/offline-run-*`` later (no network, no account);
 ``online`` needs ``WANDB_API_KEY`` in the environment (a pod's: ``pyflyte run --envvars WANDB_API_KEY=...`` or
 a Kubernetes secret mounted as that variable). A run without ``report.wandb`` never imports wandb.
@@ -34,31 +36,54 @@ SKIPPED = ("step",)
 
 @dataclass(frozen=True, kw_only=True)
 class WandbConfig:
-    """``report.wandb``: where the run's metrics go in W&B."""
+    """``report.wandb``: where the run's metrics go in W&B. A field left unset follows W&B's environment variable
+    (``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE``, ``WANDB_RUN_GROUP``, ``WANDB_DIR``; wandb's own default
+    when that is unset too); a value set in the recipe wins over the environment."""
 
-    project: str
-    """W&B project (required)."""
+    project: str | None = None
+    """W&B project; None: ``WANDB_PROJECT`` (one of the two is required when the run opens W&B)."""
     entity: str | None = None
-    """Team or user; None: the API key's default entity."""
-    mode: WandbMode = "online"
-    """``online`` (needs ``WANDB_API_KEY``) or ``offline`` (files under ``dir``; ``wandb sync`` uploads later)."""
+    """Team or user; None: ``WANDB_ENTITY``, else the API key's default entity."""
+    mode: WandbMode | None = None
+    """``online`` (needs ``WANDB_API_KEY``) or ``offline`` (files under ``dir``; ``wandb sync`` uploads later);
+    None: ``WANDB_MODE``, else online. A cluster recipe leaves it unset, so ``WANDB_MODE=offline`` in the pods'
+    environment runs it without an API key."""
     run_id: str | None = None
     """W&B run id; None: the run name. Letters, digits, ``-``, ``_``, ``.`` only (W&B's rule)."""
     group: str | None = None
-    """W&B group (e.g. a sweep); None: none."""
+    """W&B group (e.g. a sweep); None: ``WANDB_RUN_GROUP``, else none."""
     dir: str | None = None
-    """Local folder for W&B's files (``WANDB_DIR``); None: wandb's default (``./wandb``)."""
+    """Local folder for W&B's files; None: ``WANDB_DIR``, else wandb's default (``./wandb``)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.project, str) or not self.project.strip():
+        if self.project is not None and (not isinstance(self.project, str) or not self.project.strip()):
             raise field_error(ConfigError, "report.wandb.project", self.project, "a W&B project name",
-                              "set report.wandb.project, or remove report.wandb to log nowhere")
-        if self.mode not in ("online", "offline"):
+                              "set report.wandb.project (or WANDB_PROJECT), or remove report.wandb to log nowhere")
+        if self.mode is not None and self.mode not in ("online", "offline"):
             raise field_error(ConfigError, "report.wandb.mode", self.mode, "'online' or 'offline'",
-                              "use offline to write files for `wandb sync` without network")
+                              "use offline to write files for `wandb sync` without network (or leave it unset: "
+                              "WANDB_MODE decides)")
         if self.run_id is not None and not _valid_id(self.run_id):
             raise field_error(ConfigError, "report.wandb.run_id", self.run_id,
                               "letters, digits, '-', '_' or '.'", "e.g. my-run-1, or leave it unset")
+
+    def resolved(self, env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+        """project, entity, mode, group and dir as this process opens the run: the recipe's value, else the
+        environment's (``env``, default ``os.environ``). Raises naming ``report.wandb.project`` without either."""
+        env = os.environ if env is None else env
+        out = {name: getattr(self, name) if getattr(self, name) is not None else env.get(var) or None
+               for name, var in ENVIRONMENT.items()}
+        if out["project"] is None:
+            raise field_error(ConfigError, "report.wandb.project", None, "a W&B project name (the recipe's, or "
+                              "WANDB_PROJECT in the environment)", "set report.wandb.project or export "
+                              "WANDB_PROJECT=<project>, or remove report.wandb to log nowhere")
+        out["mode"] = out["mode"] or "online"
+        return out
+
+
+ENVIRONMENT = {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "mode": "WANDB_MODE", "group": "WANDB_RUN_GROUP",
+               "dir": "WANDB_DIR"}
+"""The W&B variable each unset ``WandbConfig`` field follows."""
 
 
 def _valid_id(s: str) -> bool:
@@ -86,18 +111,19 @@ class WandbLog:
         config = dict(run_config or {})
         if execution:
             config["flyte_execution"] = execution
-        folder = cfg.dir
-        if cfg.mode == "offline":
+        settings = cfg.resolved()
+        folder = settings["dir"]
+        if settings["mode"] in ("offline", "dryrun"):
             # wandb names an offline run's folder by the second it started and the run id, so two writers of one
             # run within a second (local Flyte report tasks) would share - and clobber - one file: each writer
             # gets its own folder; `wandb sync <dir>/writer-*/wandb/offline-run-*` uploads them all as one run.
-            folder = os.path.join(cfg.dir or ".", f"writer-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
+            folder = os.path.join(settings["dir"] or ".", f"writer-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
         if folder:
             os.makedirs(folder, exist_ok=True)
-        self.run = wandb.init(project=cfg.project, entity=cfg.entity, id=run_id, name=run_name, group=cfg.group,
-                              mode=cfg.mode, dir=folder, resume="allow", notes=notes, config=config,
+        self.run = wandb.init(project=settings["project"], entity=settings["entity"], id=run_id, name=run_name,
+                              group=settings["group"], mode=settings["mode"], dir=folder, resume="allow", notes=notes, config=config,
                               settings=wandb.Settings(silent=True, console="off", save_code=False))
-        self.run_id = run_id
+        self.run_id, self.mode = run_id, settings["mode"]
 
     @property
     def url(self) -> str | None:

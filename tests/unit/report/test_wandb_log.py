@@ -116,8 +116,7 @@ def test_report_task_writer_resumes_the_run_id_and_links_the_execution(tmp_path,
 
 
 def test_bad_wandb_config_names_the_field():
-    for over, field in ((["report.wandb.mode=offline"], "report.wandb.project"),
-                        (["report.wandb.project=p", "report.wandb.mode=cloud"], "report.wandb.mode"),
+    for over, field in ((["report.wandb.project=p", "report.wandb.mode=cloud"], "report.wandb.mode"),
                         (["report.wandb.project=p", "report.wandb.run_id=a/b"], "report.wandb.run_id")):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_recipe("tiny-grpo", over)
@@ -130,3 +129,37 @@ def test_no_wandb_section_never_imports_wandb(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_unset_fields_follow_the_environment_and_the_recipe_wins():
+    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "env-project", "WANDB_ENTITY": "team", "WANDB_DIR": "/w"}
+    cfg = load_recipe("tiny-grpo", ["report.wandb={}"]).report.wandb
+    assert cfg.resolved(env) == {"project": "env-project", "entity": "team", "mode": "offline", "group": None,
+                                 "dir": "/w"}
+    explicit = load_recipe("tiny-grpo", ["report.wandb={project: p, mode: online}"]).report.wandb
+    assert explicit.resolved(env)["mode"] == "online" and explicit.resolved(env)["project"] == "p"
+    assert explicit.resolved({})["mode"] == "online"  # neither: wandb's default
+    with pytest.raises(ConfigError, match=r"report\.wandb\.project.*WANDB_PROJECT"):
+        cfg.resolved({"WANDB_MODE": "offline"})
+
+
+@pytest.mark.slow
+def test_wandb_mode_offline_in_the_environment_runs_without_an_api_key(tmp_path, monkeypatch):
+    """The issue's failure: a recipe with report.wandb but no mode, a pod with WANDB_MODE=offline and no API key.
+    wandb writes an offline run (no network) under WANDB_DIR, in WANDB_PROJECT."""
+    from tasks.report import write_wandb
+
+    for k in ("WANDB_API_KEY", "WANDB_ENTITY", "WANDB_RUN_GROUP"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    cfg = load_recipe("tiny-grpo", [f"checkpoint.root={tmp_path / 'ckpt'}", "report.wandb={run_id: env-run}"])
+    assert cfg.report.wandb.mode is None and cfg.report.wandb.project is None
+    assert write_wandb(cfg, 1, {"reward/mean": 0.25}) is None  # offline: no URL
+    logged = _history(tmp_path, "env-run")
+    assert logged[1]["reward/mean"] == pytest.approx(0.25)
+    files = glob.glob(str(tmp_path / "writer-*" / "wandb" / "offline-run-*-env-run" / "*.wandb"))
+    runs = [r for f in files for r in _finished_records(f) if r.WhichOneof("record_type") == "run"]
+    assert runs and all(r.run.project == "from-env" for r in runs)

@@ -325,7 +325,7 @@ class TrainerActor(_Actor):
         ref, extra, out = steps.train_and_save(
             cfg, self.backend, for_training(SampleBatch.concat(list(shards)), scored), ckpt, hold=hold,
             wait=self._writer.wait, writer=self._writer if background or cfg.pool.trainer_ranks == 1 else None,
-            background=background, full_state=full_now and ck.full_state == "file")
+            background=background, full_state=full_now and ck.full_state == "file", memory=self._writer.memory)
         t0 = time.perf_counter()  # the sharded full state's start (last step: its whole write)
         if full_now and ck.full_state == "sharded":
             self._write_sharded(last=step >= cfg.loop.total_steps)

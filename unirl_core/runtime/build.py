@@ -25,6 +25,7 @@ from torch import Tensor
 
 from unirl_core.algorithms.registry import build_algorithm
 from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_weights
+from unirl_core.checkpoint.delta import version_encoding
 from unirl_core.config.loader import config_key
 from unirl_core.config.run import RunConfig
 from unirl_core.data.prompts import PromptDataset, check_prompts_per_step, load_prompts
@@ -86,7 +87,8 @@ def store(cfg: RunConfig) -> CheckpointStore:
     a lagged rollout may load (version ``step - 1 - lag``)."""
     c = cfg.checkpoint
     return CheckpointStore(c.root, cfg.name, keep_last=max(c.keep_last, cfg.async_training.max_policy_lag + 1),
-                           keep_every=c.keep_every, storage_options=c.storage_options)
+                           keep_every=c.keep_every, storage_options=c.storage_options,
+                           encoding=version_encoding(c.weights_encoding, anchor_every=c.anchor_every))
 
 
 def reward_service(cfg: RunConfig) -> RewardService:

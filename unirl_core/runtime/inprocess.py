@@ -133,7 +133,8 @@ class InProcessExecutor:
 
         ref, extra, out = train_and_save(cfg, backend, batch, ckpt, hold=hold, wait=self.finish_writes, writer=writer,
                                          background=writer is not None,
-                                         full_state=cfg.checkpoint.full_state_at(step, cfg.loop.total_steps))
+                                         full_state=cfg.checkpoint.full_state_at(step, cfg.loop.total_steps),
+                                         memory=self.writer.memory)
         files = None if writer else load_manifest(ref, storage_options=cfg.checkpoint.storage_options).files
         self.resident.update(backend=backend, version=(ref.uri, ref.step, ref.policy_version), files=files,
                              extra=dict(extra))

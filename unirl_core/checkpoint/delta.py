@@ -195,11 +195,9 @@ def version_encoding(name: Literal["full", "delta"], *, anchor_every: int = 8) -
                       "use 'full' (every version in full) or 'delta'")
 
 
-def apply_delta(blob: bytearray | bytes, size: int, base: dict[str, Tensor], where: str) -> dict[str, Tensor]:
-    """The weights of a delta version: ``blob`` (its verified ``model.xor.zst``) decompressed into one buffer of
-    ``size`` bytes and XOR-ed with ``base`` (the base version's tensors, cast to each delta tensor's dtype: the
-    rounding the writer XOR-ed against). Raises CheckpointError naming ``where`` when the file does not decode or
-    does not fit ``base``."""
+def decode_delta(blob: bytearray | bytes, size: int, where: str) -> dict[str, Tensor]:
+    """The XOR patterns of a delta version's file (``blob``, verified), decompressed into one buffer of ``size``
+    bytes, as tensors of the version's dtypes. Raises CheckpointError naming ``where`` when it does not decode."""
     buf = bytearray(size)
     try:
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)) as reader:
@@ -215,7 +213,14 @@ def apply_delta(blob: bytearray | bytes, size: int, base: dict[str, Tensor], whe
     except (zstandard.ZstdError, ValueError) as e:
         raise field_error(CheckpointError, where, f"{type(e).__name__}: {e}", "a zstd stream of the delta",
                           "the delta is damaged; restore it or read another version") from e
-    xors = tensorfile.decode(buf, where)
+    return tensorfile.decode(buf, where)
+
+
+def apply_delta(blob: bytearray | bytes, size: int, base: dict[str, Tensor], where: str) -> dict[str, Tensor]:
+    """The weights of a delta version: its file's XOR patterns (``decode_delta``) XOR-ed with ``base`` (the base
+    version's tensors, cast to each delta tensor's dtype: the rounding the writer XOR-ed against). Raises
+    CheckpointError naming ``where`` when the file does not decode or does not fit ``base``."""
+    xors = decode_delta(blob, size, where)
     if set(xors) != set(base) or any(xors[k].shape != base[k].shape for k in xors):
         raise field_error(CheckpointError, where, sorted(set(xors) ^ set(base))[:5] or "other shapes",
                           "the base version's tensor names and shapes", "the chain is inconsistent; read another version")
@@ -228,8 +233,9 @@ def apply_delta(blob: bytearray | bytes, size: int, base: dict[str, Tensor], whe
 
 
 def weights_digest(weights: dict[str, Tensor]) -> str:
-    """sha256 of ``weights`` as the store's safetensors encoding (a full version's ``model.safetensors``)."""
-    header, ordered = tensorfile.encode(weights, {"format": "pt"})
+    """sha256 of ``weights`` as the store's safetensors encoding (a full version's ``model.safetensors``); device
+    tensors are copied to the host."""
+    header, ordered = tensorfile.encode({k: v.detach() for k, v in weights.items()}, {"format": "pt"})
     h = hashlib.sha256()
     for piece in tensorfile.chunks(header, ordered):
         h.update(piece)

@@ -89,3 +89,25 @@ def test_delta_versions_train_and_resume_bitwise_as_full_versions(tmp_path):
     va = _versions(again)
     assert va.keys() == vf.keys() and all(_same(vf[s], va[s]) for s in vf)
     assert _chains(again) == {0: [], 1: [], 2: [1], 3: [], 4: [], 5: [4], 6: [], 7: []}  # a fresh writer: 4 anchors
+
+
+@pytest.mark.slow
+def test_lagged_rollouts_fed_deltas_sample_bitwise_as_fed_full_versions(tmp_path):
+    """Lag 1: each rollout loads version ``step - 2`` into the process's rollout bundle from the store. With delta
+    versions a bundle holding the delta's base gets the delta alone (checked against the version's digest); the
+    rollouts, and so the whole run, are bitwise the full-version run's."""
+    torch.set_num_threads(1)
+    lag = ("async_training.max_policy_lag=1",)
+    full = _cfg(tmp_path / "full", 7, *lag)
+    delta = _cfg(tmp_path / "delta", 7, *lag, "checkpoint.weights_encoding=delta", "checkpoint.anchor_every=8")
+    _fresh_process()
+    hf = run_local(full)
+    _fresh_process()
+    hd = run_local(delta)
+    for a, b in zip(hf, hd, strict=True):
+        assert [a[k] for k in KEYS] == [b[k] for k in KEYS]
+    fed = [m.get("rollout/weights_delta", 0.0) for m in hd]
+    assert not any("rollout/weights_delta" in m for m in hf)
+    # step n samples version n - 2: versions 2, 4, 5 are deltas of 1, 3, 4, which the bundle then holds (0, 1 and
+    # 3 are full versions: read in full)
+    assert fed == [0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0]

@@ -95,6 +95,8 @@ class VersionEncoding(Protocol):
     """How a version's weights are written (``checkpoint.weights_encoding``)."""
 
     name: str
+    deltas: bool
+    """Versions may be deltas: publication tries them first (engines at the base get the delta alone)."""
 
     def encode(self, weights: dict[str, Tensor], *, full_state: bool, memory: WeightsMemory | None,
                base: Base | None, weights_file: str) -> EncodedWeights: ...
@@ -117,6 +119,7 @@ class FullVersions:
     """Every version's weights in full (``model.safetensors``)."""
 
     name = "full"
+    deltas = False
 
     def encode(self, weights: dict[str, Tensor], *, full_state: bool, memory: WeightsMemory | None,
                base: Base | None, weights_file: str) -> EncodedWeights:
@@ -128,6 +131,7 @@ class DeltaVersions:
     ``anchor_every`` versions and whenever the full resumable state is written."""
 
     name = "delta"
+    deltas = True
 
     def __init__(self, anchor_every: int = 8, *, level: int = ZSTD_LEVEL, threads: int = 0) -> None:
         if not (isinstance(anchor_every, int) and anchor_every >= 1):

@@ -132,10 +132,8 @@ def load_policy_weights(policy, ref: CheckpointRef, cfg: RunConfig, *, ema: bool
         raise field_error(ConfigError, "train.ema_decay", None, "a decay, to sample with EMA weights",
                           "set train.ema_decay (e.g. 0.95) so checkpoints carry EMA weights")
     opts = cfg.checkpoint.storage_options
-    if not ema:
-        manifest, blob = read_delta(ref, storage_options=opts)
-        if blob is not None and _apply_delta(policy.module, manifest, blob, where=ref.uri):
-            return True
+    if not ema and apply_version_delta(policy, ref, cfg):
+        return True
     weights: dict[str, Tensor] = load_weights(ref, storage_options=opts, ema=ema)
     apply_policy_weights(policy, weights, where=ref.uri)
     if not ema:
@@ -158,6 +156,28 @@ def held_weights(module) -> str | None:
 def forget_held_weights(module) -> None:
     """``module``'s weights are being changed by someone else than ``load_policy_weights`` (an in-pool publish)."""
     _HELD.pop(module, None)
+
+
+def apply_version_delta(policy, ref: CheckpointRef, cfg: RunConfig, *, held: str | None = None) -> bool:
+    """Bring the bundle's module to version ``ref`` with the version's delta alone, when ``ref`` is a delta version
+    whose base the module holds (``held``: that base's digest, when the caller knows the module holds it - an engine
+    that received it in-pool; else what ``load_policy_weights`` recorded). True once the result matched the
+    version's digest; False leaves the module as it was, or (a digest mismatch) holding no version."""
+    manifest, blob = read_delta(ref, storage_options=cfg.checkpoint.storage_options)
+    if blob is None:
+        return False
+    if held is not None:
+        _HELD[policy.module] = held
+    return _apply_delta(policy.module, manifest, blob, where=ref.uri)
+
+
+def version_digest(ref: CheckpointRef, cfg: RunConfig) -> str | None:
+    """The weights digest of version ``ref`` (only its URI counts) from its manifest; None while the version is
+    not (yet) complete."""
+    try:
+        return load_manifest(ref, storage_options=cfg.checkpoint.storage_options).weights_sha256(WEIGHTS)
+    except (CheckpointError, FileNotFoundError):
+        return None
 
 
 def _apply_delta(module, manifest, blob: bytearray, *, where: str) -> bool:

@@ -34,7 +34,7 @@ from unirl_core.errors import CheckpointError, ConfigError, field_error
 DELTA_FILE = "model.xor.zst"
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 4 << 20  # elements XOR-ed and compressed at a time (bounded scratch memory)
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1  # on a mostly-zero XOR level 3 is ~1.3x slower for <1% fewer bytes (measured on a 120 MB delta)
 
 
 def bits(t: Tensor) -> Tensor:

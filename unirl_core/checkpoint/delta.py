@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -133,11 +134,14 @@ class DeltaVersions:
     name = "delta"
     deltas = True
 
-    def __init__(self, anchor_every: int = 8, *, level: int = ZSTD_LEVEL, threads: int = 0) -> None:
+    def __init__(self, anchor_every: int = 8, *, level: int = ZSTD_LEVEL, threads: int | None = None) -> None:
         if not (isinstance(anchor_every, int) and anchor_every >= 1):
             raise field_error(ConfigError, "checkpoint.anchor_every", anchor_every, "an integer >= 1",
                               "e.g. 8: a full version, then up to 7 deltas (1 writes every version in full)")
-        self.anchor_every, self.level, self.threads = anchor_every, level, threads
+        self.anchor_every, self.level = anchor_every, level
+        # zstd workers beside the thread that XORs (which the writer runs beside training): a quarter of the cores,
+        # at most 4 (0: compress on the calling thread)
+        self.threads = min(4, max(1, (os.cpu_count() or 4) // 4)) if threads is None else threads
 
     def encode(self, weights: dict[str, Tensor], *, full_state: bool, memory: WeightsMemory | None,
                base: Base | None, weights_file: str) -> EncodedWeights:
@@ -157,6 +161,7 @@ class DeltaVersions:
 
         def pieces() -> Iterator[Piece]:
             compressor = zstandard.ZstdCompressor(level=self.level, threads=self.threads).compressobj()
+            scratch: dict[torch.dtype, Tensor] = {}  # one XOR buffer per width, reused (zstd copies its input)
             canonical.feed(memoryview(header))
             yield compressor.compress(header)
             for name, t in zip(names, ordered):
@@ -165,12 +170,14 @@ class DeltaVersions:
                 for view in tensorfile.chunks(b"", [t]):
                     if len(view):
                         canonical.feed(view)
+                if new_bits.dtype not in scratch:
+                    scratch[new_bits.dtype] = torch.empty(_CHUNK, dtype=new_bits.dtype)
                 for lo in range(0, new_bits.numel(), _CHUNK):
                     hi = min(lo + _CHUNK, new_bits.numel())
                     prev = flat_old[lo:hi]
                     if prev.dtype != t.dtype:
                         prev = prev.to(t.dtype)
-                    xor = torch.bitwise_xor(new_bits[lo:hi], bits(prev))
+                    xor = torch.bitwise_xor(new_bits[lo:hi], bits(prev), out=scratch[new_bits.dtype][:hi - lo])
                     out = compressor.compress(tensorfile.as_bytes(xor))
                     if out:
                         yield out

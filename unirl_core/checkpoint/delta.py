@@ -71,18 +71,17 @@ class WeightsMemory:
 
 @dataclass(frozen=True, kw_only=True)
 class Base:
-    """The version a delta is taken against: step, its weights digest and the chain its own read needs."""
+    """The version a delta is taken against (its tensors: the writer's ``WeightsMemory``): step, its weights digest
+    and the chain its own read needs."""
 
     step: int
     sha256: str
     chain: tuple[int, ...]
-    tensors: dict[str, Tensor]
 
 
 class EncodedWeights:
-    """A version's weights as one payload file (``name``, ``pieces``: streamed once); after the pieces were
-    consumed, ``delta`` is the manifest's record of a delta version (None for a full one) and ``sha256`` the digest
-    of the weights' safetensors encoding. ``keeps``: the pieces leave the version in the writer's memory."""
+    """A version's weights as one payload file (``name``, ``pieces``: streamed once; ``record`` once they were
+    written). ``keeps``: consuming the pieces leaves the version in the writer's memory."""
 
     def __init__(self, name: str, pieces: Iterator[Piece], finish, *, keeps: bool) -> None:
         self.name, self.pieces, self._finish, self.keeps = name, pieces, finish, keeps
@@ -110,6 +109,8 @@ def _full(weights: dict[str, Tensor], weights_file: str, memory: WeightsMemory |
     def pieces() -> Iterator[Piece]:
         yield from tensorfile.chunks(header, ordered)
         if memory is not None:  # after every piece was handed out: the writer's hash may still read them
+            for name in set(memory.tensors) - set(names):
+                del memory.tensors[name]
             for name, t in zip(names, ordered):
                 memory.keep(name, t)
 

@@ -164,7 +164,7 @@ class CheckpointStore:
         m = self._read_manifest(self._version(base_step))
         if m is None or m.step != base_step or m.weights_sha256(WEIGHTS) != sha:
             return None
-        return Base(step=base_step, sha256=sha, chain=chain, tensors=memory.tensors)
+        return Base(step=base_step, sha256=sha, chain=chain)
 
     def publish(self, ref: CheckpointRef, *, retention: bool = True) -> None:
         """Point ``LATEST`` at ``ref`` (atomically), then apply retention (``retention=False``: the caller runs

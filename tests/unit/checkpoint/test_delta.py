@@ -189,3 +189,15 @@ def test_anchor_every_is_checked():
         CheckpointConfig(weights_encoding="delta", anchor_every=0)
     with pytest.raises(ConfigError, match=r"checkpoint\.anchor_every"):
         DeltaVersions(anchor_every=0)
+
+
+def test_a_full_version_with_other_names_resets_the_memory(tmp_path):
+    store = CheckpointStore(str(tmp_path), "r", keep_last=100, encoding=DeltaVersions(8))
+    memory = WeightsMemory()
+    ws = [bf16(w) for w in trained(4)]
+    store.save(1, weights=ws[0], policy_version=1, memory=memory)
+    fewer = [{k: v for k, v in w.items() if k != "emb"} for w in ws]
+    store.save(2, weights=fewer[1], policy_version=2, memory=memory)  # other names: a full version
+    store.save(3, weights=fewer[2], policy_version=3, memory=memory)  # a delta of 2 (the memory forgot 'emb')
+    assert [load_manifest(r).chain for r in store.versions()] == [[], [], [2]]
+    assert same_bits(load_weights(store.versions()[-1]), fewer[2]) and set(memory.tensors) == set(fewer[2])

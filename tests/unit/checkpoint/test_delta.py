@@ -201,3 +201,20 @@ def test_a_full_version_with_other_names_resets_the_memory(tmp_path):
     store.save(3, weights=fewer[2], policy_version=3, memory=memory)  # a delta of 2 (the memory forgot 'emb')
     assert [load_manifest(r).chain for r in store.versions()] == [[], [], [2]]
     assert same_bits(load_weights(store.versions()[-1]), fewer[2]) and set(memory.tensors) == set(fewer[2])
+
+
+def test_a_damaged_delta_record_makes_the_version_invisible_and_names_the_manifest(tmp_path):
+    store = CheckpointStore(str(tmp_path), "r", keep_last=100, encoding=DeltaVersions(8))
+    write_run(store, 2, every_full=100)
+    ref = store.versions()[-1]
+    path = tmp_path / "r" / "step-00000002" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["delta"]["chain"] = "1"
+    path.write_text(json.dumps(manifest))
+    assert [r.step for r in store.versions()] == [1] and store.latest().step == 1
+    with pytest.raises(CheckpointError, match=r"step-00000002/manifest\.json: delta"):
+        load_weights(ref)
+    manifest["schema_version"] = 3
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"schema_version=3: expected one of \(1, 2\)"):
+        load_weights(ref)

@@ -199,6 +199,11 @@ class CheckpointConfig:
         if not (isinstance(self.anchor_every, int) and self.anchor_every >= 1):
             raise field_error(ConfigError, "checkpoint.anchor_every", self.anchor_every, "an integer >= 1",
                               "e.g. 8: a full version, then up to 7 deltas (1 writes every version in full)")
+        if self.weights_encoding == "delta" and self.every_n_steps == 1 and self.full_state == "file":
+            raise field_error(ConfigError, "checkpoint.weights_encoding", "delta", "'full' while every version holds "
+                              "the full state (checkpoint.every_n_steps=1, full_state='file'): a delta is only "
+                              "written between full states", "set checkpoint.every_n_steps > 1 (or full_state: "
+                              "sharded in pool mode), or weights_encoding: full")
 
     def full_state_at(self, step: int, total_steps: int) -> bool:
         """Whether version ``step`` holds the full resumable state: every ``every_n_steps``-th and the last."""

@@ -189,6 +189,10 @@ def test_anchor_every_is_checked():
         CheckpointConfig(weights_encoding="delta", anchor_every=0)
     with pytest.raises(ConfigError, match=r"checkpoint\.anchor_every"):
         DeltaVersions(anchor_every=0)
+    with pytest.raises(ConfigError, match=r"checkpoint\.weights_encoding='delta'.*every_n_steps > 1"):
+        CheckpointConfig(weights_encoding="delta")  # every version holds the full state: no delta is ever written
+    assert CheckpointConfig(weights_encoding="delta", every_n_steps=4).anchor_every == 8
+    assert CheckpointConfig(weights_encoding="delta", full_state="sharded").weights_encoding == "delta"
 
 
 def test_a_full_version_with_other_names_resets_the_memory(tmp_path):

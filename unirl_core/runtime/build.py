@@ -163,12 +163,16 @@ def apply_version_delta(policy, ref: CheckpointRef, cfg: RunConfig, *, held: str
     whose base the module holds (``held``: that base's digest, when the caller knows the module holds it - an engine
     that received it in-pool; else what ``load_policy_weights`` recorded). True once the result matched the
     version's digest; False leaves the module as it was, or (a digest mismatch) holding no version."""
-    manifest, blob = read_delta(ref, storage_options=cfg.checkpoint.storage_options)
-    if blob is None:
+    opts = cfg.checkpoint.storage_options
+    manifest = load_manifest(ref, storage_options=opts)
+    if manifest.delta is None:
         return False
     if held is not None:
         _HELD[policy.module] = held
-    return _apply_delta(policy.module, manifest, blob, where=ref.uri)
+    if _HELD.get(policy.module) != manifest.delta["base_sha256"]:
+        return False  # not at the base: the delta file is not read
+    manifest, blob = read_delta(ref, storage_options=opts)
+    return blob is not None and _apply_delta(policy.module, manifest, blob, where=ref.uri)
 
 
 def version_digest(ref: CheckpointRef, cfg: RunConfig) -> str | None:

@@ -13,6 +13,7 @@
 #   RESULTS=out bash benchmarks/gpu_suite.sh graphs-math  # the same at the qwen3-math shape, loop + TRL in one call (~6.5 min)
 #   RESULTS=out bash benchmarks/gpu_suite.sh rollout-cfg  # SD3.5-M rollout with cfg_batch joint vs split (~3 min)
 #   RESULTS=out bash benchmarks/gpu_suite.sh flowstep   # Flow-GRPO step vs the reference loop, cfg_batch joint + split
+#   RESULTS=out bash benchmarks/gpu_suite.sh delta      # full vs delta weights-only versions, Qwen3-0.6B full FT shape
 #
 # Needs torch with CUDA, diffusers, transformers, peft (and trl for the TRL side, ray for the pool) importable.
 # LIMIT (seconds, default 540) bounds each part. Two-GPU hosts: NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -89,6 +90,12 @@ case "$PART" in
       CUDA_VISIBLE_DEVICES=0 bench rollcfg "diffusion_rollout" python3 benchmarks/bench_diffusion_rollout.py \
         --preset sd35m --device cuda --sizes 8 --cfg-batch "$mode"
     done ;;
+  delta)
+    # bytes per version, write and publish time of full vs delta versions (checkpoint.weights_encoding), on the disk
+    root="$(mktemp -d)"
+    CUDA_VISIBLE_DEVICES=0 bench delta "delta_versions" python3 benchmarks/bench_delta_versions.py \
+      --shape qwen3-0.6b --device cuda --steps 6 --root "$root" "$@"
+    rm -rf "$root" ;;
   flowstep)
     CUDA_VISIBLE_DEVICES=0 bench flowstep "flow_grpo_step" python3 benchmarks/bench_flow_grpo_step.py "$@" ;;
   step-cost)
@@ -98,6 +105,6 @@ case "$PART" in
       --preset sd35m-lora sd35m-full qwen3-0.6b "$@"
     rm -rf "$root" ;;
   *)
-    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost|graphs|graphs-math|flowstep|rollout-cfg [args]" >&2; exit 2 ;;
+    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost|graphs|graphs-math|flowstep|rollout-cfg|delta [args]" >&2; exit 2 ;;
 esac
 ls -la "$RESULTS"

@@ -320,3 +320,29 @@ def test_flyte_workflow_in_pool_mode_two_engines_separate(tmp_path):
     assert _same_weights(_weights(tmp_path / "pool", name, 2), _weights(tmp_path / "pods", name, 2))
     metrics = json.loads((tmp_path / "pool" / name / "report" / "step-00000002" / "metrics.json").read_text())
     assert metrics["metrics"]["reward/mean"] == ref[1]["reward/mean"]
+
+
+@pytest.mark.time_limit(240)
+def test_engines_fed_deltas_sample_bitwise_as_engines_fed_full_weights(tmp_path):
+    """``checkpoint.weights_encoding: delta`` (bf16 weights, fp32 masters, a full state every 3 steps): an engine
+    serving a delta's base takes the delta alone from the store, checked against the version's digest; the
+    rewards (its rollouts) and every version's weights are bitwise the full-version pool run's."""
+    from unirl_core.checkpoint import load_manifest, load_weights
+    from unirl_core.checkpoint.delta import bits
+
+    steps = 5
+    common = [*POOL, "pool.publish=object_store", "lm.model.dtype=bfloat16", "train.master_weights=fp32",
+              "train.lr=1e-3", "checkpoint.every_n_steps=3", "checkpoint.keep_last=10"]
+    full = run_local(_cfg("tiny-grpo", tmp_path / "full", steps, *common))
+    delta = run_local(_cfg("tiny-grpo", tmp_path / "delta", steps, *common, "checkpoint.weights_encoding=delta"))
+    assert [h["reward/mean"] for h in delta] == [h["reward/mean"] for h in full]
+    assert [h["train/loss"] for h in delta] == [h["train/loss"] for h in full]
+    stores = {k: CheckpointStore(str(tmp_path / k), "tiny-grpo") for k in ("full", "delta")}
+    chains = {r.step: load_manifest(r).chain for r in stores["delta"].versions()}
+    assert chains == {0: [], 1: [], 2: [1], 3: [], 4: [3], 5: []}
+    for a, b in zip(stores["full"].versions(), stores["delta"].versions(), strict=True):
+        wa, wb = load_weights(a), load_weights(b)
+        assert wa.keys() == wb.keys() and all(torch.equal(bits(wa[k]), bits(wb[k])) for k in wa)
+    # versions 2 and 4 are deltas of 1 and 3, which the engine serves when they are published
+    assert [h.get("pool/engines_fed_delta", 0.0) for h in delta] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert all(h["pool/engines_serving"] == 1.0 for h in delta)

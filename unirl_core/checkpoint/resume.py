@@ -7,6 +7,7 @@ import logging
 
 import torch.distributed as dist
 
+from unirl_core.checkpoint.delta import WeightsMemory
 from unirl_core.checkpoint.ref import CheckpointRef
 from unirl_core.checkpoint.store import (
     CheckpointStore,
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 def save_train_checkpoint(store: CheckpointStore, backend: TrainState, *, config: object | None = None,
                           extra: dict[str, object] | None = None, publish: bool = True,
                           overwrite: bool = False, full_state: bool = True,
-                          writer: VersionWriter | None = None) -> CheckpointRef:
+                          writer: VersionWriter | None = None, memory: WeightsMemory | None = None) -> CheckpointRef:
     """Checkpoint the backend after its latest step: weights, EMA, optimizer/scheduler/RNG/counters, the run
     config and ``extra`` JSON state (e.g. the advantage stat tracker).
 
@@ -38,6 +39,9 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainState, *, config
     from a snapshot taken now (``VersionWriter``); the ref is returned before the version exists. A weights-only
     version's GPU weights go to the writer's pinned buffers without a stall (``HostStaging``); the thread waits
     for those copies before it writes.
+
+    ``memory`` (rank 0, without a writer; a writer brings its own): the last version written, which the store's
+    encoding may write this one as a delta against (``checkpoint.delta``).
     """
     rank, world = current_world()
     if writer is not None:
@@ -62,7 +66,7 @@ def save_train_checkpoint(store: CheckpointStore, backend: TrainState, *, config
     if rank == 0:
         ref = store.save(backend.step_count, weights=weights, ema_weights=ema, train_state=state, config=config,
                          extra=extra, policy_version=backend.policy_version, publish=publish, overwrite=overwrite,
-                         meta=meta)
+                         meta=meta, memory=memory)
     if world > 1:
         box = [ref]
         dist.broadcast_object_list(box, src=0)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from unirl_core.checkpoint import tensorfile
+from unirl_core.checkpoint.delta import Base, FullVersions, VersionEncoding, WeightsMemory, apply_delta
 from unirl_core.checkpoint.fsio import Folder, Piece
 from unirl_core.checkpoint.manifest import MANIFEST, Manifest
 from unirl_core.checkpoint.ref import CheckpointRef, parse_step_dirname, step_dirname
@@ -59,7 +60,7 @@ class CheckpointStore:
     """Versions of one run under a root URL; one writer (rank 0) per run, any number of readers."""
 
     def __init__(self, root: str, run: str, *, keep_last: int = 3, keep_every: int | None = None,
-                 storage_options: dict[str, object] | None = None) -> None:
+                 storage_options: dict[str, object] | None = None, encoding: VersionEncoding | None = None) -> None:
         if not run or "/" in run or run in (".", ".."):
             raise field_error(ConfigError, "checkpoint.run", run, "a non-empty name without '/'",
                               "use the run name, e.g. 'tiny-flow-grpo-0'")
@@ -72,6 +73,7 @@ class CheckpointStore:
         self.storage_options = dict(storage_options or {})
         fs, path = fsspec.core.url_to_fs(root, **self.storage_options)
         self.run, self.keep_last, self.keep_every = run, keep_last, keep_every
+        self.encoding: VersionEncoding = encoding or FullVersions()
         self._run = Folder(fs, posixpath.join(path.rstrip("/"), run))
 
     @property
@@ -90,11 +92,21 @@ class CheckpointStore:
     def save(self, step: int, *, weights: dict[str, Tensor], policy_version: int,
              ema_weights: dict[str, Tensor] | None = None, train_state: dict[str, object] | None = None,
              config: object | None = None, extra: dict[str, object] | None = None,
-             meta: dict[str, str] | None = None, publish: bool = True, overwrite: bool = False) -> CheckpointRef:
+             meta: dict[str, str] | None = None, publish: bool = True, overwrite: bool = False,
+             memory: WeightsMemory | None = None) -> CheckpointRef:
         """Write version ``step``: every payload file, then ``manifest.json``; then (``publish``) the pointer
         and retention. A crash before the manifest leaves an invisible partial folder that the next save of
-        that step clears."""
+        that step clears.
+
+        ``memory``: the writer's copy of the last version it wrote (``WeightsMemory``); the store's ``encoding``
+        may write the weights as a delta against it (``checkpoint.delta``) and leaves this version in it."""
         payload = self._payload(weights, ema_weights, train_state, config, extra)  # validates before deleting
+        base = self._base(memory, step)
+        if memory is not None:
+            memory.version = None  # its buffers change while this version is written
+        encoded = self.encoding.encode(_checked(weights, "weights"), full_state=train_state is not None,
+                                       memory=memory, base=base, weights_file=WEIGHTS)
+        payload = {encoded.name: encoded.pieces, **{k: v for k, v in payload.items() if k != WEIGHTS}}
         folder = self._version(step)
         if self._read_manifest(folder) is not None:
             if not overwrite:
@@ -108,9 +120,12 @@ class CheckpointStore:
             digest, size = folder.write_pieces(name, pieces, sync=False)
             files[name] = {"sha256": digest, "bytes": size}
         folder.sync(list(files))  # every payload file is durable before the manifest that names it
+        digest, delta = encoded.record(files[encoded.name]["sha256"])
         manifest = Manifest(run=self.run, step=step, policy_version=policy_version, files=files,
-                            meta=dict(meta or {}))
+                            meta=dict(meta or {}), delta=delta)
         folder.write(MANIFEST, manifest.to_json(), atomic=True)
+        if memory is not None and encoded.keeps:
+            memory.version = (self.uri, step, digest, tuple(manifest.chain))
         ref = self.ref_for(step, policy_version)
         log.info("saved checkpoint %s (%.1f MB)", ref.uri, sum(f["bytes"] for f in files.values()) / 1e6)
         if publish:
@@ -124,7 +139,8 @@ class CheckpointStore:
             header, ordered = tensorfile.encode(_checked(t, what), {"format": "pt"})
             return list(tensorfile.chunks(header, ordered))
 
-        out = {WEIGHTS: tensors(weights, "weights")}
+        out = {WEIGHTS: []}  # the store's encoding writes the weights
+        _checked(weights, "weights")
         if ema_weights is not None:
             out[EMA] = tensors(ema_weights, "ema_weights")
         if train_state is not None:
@@ -136,6 +152,19 @@ class CheckpointStore:
         if extra:
             out[EXTRA] = [_to_json(extra, "extra")]
         return out
+
+    def _base(self, memory: WeightsMemory | None, step: int) -> Base | None:
+        """The version in ``memory`` when a delta may be taken against it: this run's, an earlier step, and still in
+        the store as it was written (its manifest has the digest ``memory`` holds)."""
+        if memory is None or memory.version is None:
+            return None
+        uri, base_step, sha, chain = memory.version
+        if uri != self.uri or base_step >= step:
+            return None
+        m = self._read_manifest(self._version(base_step))
+        if m is None or m.step != base_step or m.weights_sha256(WEIGHTS) != sha:
+            return None
+        return Base(step=base_step, sha256=sha, chain=chain)
 
     def publish(self, ref: CheckpointRef, *, retention: bool = True) -> None:
         """Point ``LATEST`` at ``ref`` (atomically), then apply retention (``retention=False``: the caller runs
@@ -151,15 +180,17 @@ class CheckpointStore:
             self.apply_retention()
 
     def apply_retention(self) -> list[int]:
-        """Delete versions outside keep_last / keep_every (never the published one) and stale partial folders.
-        Returns the deleted steps."""
-        valid = [r.step for r in self.versions()]
+        """Delete versions outside keep_last / keep_every (never the published one, nor a version a kept delta
+        version's chain needs) and stale partial folders. Returns the deleted steps."""
+        manifests = self._complete()
+        valid = sorted(manifests)
         pointed = self._pointer_step()
         keep = set(valid[-self.keep_last:])
         if self.keep_every:
             keep |= {s for s in valid if s % self.keep_every == 0}
         if pointed is not None:
             keep.add(pointed)
+        keep |= {link for s in list(keep) if s in manifests for link in manifests[s].chain}
         newest = valid[-1] if valid else -1
         doomed = [s for s in valid if s not in keep]
         partial = [s for s in self._steps_on_disk() if s not in valid and s < newest]
@@ -189,15 +220,19 @@ class CheckpointStore:
             log.warning("ignoring %s: %s", folder.uri(), e)
             return None
 
+    def _complete(self) -> dict[int, Manifest]:
+        """step -> manifest of every complete version."""
+        out = {}
+        for step in self._steps_on_disk():
+            m = self._read_manifest(self._version(step))
+            if m is not None and m.step == step:
+                out[step] = m
+        return out
+
     def versions(self) -> list[CheckpointRef]:
         """Complete versions (valid manifest), oldest first. Folders without one are invisible."""
-        out = []
-        for step in self._steps_on_disk():
-            folder = self._version(step)
-            m = self._read_manifest(folder)
-            if m is not None and m.step == step:
-                out.append(CheckpointRef(uri=folder.uri(), run=self.run, step=step, policy_version=m.policy_version))
-        return out
+        return [CheckpointRef(uri=self._version(step).uri(), run=self.run, step=step, policy_version=m.policy_version)
+                for step, m in sorted(self._complete().items())]
 
     def _pointer_step(self) -> int | None:
         try:
@@ -282,14 +317,12 @@ def load_checkpoint(ref: CheckpointRef, *, storage_options: dict[str, object] | 
     state = None
     if train_state and (blob := read(TRAIN_STATE)) is not None:
         state = torch.load(io.BytesIO(blob), weights_only=True)  # nothing beyond tensors and containers
-    weights_blob = read(WEIGHTS)
-    if weights_blob is None:
-        raise field_error(CheckpointError, folder.uri(), "no weights", WEIGHTS, "the version is foreign or damaged")
+    weights = _read_weights(folder, manifest)
     ema_blob = read(EMA)
     config_blob, extra_blob = read(CONFIG), read(EXTRA)
     where = folder.uri()
     return LoadedCheckpoint(
-        ref=ref, manifest=manifest, weights=tensorfile.decode(weights_blob, f"{where}/{WEIGHTS}"),
+        ref=ref, manifest=manifest, weights=weights,
         ema_weights=tensorfile.decode(ema_blob, f"{where}/{EMA}") if ema_blob is not None else None,
         train_state=state,
         config=json.loads(config_blob) if config_blob is not None else None,
@@ -315,5 +348,57 @@ def load_weights(ref: CheckpointRef, *, storage_options: dict[str, object] | Non
                  ema: bool = False) -> dict[str, Tensor]:
     """Only the (EMA) weights of a version, verified: what a rollout engine needs after publish."""
     folder, manifest = _open_version(ref, storage_options)
-    name = EMA if ema else WEIGHTS
-    return tensorfile.decode(folder.read_verified(name, manifest), f"{folder.uri()}/{name}")
+    if not ema:
+        return _read_weights(folder, manifest)
+    return tensorfile.decode(folder.read_verified(EMA, manifest), f"{folder.uri()}/{EMA}")
+
+
+def _open_folder(folder: Folder) -> Manifest:
+    try:
+        raw = folder.fs.cat_file(folder.join(MANIFEST))
+    except FileNotFoundError:
+        raise field_error(CheckpointError, folder.uri(folder.join(MANIFEST)), "missing", "a manifest",
+                          "a link of a delta chain is gone (or the version is incomplete); read another version") \
+            from None
+    return Manifest.from_json(raw, folder.uri(folder.join(MANIFEST)))
+
+
+def _read_weights(folder: Folder, manifest: Manifest) -> dict[str, Tensor]:
+    """A version's weights, verified: ``model.safetensors``, or for a delta version its chain walked from the
+    full anchor (every link's file checked against its manifest, every link's base digest against the link
+    before it). Errors name the file or manifest at fault."""
+    if manifest.delta is None:
+        if WEIGHTS not in manifest.files:
+            raise field_error(CheckpointError, folder.uri(), "no weights", WEIGHTS, "the version is foreign or damaged")
+        return tensorfile.decode(folder.read_verified(WEIGHTS, manifest), f"{folder.uri()}/{WEIGHTS}")
+    parent = posixpath.dirname(folder.path)
+    links = [(Folder(folder.fs, posixpath.join(parent, step_dirname(s))), None) for s in manifest.chain]
+    links.append((folder, manifest))
+    anchor_folder = links[0][0]
+    anchor = _open_folder(anchor_folder)
+    if anchor.delta is not None:
+        raise field_error(CheckpointError, anchor_folder.uri(anchor_folder.join(MANIFEST)), "a delta version",
+                          f"the full anchor of {folder.uri()}'s chain", "the chain is inconsistent; read another version")
+    weights = _read_weights(anchor_folder, anchor)
+    sha = anchor.weights_sha256(WEIGHTS)
+    for link, m in links[1:]:
+        m = m or _open_folder(link)
+        where = link.uri(link.join(MANIFEST))
+        if m.delta is None or m.delta["base_sha256"] != sha:
+            raise field_error(CheckpointError, where, f"base sha256 {m.delta['base_sha256']}" if m.delta else "a full version",
+                              f"a delta against weights sha256 {sha} (the version before it in the chain)",
+                              "a link was rewritten since this version was written; read another version")
+        name = str(m.delta["file"])
+        weights = apply_delta(link.read_verified(name, m), int(m.delta["bytes"]), weights, f"{link.uri()}/{name}")
+        sha = str(m.delta["sha256"])
+    return weights
+
+
+def read_delta(ref: CheckpointRef, *,
+               storage_options: dict[str, object] | None = None) -> tuple[Manifest, bytearray | None]:
+    """A version's manifest and, for a delta version, its verified delta file (None for a full version): what an
+    engine that holds the delta's base (``manifest.delta['base_sha256']``) needs to reach the version."""
+    folder, manifest = _open_version(ref, storage_options)
+    if manifest.delta is None:
+        return manifest, None
+    return manifest, folder.read_verified(str(manifest.delta["file"]), manifest)

@@ -25,7 +25,7 @@ _DTYPES = {v: k for k, v in _CODES.items()}
 _CHUNK = 8 << 20
 
 
-def _as_bytes(t: Tensor) -> memoryview:
+def as_bytes(t: Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without copying."""
     flat = t.reshape(-1)
     if flat.numel() == 0:
@@ -33,9 +33,14 @@ def _as_bytes(t: Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+def file_order(tensors: dict[str, Tensor]) -> list[str]:
+    """The names in the order ``encode`` writes them (widest dtype first keeps every offset aligned)."""
+    return sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+
+
 def encode(tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list[Tensor]]:
-    """Header bytes and the tensors in file order (widest dtype first keeps every offset aligned)."""
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    """Header bytes and the tensors in file order (``file_order``)."""
+    order = file_order(tensors)
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     ordered, offset = [], 0
     for name in order:
@@ -57,7 +62,7 @@ def chunks(header: bytes, tensors: list[Tensor]) -> Iterator[memoryview]:
     """The file's bytes as a sequence of views (header, then each tensor in pieces of at most 8 MB)."""
     yield memoryview(header)
     for t in tensors:
-        view = _as_bytes(t)
+        view = as_bytes(t)
         for i in range(0, len(view), _CHUNK):
             yield view[i:i + _CHUNK]
 

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from unirl_core.checkpoint.delta import WeightsMemory
 from unirl_core.checkpoint.fsio import ProcessThreadPool
 from unirl_core.checkpoint.ref import CheckpointRef
 from unirl_core.checkpoint.store import CheckpointStore, load_manifest
@@ -68,8 +69,8 @@ class _Write:
     """One version's write (and, once asked, its publish), run by the writer's thread."""
 
     def __init__(self, store: CheckpointStore, ref: CheckpointRef, kwargs: dict[str, object],
-                 ready: list) -> None:
-        self.store, self.ref, self.kwargs, self.ready = store, ref, kwargs, ready
+                 ready: list, memory: WeightsMemory) -> None:
+        self.store, self.ref, self.kwargs, self.ready, self.memory = store, ref, kwargs, ready, memory
         self.lock = threading.Lock()
         self.publish_requested = self.saved = False
         self.published = False
@@ -82,7 +83,8 @@ class _Write:
         t0 = time.perf_counter()
         try:
             wait_all(self.ready)  # the staged device->host copies have landed
-            self.store.save(self.ref.step, policy_version=self.ref.policy_version, publish=False, **self.kwargs)
+            self.store.save(self.ref.step, policy_version=self.ref.policy_version, publish=False, memory=self.memory,
+                            **self.kwargs)
             self.kwargs = {}  # the snapshot's memory goes now, not when the next version replaces this one
             self.files = load_manifest(self.ref, storage_options=self.store.storage_options).files
             with self.lock:
@@ -123,6 +125,9 @@ class VersionWriter:
         self.staging = HostStaging()
         """Pinned host buffers a caller may stage device tensors in before ``save`` (``save_train_checkpoint``
         does, for weights-only versions): reused version after version, so staged only after ``wait()``."""
+        self.memory = WeightsMemory()
+        """The last version this writer wrote (its thread's, or a synchronous save's given it): what a delta
+        version (``checkpoint.weights_encoding: delta``) is encoded against."""
 
     def save(self, store: CheckpointStore, step: int, *, policy_version: int, live: Iterable[Tensor],
              **kwargs: object) -> CheckpointRef:
@@ -133,7 +138,7 @@ class VersionWriter:
         ref = store.ref_for(step, policy_version)
         shared = storages(live)
         data = {k: snapshot(v, shared) for k, v in kwargs.items()}
-        self._write = _Write(store, ref, data, self.staging.fence())
+        self._write = _Write(store, ref, data, self.staging.fence(), self.memory)
         self._thread().submit(self._write.run)
         return ref
 

@@ -190,6 +190,28 @@ class CheckpointConfig:
     """One writer per run: ``<root>/<name>/LEASE``, taken when ``run_local`` or the Flyte init task starts
     writing the run, released at its end; a second execution of the run refuses or waits (``on_held``)."""
 
+    weights_encoding: Literal["full", "delta"] = "full"
+    """How a version's weights are stored (``unirl_core/checkpoint/delta.py``). ``full``: ``model.safetensors`` every
+    version. ``delta``: a weights-only version (between full states, ``every_n_steps > 1``) is the zstd-compressed
+    bitwise XOR of its bit patterns against the version before it, lossless; a full anchor every ``anchor_every``
+    versions and at every full state. A process that writes through a writer (``run_local``, the pool's trainer)
+    holds the previous version in host memory (one more copy of the weights); other writers write full versions.
+    Engines that hold the delta's base version are sent the delta (``runtime.build.load_policy_weights``)."""
+    anchor_every: int = 8
+    """With ``weights_encoding: delta``: at most this many versions per chain (a full anchor, then deltas), so a read
+    from the store decodes at most ``anchor_every - 1`` deltas on top of one full file. 1 writes every version in
+    full."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.anchor_every, int) and self.anchor_every >= 1):
+            raise field_error(ConfigError, "checkpoint.anchor_every", self.anchor_every, "an integer >= 1",
+                              "e.g. 8: a full version, then up to 7 deltas (1 writes every version in full)")
+        if self.weights_encoding == "delta" and self.every_n_steps == 1 and self.full_state == "file":
+            raise field_error(ConfigError, "checkpoint.weights_encoding", "delta", "'full' while every version holds "
+                              "the full state (checkpoint.every_n_steps=1, full_state='file'): a delta is only "
+                              "written between full states", "set checkpoint.every_n_steps > 1 (or full_state: "
+                              "sharded in pool mode), or weights_encoding: full")
+
     def full_state_at(self, step: int, total_steps: int) -> bool:
         """Whether version ``step`` holds the full resumable state: every ``every_n_steps``-th and the last."""
         return step % self.every_n_steps == 0 or step >= total_steps

@@ -149,6 +149,29 @@ class EngineActor(_Actor):
         self.served = _version(ckpt)
         return time.perf_counter() - t0
 
+    def apply_delta(self, ckpt: CheckpointRef) -> dict[str, float] | None:
+        """In-pool publication of a delta version (``checkpoint.weights_encoding: delta``) complete in the store:
+        when this engine serves the delta's base, the delta file alone XOR-ed into the bundle's module and checked
+        against the version's digest (``build.apply_version_delta``). None when it does not apply (a full version,
+        another base, other dtypes, a digest mismatch): the engine then holds no version until the caller publishes
+        ``ckpt`` in full (or its next rollout loads it from the store)."""
+        t0 = time.perf_counter()
+        served, self.served = self.served, None  # from the first XOR on the module holds no version until checked
+        module = self.policy.module
+        held = None
+        if served is not None and build.held_weights(module) is None:  # received in-pool: its digest from the store
+            held = build.version_digest(CheckpointRef(uri=served[0], run=ckpt.run, step=0, policy_version=served[1]),
+                                        self.cfg)
+        try:
+            applied = build.apply_version_delta(self.policy, ckpt, self.cfg, held=held)
+        except CheckpointError as e:
+            log.warning("%s: delta of %s not applied (%s); publishing it in full", self.name, ckpt.uri, e)
+            applied = False
+        if not applied:
+            return None
+        self.served = _version(ckpt)
+        return {"seconds": time.perf_counter() - t0}
+
     def sync_dtypes(self) -> dict[str, str]:
         """Wire name -> dtype of the tensors a publish writes into (the trainer casts its fp32 masters to these
         on its device, rounding exactly as a load from the store does)."""
@@ -170,6 +193,7 @@ class EngineActor(_Actor):
     def receive_weights(self, ckpt: CheckpointRef) -> dict[str, float]:
         """Receive version ``ckpt`` from the trainer's broadcast, in place into the bundle's module."""
         self.served = None  # from the first bucket on the module holds no version until the sync completes
+        build.forget_held_weights(self.policy.module)
         try:
             stats = self._peer.receive()
         except Exception:
@@ -325,7 +349,7 @@ class TrainerActor(_Actor):
         ref, extra, out = steps.train_and_save(
             cfg, self.backend, for_training(SampleBatch.concat(list(shards)), scored), ckpt, hold=hold,
             wait=self._writer.wait, writer=self._writer if background or cfg.pool.trainer_ranks == 1 else None,
-            background=background, full_state=full_now and ck.full_state == "file")
+            background=background, full_state=full_now and ck.full_state == "file", memory=self._writer.memory)
         t0 = time.perf_counter()  # the sharded full state's start (last step: its whole write)
         if full_now and ck.full_state == "sharded":
             self._write_sharded(last=step >= cfg.loop.total_steps)

@@ -7,6 +7,7 @@ here, on the projection, with the same function the in-process executor uses.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -15,6 +16,7 @@ from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.pool import phases as pool_phases
 from unirl_core.pool.cluster import Pool
+from unirl_core.runtime import build
 from unirl_core.runtime.inprocess import publish_in_store
 from unirl_core.runtime.steps import advantage_step
 from unirl_core.types import SampleBatch
@@ -58,6 +60,10 @@ class PoolExecutor:
         trainer's weights to the engines in-pool (``pool/*`` entries) and retention on the trainer actor."""
         if asynchronous and self.pending_write.get("ref") == ckpt and pool_phases.publish_when_written(cfg, ckpt):
             pending = {"uri": ckpt.uri, "step": ckpt.step, "policy_version": ckpt.policy_version, "pending_write": 1}
+            if build.store(cfg).encoding.deltas:  # engines read a delta from the store: the version is written first
+                t0 = time.perf_counter()
+                self.finish_writes()
+                pending.update(pending_write=0, **{"pool/delta_wait_written_s": time.perf_counter() - t0})
             return {**pending, **pool_phases.publish_weights(cfg, ckpt)}  # in-pool: from the trainer's memory
         self.finish_writes()
         published = publish_in_store(cfg, ckpt, retention=False)  # the trainer actor deletes old versions

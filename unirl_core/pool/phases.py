@@ -166,6 +166,11 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
     try:
         served = {name: tuple(pool.call(name, "served_version", what="publish") or ()) for name in engines}
         stale = [name for name in engines if served[name] != want]
+        if stale and build.store(cfg).encoding.deltas:
+            fed = _deltas(pool, stale, ckpt)
+            out["pool/engines_fed_delta"] = float(len(fed))
+            served.update(dict.fromkeys(fed, want))
+            stale = [name for name in stale if name not in fed]
         if stale and group.holds(pool, ckpt):
             if cfg.pool.publish == "collective" and _collective_fits(pool, engines):
                 out.update(_broadcast(pool, engines, ckpt))
@@ -181,6 +186,13 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
     out["pool/engines_serving"] = float(sum(v == want for v in served.values()))
     out["pool/publish_s"] = time.perf_counter() - t0
     return out
+
+
+def _deltas(pool: Pool, stale: list[str], ckpt: CheckpointRef) -> list[str]:
+    """The engines among ``stale`` that took ``ckpt`` as a delta on the version they serve (``EngineActor.apply_delta``:
+    the version's delta file from the store, checked against its digest); the others get it in full."""
+    pending = [(name, pool.actor(name).apply_delta.remote(ckpt)) for name in stale]
+    return [name for name, r in pending if pool.wait(name, r, what=f"publish v{ckpt.policy_version} (delta)")]
 
 
 def _collective_fits(pool: Pool, engines: list[str]) -> bool:

@@ -151,6 +151,10 @@ class VLLMEngineActor(EngineActor):
             return None
         return self.served if label == self.served[1] else None
 
+    def apply_delta(self, ckpt: CheckpointRef) -> None:
+        """Not for a vLLM engine actor: its server reloads whole versions (the caller publishes ``ckpt`` in full)."""
+        return None
+
     def load_weights(self, weights: dict, ckpt: CheckpointRef) -> float:
         """In-pool publication of version ``ckpt`` (the trainer's state dict): into the bundle, then staged and
         reloaded by the server, labelled ``ckpt.policy_version``. Returns the seconds it took."""

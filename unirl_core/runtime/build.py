@@ -15,16 +15,20 @@ import os
 import posixpath
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+import torch
 from torch import Tensor
 
 from unirl_core.algorithms.registry import build_algorithm
-from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_weights
+from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_manifest, load_weights
+from unirl_core.checkpoint.delta import bits, decode_delta, version_encoding, weights_digest
+from unirl_core.checkpoint.store import WEIGHTS, read_delta
 from unirl_core.config.loader import config_key
 from unirl_core.config.run import RunConfig
 from unirl_core.data.prompts import PromptDataset, check_prompts_per_step, load_prompts
@@ -86,7 +90,8 @@ def store(cfg: RunConfig) -> CheckpointStore:
     a lagged rollout may load (version ``step - 1 - lag``)."""
     c = cfg.checkpoint
     return CheckpointStore(c.root, cfg.name, keep_last=max(c.keep_last, cfg.async_training.max_policy_lag + 1),
-                           keep_every=c.keep_every, storage_options=c.storage_options)
+                           keep_every=c.keep_every, storage_options=c.storage_options,
+                           encoding=version_encoding(c.weights_encoding, anchor_every=c.anchor_every))
 
 
 def reward_service(cfg: RunConfig) -> RewardService:
@@ -115,20 +120,104 @@ def dataset(cfg: RunConfig) -> PromptDataset:
     return _DATASETS[key]
 
 
-def load_policy_weights(policy, ref: CheckpointRef, cfg: RunConfig, *, ema: bool = False) -> None:
+def load_policy_weights(policy, ref: CheckpointRef, cfg: RunConfig, *, ema: bool = False) -> bool:
     """Load a version's (trainable or full) weights, or its EMA weights, into the bundle's module, checking
-    every name. The fp32 checkpoint values are rounded into the module's own dtype on copy."""
+    every name. The fp32 checkpoint values are rounded into the module's own dtype on copy.
+
+    A delta version (``checkpoint.weights_encoding: delta``) whose base the module holds (``held_weights``) is
+    applied as the delta alone - its file read, XOR-ed into the module's tensors in place - and the result checked
+    against the version's digest; else (another base, other dtypes, a digest that does not match) the version is
+    read in full. Returns True when the delta was applied."""
     if ema and cfg.train.ema_decay is None:
         raise field_error(ConfigError, "train.ema_decay", None, "a decay, to sample with EMA weights",
                           "set train.ema_decay (e.g. 0.95) so checkpoints carry EMA weights")
-    weights: dict[str, Tensor] = load_weights(ref, storage_options=cfg.checkpoint.storage_options, ema=ema)
+    opts = cfg.checkpoint.storage_options
+    if not ema and apply_version_delta(policy, ref, cfg):
+        return True
+    weights: dict[str, Tensor] = load_weights(ref, storage_options=opts, ema=ema)
     apply_policy_weights(policy, weights, where=ref.uri)
+    if not ema:
+        # the module holds the version rounded into its dtypes: what a delta against it XORs against when the
+        # delta's dtypes are the module's (``_apply_delta`` checks them, and the result's digest)
+        _HELD[policy.module] = load_manifest(ref, storage_options=opts).weights_sha256(WEIGHTS)
+    return False
+
+
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""module -> weights digest of the version it holds (rounded into the module's dtypes), set by
+``load_policy_weights`` only; any other write into the module's weights forgets it (``forget_held_weights``)."""
+
+
+def held_weights(module) -> str | None:
+    """The weights digest of the version ``module`` holds, when ``load_policy_weights`` put it there."""
+    return _HELD.get(module)
+
+
+def forget_held_weights(module) -> None:
+    """``module``'s weights are being changed by someone else than ``load_policy_weights`` (an in-pool publish)."""
+    _HELD.pop(module, None)
+
+
+def apply_version_delta(policy, ref: CheckpointRef, cfg: RunConfig, *, held: str | None = None) -> bool:
+    """Bring the bundle's module to version ``ref`` with the version's delta alone, when ``ref`` is a delta version
+    whose base the module holds (``held``: that base's digest, when the caller knows the module holds it - an engine
+    that received it in-pool; else what ``load_policy_weights`` recorded). True once the result matched the
+    version's digest; False leaves the module as it was, or (a digest mismatch) holding no version."""
+    opts = cfg.checkpoint.storage_options
+    manifest = load_manifest(ref, storage_options=opts)
+    if manifest.delta is None:
+        return False
+    if held is not None:
+        _HELD[policy.module] = held
+    if _HELD.get(policy.module) != manifest.delta["base_sha256"]:
+        return False  # not at the base: the delta file is not read
+    manifest, blob = read_delta(ref, storage_options=opts)
+    return blob is not None and _apply_delta(policy.module, manifest, blob, where=ref.uri)
+
+
+def version_digest(ref: CheckpointRef, cfg: RunConfig) -> str | None:
+    """The weights digest of version ``ref`` (only its URI counts) from its manifest; None while the version is
+    not (yet) complete."""
+    try:
+        return load_manifest(ref, storage_options=cfg.checkpoint.storage_options).weights_sha256(WEIGHTS)
+    except (CheckpointError, FileNotFoundError):
+        return None
+
+
+def _apply_delta(module, manifest, blob: bytearray, *, where: str) -> bool:
+    """Bring ``module`` from the delta's base to its version in place, when it holds that base in the delta's
+    dtypes; True once the result matched the version's digest. A mismatch is logged and returns False (the module
+    then holds no version: the caller loads it in full)."""
+    if _HELD.get(module) != manifest.delta["base_sha256"]:
+        return False
+    xors = decode_delta(blob, int(manifest.delta["bytes"]), f"{where}/{manifest.delta['file']}")
+    state = module.state_dict()
+    if any(n not in state or state[n].dtype != x.dtype or state[n].shape != x.shape for n, x in xors.items()):
+        return False
+    _HELD.pop(module, None)
+    seen = set()
+    with torch.no_grad():
+        for name, x in xors.items():
+            t = state[name]
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            if key in seen:  # a tied weight: one storage under two names, XOR-ed once
+                continue
+            seen.add(key)
+            bits(t).bitwise_xor_(bits(x.to(t.device)))
+    got = weights_digest({n: state[n] for n in xors})
+    if got != manifest.delta["sha256"]:
+        log.warning("delta of %s applied to the module's weights gives sha256 %s, the version's is %s; reading "
+                    "the version in full", where, got, manifest.delta["sha256"])
+        return False
+    _HELD[module] = got
+    return True
 
 
 def apply_policy_weights(policy, weights: dict[str, Tensor], *, where: str) -> None:
     """Copy (trainable or full) weights into the bundle's module, rounded to its dtype; every trainable
     parameter must get a tensor and every tensor must name a parameter (``where`` says whose weights)."""
     module = policy.module
+    _HELD.pop(module, None)
     result = module.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
         raise field_error(CheckpointError, f"{where}: weights", result.unexpected_keys[:5],

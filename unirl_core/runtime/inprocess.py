@@ -58,13 +58,16 @@ class InProcessExecutor:
             return self._rollout_with_trainer(cfg, ckpt, step=step, shard=shard, num_shards=num_shards,
                                               weights=weights, gen_round=gen_round, started=t0)
         policy = self.resources.bundle(cfg)
+        delta = False
         if not (trainer_copy and self._copy_resident_weights(policy, ckpt, cfg, weights)):
             self.finish_writes()  # the version must be in the store before it is read
-            build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
+            delta = build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
         loaded = time.perf_counter() - t0
         batch, metrics = sample_step(cfg, policy, ckpt, step=step, shard=shard, num_shards=num_shards,
                                      weights=weights, started=t0, gen_round=gen_round,
                                      resources=self.resources)
+        if delta:  # the version was applied as a delta on the one the bundle held (checkpoint.weights_encoding)
+            metrics["rollout/weights_delta"] = 1.0
         return batch, {**metrics, "rollout/load_weights_seconds": loaded}
 
     def _rollout_with_trainer(self, cfg: RunConfig, ckpt: CheckpointRef, *, step: int, shard: int, num_shards: int,
@@ -133,7 +136,8 @@ class InProcessExecutor:
 
         ref, extra, out = train_and_save(cfg, backend, batch, ckpt, hold=hold, wait=self.finish_writes, writer=writer,
                                          background=writer is not None,
-                                         full_state=cfg.checkpoint.full_state_at(step, cfg.loop.total_steps))
+                                         full_state=cfg.checkpoint.full_state_at(step, cfg.loop.total_steps),
+                                         memory=self.writer.memory)
         files = None if writer else load_manifest(ref, storage_options=cfg.checkpoint.storage_options).files
         self.resident.update(backend=backend, version=(ref.uri, ref.step, ref.policy_version), files=files,
                              extra=dict(extra))

@@ -24,6 +24,7 @@ from unirl_core.checkpoint import (
     restore_train_checkpoint,
     save_train_checkpoint,
 )
+from unirl_core.checkpoint.delta import WeightsMemory
 from unirl_core.checkpoint.store import TRAIN_STATE
 from unirl_core.checkpoint.writer import VersionWriter
 from unirl_core.config.loader import to_dict
@@ -247,13 +248,15 @@ def restore_full_state(backend: TrainBackend, ckpt: CheckpointRef, cfg: RunConfi
 
 def train_and_save(cfg: RunConfig, backend: TrainBackend, batch: SampleBatch, ckpt: CheckpointRef, *,
                    hold: Callable[[], dict], wait: Callable[[], None], writer: VersionWriter | None,
-                   background: bool, full_state: bool) -> tuple[CheckpointRef, dict, dict[str, float]]:
+                   background: bool, full_state: bool,
+                   memory: WeightsMemory | None = None) -> tuple[CheckpointRef, dict, dict[str, float]]:
     """The train phase's work, in this process (``runtime.inprocess``) or in the pool's trainer actor: ``batch``
     checked (policy lag, replay schedule); ``hold()`` makes ``backend`` hold ``ckpt`` (restoring it when it holds
     another) and returns the version's extra JSON; one update; then, once ``wait()`` saw the previous version's write
     complete, the new version saved unpublished (one of that step can only be a leftover of an interrupted
     attempt at it: replaced), through ``writer`` when given (``background``: the ref returns before the
-    thread has written it; else the write is waited for). Returns the ref, the extra JSON it saved (with the
+    thread has written it; else the write is waited for; without a writer, ``memory``: the last version written, a
+    delta's base under ``checkpoint.weights_encoding: delta``). Returns the ref, the extra JSON it saved (with the
     advantage tracker's state) and ``train/*``, ``checkpoint/save_s`` (the whole write, or the host snapshot the
     thread writes from) and, ``background``, ``checkpoint/wait_s`` / ``previous_write_s``."""
     check_policy_lag(cfg, batch, ckpt)
@@ -267,7 +270,7 @@ def train_and_save(cfg: RunConfig, backend: TrainBackend, batch: SampleBatch, ck
     waited = time.perf_counter() - t0
     t1 = time.perf_counter()
     ref = save_train_checkpoint(build.store(cfg), backend, config=to_dict(cfg), extra=extra, publish=False,
-                                overwrite=True, writer=writer, full_state=full_state)
+                                overwrite=True, writer=writer, full_state=full_state, memory=memory)
     if writer is not None and not background:
         writer.wait()  # the version is complete in the store (or its failure raises)
     out = {f"train/{k}": float(v) for k, v in metrics.items()}

@@ -46,6 +46,7 @@ _CORE = [
     "tensorboard==2.21.0",
     "matplotlib==3.11.2",
     "xxhash==4.1.0",
+    "zstandard==0.25.0",
     "flytekit==1.16.31",
 ]
 _MODELS = ["diffusers>=0.35", "transformers>=4.56,<5.20", "peft>=0.17", "accelerate>=1.0"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import fsspec
 
-from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_version_json, load_weights
+from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_manifest, load_version_json, load_weights
 from unirl_core.checkpoint.manifest import MANIFEST
 from unirl_core.config.loader import from_dict, to_dict
 from unirl_core.config.run import RunConfig
@@ -58,7 +58,9 @@ def version_ref(uri: str, storage_options: dict | None = None) -> CheckpointRef:
     uri = uri.rstrip("/")
     fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
     if fs.exists(posixpath.join(path, MANIFEST)):
-        return CheckpointRef(uri=uri, run=posixpath.basename(posixpath.dirname(uri)), step=0, policy_version=0)
+        probe = CheckpointRef(uri=uri, run=posixpath.basename(posixpath.dirname(uri)), step=0, policy_version=0)
+        m = load_manifest(probe, storage_options=storage_options)  # the version's own step and policy version
+        return CheckpointRef(uri=uri, run=m.run, step=m.step, policy_version=m.policy_version)
     root, run = posixpath.dirname(uri), posixpath.basename(uri)
     ref = CheckpointStore(root, run, storage_options=storage_options).latest()
     if ref is None:
@@ -101,7 +103,8 @@ def export_version(source: str, out: str, fmt: str | None = None, *, ema: bool =
     bundle = fresh_bundle(cfg)
     apply_policy_weights(bundle, load_weights(ref, storage_options=storage_options, ema=ema), where=ref.uri)
     fmt = fmt or default_format(bundle)
-    marker = {"weights": "ema" if ema else "model", "run": cfg.name, "version_uri": ref.uri, "family": cfg.family,
+    marker = {"weights": "ema" if ema else "model", "run": cfg.name, "step": ref.step,
+              "policy_version": ref.policy_version, "version_uri": ref.uri, "family": cfg.family,
               "model": to_dict(cfg.section.model)}
     write_export(bundle, fmt, out, marker, base_model=base_model_name(cfg), storage_options=storage_options)
     log.info("exported %s as %s to %s", ref.uri, fmt, out)

@@ -97,7 +97,8 @@ def test_diffusion_lora_exports_a_peft_adapter_and_a_merged_pipeline(lora_diffus
     # peft: the adapter over the base transformer the run started from (the tiny preset, seed 0)
     main([run, str(tmp_path / "peft"), "--format", "peft"])
     marker = json.loads((tmp_path / "peft" / "export.json").read_text())
-    assert marker["format"] == "peft" and marker["version_uri"] == ref.uri
+    assert marker["format"] == "peft" and marker["version_uri"] == ref.uri and marker["step"] == 1
+    assert version_ref(ref.uri) == ref  # a version folder reads its step and policy version from its manifest
     peft_model = PeftModel.from_pretrained(tiny_sd3_pipeline(seed=0).transformer, str(tmp_path / "peft")).eval()
     got = {k.replace("base_model.model.", "").replace(".default", ""): v
            for k, v in peft_model.state_dict().items() if "lora_" in k}

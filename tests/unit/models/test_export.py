@@ -222,3 +222,27 @@ def test_version_config_reads_the_runs_own_config(lora_diffusion_run):
     cfg, tmp = lora_diffusion_run
     got = version_config(version_ref(str(tmp / "runs" / cfg.name)))
     assert got.diffusion.model == cfg.diffusion.model and got.name == cfg.name
+
+
+def test_flux_lora_adapter_loads_into_peft_with_every_tensor(tmp_path):
+    """Flux's LoRA also wraps MLP projections (``LORA_TARGETS['flux']``); the peft folder must name them all."""
+    from peft import PeftModel
+
+    from unirl_core.models.diffusion_tiny import tiny_flux_pipeline
+
+    cfg = _run(tmp_path, "tiny-flow-grpo", "exp-flux", *DIFFUSION, "diffusion.model.source=tiny-flux",
+               "diffusion.model.finetune=lora", "diffusion.model.lora.rank=4")
+    run = str(tmp_path / "runs" / cfg.name)
+    bundle = _bundle_at(cfg, version_ref(run).uri)
+    _assert_trained(cfg, bundle)
+    export_version(run, str(tmp_path / "peft"))
+    peft_model = PeftModel.from_pretrained(tiny_flux_pipeline(seed=0).transformer, str(tmp_path / "peft")).eval()
+    got = {k.replace("base_model.model.", "").replace(".default", ""): v
+           for k, v in peft_model.state_dict().items() if "lora_" in k}
+    own = lora_state_dict(bundle.module)
+    assert got.keys() == own.keys() and all(torch.equal(got[k], own[k]) for k in own)
+    child = load_recipe("tiny-flow-grpo", ["name=exp-flux-child", f"checkpoint.root={tmp_path / 'runs'}", *DIFFUSION,
+                                           "diffusion.model.source=tiny-flux", "diffusion.model.finetune=lora",
+                                           "diffusion.model.lora.rank=4", f"diffusion.model.adapter={tmp_path / 'peft'}"])
+    start = lora_state_dict(fresh_bundle(child).module)
+    assert all(torch.equal(start[k], own[k]) for k in own)

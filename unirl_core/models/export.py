@@ -22,6 +22,8 @@ from typing import Literal
 import safetensors.torch
 
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.models.diffusion import LORA_TARGETS, DiffusionBundle
+from unirl_core.models.lm import merged_copy
 from unirl_core.models.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, has_lora, lora_state_dict
 
 ExportFormat = Literal["peft", "diffusers", "transformers"]
@@ -29,8 +31,6 @@ ExportFormat = Literal["peft", "diffusers", "transformers"]
 
 def lora_shape(bundle) -> tuple[int, float, tuple[str, ...]]:
     """(rank, alpha, target module names) of a LoRA bundle, as its config says."""
-    from unirl_core.models.diffusion import LORA_TARGETS, DiffusionBundle
-
     c = bundle.config
     if isinstance(bundle, DiffusionBundle):
         return c.lora.rank, float(c.lora.alpha), tuple(c.lora.target_modules or LORA_TARGETS[bundle.family])
@@ -38,8 +38,6 @@ def lora_shape(bundle) -> tuple[int, float, tuple[str, ...]]:
 
 
 def _family(bundle) -> str:
-    from unirl_core.models.diffusion import DiffusionBundle
-
     return "diffusion" if isinstance(bundle, DiffusionBundle) else "lm"
 
 
@@ -61,8 +59,6 @@ def save_peft(bundle, out: Path, *, base_model: str) -> None:
 
 def save_diffusers(bundle, out: Path, *, base_model: str = "") -> None:
     """The diffusion pipeline (``save_pretrained``), LoRA merged into a copy of the transformer."""
-    from unirl_core.models.lm import merged_copy
-
     if _family(bundle) != "diffusion":
         raise field_error(ConfigError, "export format", "diffusers", "a diffusion run",
                           "export an LM as --format transformers (or peft for a LoRA run)")

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.models.cuda_graphs import TrainGraphs
-from unirl_core.models.lora import apply_lora, lora_disabled, lora_layers
+from unirl_core.models.lora import apply_lora, load_adapter, lora_disabled, lora_layers
 from unirl_core.models.precision import compute_context
 from unirl_core.models.presets import diffusion_preset
 
@@ -95,6 +95,10 @@ class DiffusionModelConfig:
     """``lora``: train an adapter, the reference is the adapter switched off; ``full``: train all weights."""
     lora: LoRASpec = field(default_factory=LoRASpec)
     """Adapter shape when ``finetune == 'lora'``."""
+    adapter: str | None = None
+    """A peft adapter folder (local path or fsspec URI, e.g. one written by ``python -m unirl_core.runtime.export
+    ... --format peft``) whose weights the LoRA starts from instead of its random init (``finetune: lora``; its
+    ``adapter_config.json`` must have this ``lora`` shape). None: the seeded random init."""
     reference_copy: bool = True
     """Full fine-tune only: keep a frozen copy of the initial transformer as the KL reference."""
     seed: int = 0
@@ -138,6 +142,9 @@ class DiffusionModelConfig:
         if not self.source:
             raise field_error(ConfigError, "model.source", self.source, "a preset name, directory or hub id",
                               "use 'tiny-sd3' for an offline run")
+        if self.adapter is not None and self.finetune != "lora":
+            raise field_error(ConfigError, "diffusion.model.adapter", self.adapter, "unset unless finetune: lora",
+                              "set finetune: lora to start from an adapter, or unset the adapter")
 
 
 class DiffusionBundle:
@@ -194,8 +201,12 @@ class DiffusionBundle:
         config, transformer = self.config, self._module
         if config.finetune == "lora":
             spec = config.lora
+            targets = spec.target_modules or LORA_TARGETS[self.family]
             apply_lora(transformer, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout,
-                       target_modules=spec.target_modules or LORA_TARGETS[self.family], seed=config.seed)
+                       target_modules=targets, seed=config.seed)
+            if config.adapter is not None:
+                load_adapter(transformer, config.adapter, field="diffusion.model.adapter", rank=spec.rank,
+                             alpha=spec.alpha, target_modules=targets)
         else:
             transformer.requires_grad_(True)
             if config.reference_copy:

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from unirl_core.errors import CheckpointError, ConfigError, InvariantError, field_error
-from unirl_core.models.lora import apply_lora, has_lora, lora_disabled
+from unirl_core.models.lora import apply_lora, has_lora, load_adapter, lora_disabled
 from unirl_core.models.precision import compute_context, module_dtype
 from unirl_core.types import TokenSegment
 
@@ -104,6 +104,10 @@ class LMConfig:
     """LoRA alpha (``finetune='lora'``)."""
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Module names LoRA wraps."""
+    adapter: str | None = None
+    """A peft adapter folder (local path or fsspec URI, e.g. one written by ``python -m unirl_core.runtime.export
+    ... --format peft``) whose weights the LoRA starts from instead of its random init (``finetune: lora``; its
+    ``adapter_config.json`` must have this model's ``lora_rank`` / ``lora_alpha`` / ``lora_target_modules``)."""
     keep_reference: bool = True
     """Full fine-tune only: keep a frozen copy of the initial weights for the KL term (doubles weight memory)."""
     reference: str | None = None
@@ -145,6 +149,9 @@ class LMConfig:
                               "unset unless finetune: full and keep_reference: true",
                               "a LoRA reference is the base model with adapters off; train full with a kept "
                               "reference, or unset lm.reference")
+        if self.adapter is not None and self.finetune != "lora":
+            raise field_error(ConfigError, "lm.model.adapter", self.adapter, "unset unless finetune: lora",
+                              "set finetune: lora to start from an adapter, or unset the adapter")
         object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
 
 
@@ -162,6 +169,9 @@ class LMBundle:
             if not has_lora(model):
                 apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha,
                            target_modules=config.lora_target_modules, seed=config.seed)
+            if config.adapter is not None:
+                load_adapter(model, config.adapter, field="lm.model.adapter", rank=config.lora_rank,
+                             alpha=config.lora_alpha, target_modules=config.lora_target_modules)
         elif config.keep_reference:
             self._reference = copy.deepcopy(model).eval().requires_grad_(False)
         if config.gradient_checkpointing:

@@ -7,18 +7,26 @@ adapter name stripped from the keys so a checkpoint does not depend on peft's na
 
 from __future__ import annotations
 
+import json
 import logging
+import posixpath
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import fsspec
+import safetensors.torch
 import torch
 from torch import Tensor, nn
 
-from unirl_core.errors import ConfigError, InvariantError, field_error
+from unirl_core.errors import CheckpointError, ConfigError, InvariantError, field_error
 
 logger = logging.getLogger(__name__)
 
 ADAPTER_NAME = "default"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+"""How peft names the keys of a saved adapter: ``base_model.model.<module path>.lora_A.weight``."""
 _ADAPTER_TAG = f".{ADAPTER_NAME}."
 
 
@@ -133,3 +141,42 @@ def lora_disabled(module: nn.Module) -> Iterator[None]:
     finally:
         for m, was_disabled in zip(layers, previous):
             m._disable_adapters = was_disabled
+
+
+def read_peft_adapter(uri: str, *, field: str, rank: int, alpha: float, target_modules: Sequence[str],
+                      storage_options: dict | None = None) -> dict[str, Tensor]:
+    """The adapter weights of a peft folder at ``uri`` (keys as ``lora_state_dict`` has them), after checking that
+    its ``adapter_config.json`` has this model's LoRA shape; errors name ``field``."""
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    try:
+        cfg = json.loads(fs.cat_file(posixpath.join(path, ADAPTER_CONFIG)))
+        blob = fs.cat_file(posixpath.join(path, ADAPTER_WEIGHTS))
+    except FileNotFoundError as e:
+        raise field_error(ConfigError, field, uri, f"a peft adapter folder ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})",
+                          f"write one with python -m unirl_core.runtime.export ... --format peft ({e})") from None
+    want = {"r": rank, "lora_alpha": float(alpha), "target_modules": sorted(target_modules)}
+    targets = cfg.get("target_modules")
+    got = {"r": cfg.get("r"), "lora_alpha": float(cfg.get("lora_alpha") or 0),
+           "target_modules": sorted([targets] if isinstance(targets, str) else targets or [])}
+    if got != want:
+        raise field_error(ConfigError, field, uri, f"an adapter of this model's LoRA shape {want}",
+                          f"its {ADAPTER_CONFIG} says {got}: set the run's LoRA rank / alpha / target modules to the "
+                          "adapter's, or point the field at an adapter of this shape")
+    weights = safetensors.torch.load(blob)
+    foreign = [k for k in weights if not k.startswith(PEFT_PREFIX)]
+    if foreign:
+        raise field_error(CheckpointError, f"{field}: {ADAPTER_WEIGHTS}", foreign[:5],
+                          f"keys starting with {PEFT_PREFIX!r}", "write the adapter with peft's save_pretrained")
+    return {k[len(PEFT_PREFIX):].replace(".default.", "."): v for k, v in weights.items()}
+
+
+def load_adapter(module: nn.Module, uri: str, *, field: str, rank: int, alpha: float,
+                 target_modules: Sequence[str]) -> None:
+    """Start ``module``'s LoRA (applied with this shape) from the peft adapter folder at ``uri``."""
+    weights = read_peft_adapter(uri, field=field, rank=rank, alpha=alpha, target_modules=target_modules)
+    try:
+        load_lora_state_dict(module, weights)
+    except InvariantError as e:
+        raise field_error(ConfigError, field, uri, "an adapter of this model's modules",
+                          f"it was saved from another model or LoRA layout: {e}") from None
+    logger.info("LoRA of %s starts from the adapter at %s (%d tensors)", type(module).__name__, uri, len(weights))

@@ -8,15 +8,10 @@ version into a folder the RL loop loads as its initial model (``diffusion.model.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
-
-import fsspec
 
 from unirl_core.checkpoint import (
     CheckpointRef,
@@ -29,6 +24,7 @@ from unirl_core.checkpoint import (
 from unirl_core.config.loader import config_key, to_dict
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.runtime.build import apply_policy_weights, fresh_bundle
+from unirl_core.runtime.export import write_export
 from unirl_core.sft.config import SFTConfig
 from unirl_core.sft.losses import CompletionSFT, FlowMatchingSFT
 from unirl_core.sft.records import Record, load_records, supervised_batch
@@ -39,8 +35,6 @@ log = logging.getLogger(__name__)
 
 EXPORT_DIR = "export"
 """Folder next to the versions holding the last exported model (``save_pretrained`` layout)."""
-EXPORT_MARKER = "export.json"
-"""Written last into an export folder: which version it holds. A folder without it is incomplete."""
 
 def algorithm(cfg: SFTConfig):
     return FlowMatchingSFT(cfg.diffusion.loss, seed=cfg.loop.seed) if cfg.family == "diffusion" else CompletionSFT()
@@ -202,31 +196,7 @@ def export_model(cfg: SFTConfig, ckpt: CheckpointRef, uri: str | None = None) ->
               "family": cfg.family, "model": to_dict(cfg.section.model)}
     if cfg.family == "diffusion":
         marker["max_sequence_length"] = bundle.max_sequence_length
-    fs, path = fsspec.core.url_to_fs(uri, **cfg.checkpoint.storage_options)
-    if fs.exists(f"{path}/{EXPORT_MARKER}"):
-        fs.rm_file(f"{path}/{EXPORT_MARKER}")  # the folder stops counting as complete while it is rewritten
-    with tempfile.TemporaryDirectory() as tmp:
-        _save_pretrained(bundle, cfg.family, Path(tmp))
-        fs.makedirs(path, exist_ok=True)
-        fs.put(f"{tmp}/", path, recursive=True)
-    with fs.open(f"{path}/{EXPORT_MARKER}", "w") as f:
-        json.dump(marker, f, indent=1, sort_keys=True)
+    fmt = "diffusers" if cfg.family == "diffusion" else "transformers"
+    write_export(bundle, fmt, uri, marker, storage_options=cfg.checkpoint.storage_options)
     log.info("exported step %d of %s to %s", ckpt.step, cfg.name, uri)
     return uri
-
-
-def _save_pretrained(bundle, family: str, out: Path) -> None:
-    if family == "lm":
-        bundle.save_pretrained(out)
-        return
-    from unirl_core.models.lm import merged_copy
-    from unirl_core.models.lora import has_lora
-
-    pipe = bundle.pipeline
-    original = pipe.transformer
-    if has_lora(original):
-        pipe.transformer = merged_copy(original)
-    try:
-        pipe.save_pretrained(out)
-    finally:
-        pipe.transformer = original

@@ -1,5 +1,7 @@
 """CLIP-family scorers load with from_pretrained and compute their formulas (tiny random-init CLIP)."""
 
+import io
+
 import pytest
 import torch
 from tests.unit.reward.reward_images import flat_png, noise_png
@@ -62,3 +64,34 @@ def test_aesthetic_head_from_local_file(tiny_clip_dir, reference, tmp_path, suff
 def test_aesthetic_missing_head(tiny_clip_dir, tmp_path):
     with pytest.raises(ConfigError, match="aesthetic head"):
         build_scorer("aesthetic", head=str(tmp_path / "missing.pth"), model=tiny_clip_dir)
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_aesthetic_head_from_an_fsspec_uri(tiny_clip_dir, reference, tmp_path, scheme):
+    """A head by URI (hf://<repo>/<file>, https://, s3:// read the same way through fsspec), here without network."""
+    import fsspec
+
+    torch.manual_seed(4)
+    head = AestheticHead(in_dim=16).eval()
+    buf = io.BytesIO()
+    torch.save(head.state_dict(), buf)
+    uri = f"memory://heads/{tmp_path.name}/head.pth" if scheme == "memory" else f"file://{tmp_path}/head.pth"
+    with fsspec.open(uri, "wb") as f:
+        f.write(buf.getvalue())
+    got = build_scorer("aesthetic", head=uri, model=tiny_clip_dir)(ITEMS)
+    with torch.no_grad():
+        assert got == pytest.approx(head(reference["image_embeds"]).tolist(), abs=1e-5)
+    with pytest.raises(ConfigError, match="aesthetic head.*fsspec URI"):
+        build_scorer("aesthetic", head="memory://heads/none.pth", model=tiny_clip_dir)
+
+
+def test_sd35m_pickscore_divides_by_flow_grpos_26(tiny_clip_dir, reference):
+    """flow_grpo's PickScoreScorer returns ``logit_scale.exp() * cos / 26`` ("norm to 0-1"); the recipe does too."""
+    from unirl_core.config.recipes import load_recipe
+
+    (component,) = [c for c in load_recipe("sd35m-pickscore").reward.components if c.name == "pickscore"]
+    assert component.kwargs["divisor"] == 26.0
+    kwargs = {**component.kwargs, "model": tiny_clip_dir, "processor": tiny_clip_dir, "device": "cpu",
+              "dtype": "float32"}
+    got = build_scorer("pickscore", **kwargs)(ITEMS)
+    assert got == pytest.approx((reference["cos"] * reference["scale"] / 26.0).tolist(), abs=1e-5)

@@ -61,3 +61,18 @@ def test_resume_continues_bit_exactly(tmp_path, text_records):
     wa = load_weights(CheckpointStore(str(tmp_path / "a"), a.name).latest())
     wb = load_weights(CheckpointStore(str(tmp_path / "b"), a.name).latest())
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_lm_sft_export_is_a_transformers_folder_with_its_marker_last(tmp_path, text_records):
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_sft_recipe("sft-tiny-lm", [f"checkpoint.root={tmp_path / 'runs'}", f"data.path={text_records}",
+                                          "loop.total_steps=1", "loop.steps_per_chunk=1"])
+    run_sft(cfg, export=True, progress=False)
+    out = tmp_path / "runs" / cfg.name / "export"
+    marker = json.loads((out / "export.json").read_text())
+    assert marker["format"] == "transformers" and marker["step"] == 1
+    latest = CheckpointStore(str(tmp_path / "runs"), cfg.name).latest()
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    want = load_weights(latest)
+    assert all(torch.equal(loaded[k], want[k]) for k in want)

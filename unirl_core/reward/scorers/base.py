@@ -60,6 +60,7 @@ _REGISTRY: dict[str, str | Callable[..., Scorer]] = {
     "hpsv2": "unirl_core.reward.scorers.clip:HPSv2Scorer",
     "clip_score": "unirl_core.reward.scorers.clip:ClipScoreScorer",
     "aesthetic": "unirl_core.reward.scorers.clip:AestheticScorer",
+    "image_reward": "unirl_core.reward.scorers.image_reward:ImageRewardScorer",
     "math": "unirl_core.reward.scorers.text:MathScorer",
     "format": "unirl_core.reward.scorers.text:FormatScorer",
     "length_penalty": "unirl_core.reward.scorers.text:LengthPenalty",

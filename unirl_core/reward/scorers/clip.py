@@ -1,27 +1,36 @@
 """CLIP-family preference scorers: PickScore, HPS-v2, CLIP score, LAION aesthetic.
 
 All load a transformers ``CLIPModel`` and a processor with ``from_pretrained`` (a local
-directory or a hub id); the aesthetic head is a small MLP read from a local file. Scores use
-L2-normalised projected embeddings:
+directory or a hub id); HPS-v2 also reads its public open_clip checkpoint (``open_clip_format``); the aesthetic
+head is a small MLP read from a local file or an fsspec URI. Scores use L2-normalised projected embeddings:
 
 - PickScore: ``logit_scale.exp() * cos(image, prompt) / divisor`` (Flow-GRPO divides by 26);
-- HPS-v2:    ``cos(image, prompt)`` of the HPS-tuned CLIP (weights converted to transformers format);
+- HPS-v2:    ``cos(image, prompt)`` of the HPS-tuned CLIP (an open_clip checkpoint converted on load, or a
+  transformers folder);
 - CLIP score: ``w * max(cos(image, prompt), 0)`` with ``w = 2.5`` (Hessel et al., 2021);
 - aesthetic: ``MLP(normalised image embedding)``, LAION's improved-aesthetic-predictor head.
 """
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
+import fsspec
 import torch
 from torch import Tensor, nn
 
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.reward.scorers.base import ScoreItem
 from unirl_core.reward.scorers.image import decode_image
+from unirl_core.reward.scorers.open_clip_format import (
+    CLIP_H_PROCESSOR,
+    HPSV2_CHECKPOINT,
+    VIT_H_14,
+    convert,
+    read_checkpoint,
+)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -38,16 +47,25 @@ def _normalise(x: Tensor) -> Tensor:
 class ClipEmbedder:
     """A CLIP model + processor pair that embeds images and prompts ([B, D] normalised, fp32)."""
 
-    def __init__(self, model: str, processor: str | None = None, device: str = "cpu", dtype: str = "float32",
+    def __init__(self, model, processor: str | None = None, device: str = "cpu", dtype: str = "float32",
                  max_batch: int = 16) -> None:
+        """``model``: a directory / hub id for ``CLIPModel.from_pretrained``, or a built ``CLIPModel``."""
         from transformers import AutoProcessor, CLIPModel  # lazy: keep `import unirl_core.reward` light
 
         if dtype not in _DTYPES:
             raise field_error(ConfigError, "clip scorer dtype", dtype, f"one of {sorted(_DTYPES)}",
                               "use float32 on CPU, bfloat16 / float16 on GPU")
         self.device = torch.device(device)
-        self.model = CLIPModel.from_pretrained(model, dtype=_DTYPES[dtype]).to(self.device).eval().requires_grad_(False)
-        self.processor = AutoProcessor.from_pretrained(processor or model)
+        if isinstance(model, str):
+            processor = processor or model
+            model = CLIPModel.from_pretrained(model, dtype=_DTYPES[dtype])
+        else:
+            model = model.to(_DTYPES[dtype])
+            if processor is None:
+                raise field_error(ConfigError, "clip scorer processor", None, "a processor directory or hub id",
+                                  "pass processor= for a converted model")
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.processor = AutoProcessor.from_pretrained(processor)
         self.max_batch = max_batch
         self._max_text = int(self.model.config.text_config.max_position_embeddings)
         self._lock = threading.Lock()
@@ -97,10 +115,22 @@ class PickScoreScorer:
 
 
 class HPSv2Scorer:
-    """HPS-v2 (Wu et al., 2023). The official checkpoint is open_clip format: convert it to a
-    transformers CLIP-H directory first (see the package README)."""
+    """HPS-v2 (Wu et al., 2023): cosine of image and prompt under the HPS-tuned CLIP-H.
 
-    def __init__(self, model: str, processor: str | None = None, device: str = "cpu", dtype: str = "float32") -> None:
+    ``model``: an open_clip checkpoint (a path or fsspec URI ending in ``.pt`` / ``.pth`` / ``.bin``; default the
+    public HPS-v2.1 one, ``hf://xswu/HPSv2/HPS_v2.1_compressed.pt``), converted in memory with
+    ``open_clip_format.convert`` (``text_heads`` / ``vision_heads``: ViT-H-14's 16 / 16), or a transformers CLIP
+    folder / hub id (e.g. written by ``python -m unirl_core.reward.scorers.open_clip_format``). ``processor``: None
+    uses the model folder's own, or the LAION CLIP-H one for a checkpoint (open_clip ViT-H-14's tokenizer and
+    preprocessing)."""
+
+    def __init__(self, model: str = HPSV2_CHECKPOINT, processor: str | None = None, device: str = "cpu",
+                 dtype: str = "float32", text_heads: int = VIT_H_14["text_heads"],
+                 vision_heads: int = VIT_H_14["vision_heads"]) -> None:
+        if model.endswith((".pt", ".pth", ".bin")):
+            state = read_checkpoint(model)
+            model = convert(state, text_heads=text_heads, vision_heads=vision_heads)
+            processor = processor or CLIP_H_PROCESSOR
         self.clip = ClipEmbedder(model, processor, device, dtype)
 
     def __call__(self, items: Sequence[ScoreItem]) -> list[float]:
@@ -134,17 +164,26 @@ class AestheticHead(nn.Module):
         return self.layers(embeds).squeeze(-1)
 
 
-def load_aesthetic_head(path: str, in_dim: int) -> AestheticHead:
-    """Read the head from a ``.safetensors`` or ``.pth``/``.pt`` state dict (tensors only)."""
-    p = Path(path)
-    if not p.is_file():
-        raise field_error(ConfigError, "aesthetic head", path, "an existing local file",
-                          "download LAION's sac+logos+ava1-l14-linearMSE.pth and pass its path")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        state = load_file(str(p))
+AESTHETIC_HEAD = ("https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/"
+                  "sac+logos+ava1-l14-linearMSE.pth")
+"""LAION's improved-aesthetic-predictor head for CLIP ViT-L/14 (``sac+logos+ava1-l14-linearMSE.pth``), where its
+repository publishes it."""
+
+
+def load_aesthetic_head(uri: str, in_dim: int) -> AestheticHead:
+    """Read the head from a ``.safetensors`` or ``.pth``/``.pt`` state dict (tensors only) at a local path or an
+    fsspec URI: ``https://...``, ``hf://<repo id>/<file>`` (the hub, through huggingface_hub), ``s3://...``."""
+    try:
+        with fsspec.open(uri, "rb") as f:
+            blob = f.read()
+    except (FileNotFoundError, IsADirectoryError):
+        raise field_error(ConfigError, "aesthetic head", uri, "an existing file: a local path or an fsspec URI",
+                          f"pass e.g. {AESTHETIC_HEAD} or hf://<repo id>/sac+logos+ava1-l14-linearMSE.pth") from None
+    if uri.endswith(".safetensors"):
+        from safetensors.torch import load
+        state = load(blob)
     else:
-        state = torch.load(str(p), map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     head = AestheticHead(in_dim)
     head.load_state_dict(state)
     return head.eval()
@@ -153,8 +192,8 @@ def load_aesthetic_head(path: str, in_dim: int) -> AestheticHead:
 class AestheticScorer:
     """LAION aesthetic score: MLP head over CLIP ViT-L/14 image embeddings (prompt unused)."""
 
-    def __init__(self, head: str, model: str = "openai/clip-vit-large-patch14", processor: str | None = None,
-                 device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(self, head: str = AESTHETIC_HEAD, model: str = "openai/clip-vit-large-patch14",
+                 processor: str | None = None, device: str = "cpu", dtype: str = "float32") -> None:
         self.clip = ClipEmbedder(model, processor, device, dtype)
         dim = int(self.clip.model.config.projection_dim)
         self.head = load_aesthetic_head(head, dim).to(self.clip.device).requires_grad_(False)

@@ -90,9 +90,11 @@ def _raw(t: Tensor) -> Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
 
 
-def first_difference(stored: SampleBatch, replayed: SampleBatch) -> Difference | None:
+def first_difference(stored: SampleBatch, replayed: SampleBatch, *,
+                     ignore_metadata: tuple[str, ...] = ()) -> Difference | None:
     """The first field in which ``replayed`` differs from ``stored`` (rollout fields of every row, then rewards,
-    then advantages, then the batch metadata), or None when they are bitwise equal."""
+    then advantages, then the batch metadata but the keys in ``ignore_metadata``), or None when they are bitwise
+    equal."""
     if len(stored) != len(replayed):
         return Difference("samples", "batch", len(stored), len(replayed))
     rows = [(f"sample {a.sample_id!r} part {i}", pa, pb)
@@ -110,7 +112,7 @@ def first_difference(stored: SampleBatch, replayed: SampleBatch) -> Difference |
                 va, vb = get(pa), get(pb)
                 if not same_bits(va, vb):
                     return Difference(name, where, va, vb)
-    for key in sorted(set(stored.metadata) | set(replayed.metadata)):
+    for key in sorted((set(stored.metadata) | set(replayed.metadata)) - set(ignore_metadata)):
         va, vb = stored.metadata.get(key), replayed.metadata.get(key)
         if va != vb:
             return Difference(f"metadata[{key!r}]", "batch", va, vb)

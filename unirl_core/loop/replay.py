@@ -41,6 +41,9 @@ from unirl_core.plugins import import_plugins
 
 log = logging.getLogger(__name__)
 
+LABELS = ("shard",)
+"""Batch metadata that labels how a rollout was cut, not what it holds: ``run_local`` keeps the first shard's
+``shard`` key on the step's batch (``SampleBatch.concat``), the Flyte join drops it (``loop.metrics.join_shards``)."""
 SCRATCH = "replay"
 """Folder under the run where the replayed version is written (and removed afterwards)."""
 
@@ -169,7 +172,7 @@ def replay(run: str, *, step: int, storage_options: dict | None = None, keep: bo
         _, batch, ref = rl_step(rcfg, before, step, rollouts)
         finish_writes()
         where = f"replay of step {step} of run {name!r}"
-        if (diff := first_difference(stored, batch)) is not None:
+        if (diff := first_difference(stored, batch, ignore_metadata=LABELS)) is not None:
             raise ReplayMismatch(f"{where}: the batch differs first in field {diff.field!r}: {diff}", diff)
         opts = rcfg.checkpoint.storage_options
         got = load_checkpoint(ref, storage_options=opts)

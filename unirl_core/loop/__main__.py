@@ -5,7 +5,7 @@
 
 ``replay`` rebuilds each step from what the run stored and checks it bit for bit (``unirl_core/loop/replay.py``;
 exit status 1 and the first differing field on a mismatch). ``rescore`` scores the stored batches with other
-rewards, without training (``unirl_core/loop/rescore.py``): a per-step table on stdout, a CSV and a chart under
+rewards, without training (``unirl_core/loop/rescore.py``): a per-step table on stdout, a CSV and a page of charts under
 ``<run>/rescore/``. Both need a run trained with ``checkpoint.keep_batches: true``.
 """
 

@@ -127,3 +127,25 @@ def test_replay_refuses_step_zero_and_a_bad_run_path(tmp_path):
         replay(f"{tmp_path}/x", step=0)
     with pytest.raises(ConfigError, match="holds none"):
         replay(f"{tmp_path}/x", step=1)
+
+
+@pytest.mark.slow
+def test_cli_replay_exit_status_and_rescore(kept_run, capsys):
+    from unirl_core.loop.__main__ import main
+
+    recipe, run = kept_run
+    assert main(["replay", run, "--step", "1", "--step", "3"]) == 0
+    assert capsys.readouterr().out.count("bitwise equal") == 2
+    original = BatchStore(*run.rsplit("/", 1)).load(1)
+    _tamper(run, 1, lambda p: setattr(p, "reward", p.reward - 1.0))
+    try:
+        assert main(["replay", run, "--step", "1"]) == 1
+        assert "MISMATCH" in capsys.readouterr().err
+    finally:
+        BatchStore(*run.rsplit("/", 1)).save(1, original)
+    scorer = "jpeg_compressibility" if recipe == "tiny-flow-grpo" else "toy_arithmetic"
+    assert main(["rescore", run, "--reward", f"own={scorer}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| step | samples | run | own |") and "rescore.html" in out
+    assert main(["replay", run, "--step", "9"]) == 2  # a step the run never trained: the error, no traceback
+    assert "newest version is 4" in capsys.readouterr().err

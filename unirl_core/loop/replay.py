@@ -120,7 +120,9 @@ def replay_inputs(run: str, step: int, *, storage_options: dict | None = None):
         raise field_error(ConfigError, "step", step, "a trained step >= 1", "step 0 is the starting version")
     store = CheckpointStore(root, name, storage_options=storage_options)
     if not store.versions():
-        raise field_error(ConfigError, "run", run, "a run folder holding versions", f"{store.uri} holds none")
+        raise field_error(ConfigError, "run", run, "a run folder holding versions (an RL run: run_local or the grpo "
+                          "workflow)", f"{store.uri} holds none; check the path (composed runs keep their stacks in "
+                          "sub-folders and are not replayable yet)")
     after = _version(store, step, why=f"the version step {step} wrote, compared with the replayed one")
     cfg = stored_run_config(after, storage_options)
     before = _version(store, step - 1, why=f"the version step {step} trains from")

@@ -1,5 +1,5 @@
 """Replay: a step rebuilt from what the run stored is bitwise the step the run took (batch and version), on the
-tiny diffusion (tiny-flow-grpo) and LM (tiny-grpo) recipes; a changed stored input fails naming the field; a run
+tiny diffusion (tiny-flow-grpo), LM (tiny-grpo) and agentic (tiny-agent-calc) recipes; a changed stored input fails naming the field; a run
 that did not store enough fails naming what is missing and the setting that keeps it."""
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ SMALL = {
                        "diffusion.engine.forward_batch_size=4", "diffusion.sampling.num_steps=4"],
     "tiny-grpo": ["data.prompts_per_step=2", "data.samples_per_prompt=4", "train.micro_batch_size=8",
                   "lm.engine.forward_batch_size=8"],
+    # the agentic family: multi-turn episodes against an environment (random-init model: no SFT export needed)
+    "tiny-agent-calc": ["lm.model.model=tiny", "eval=null", "data.prompts_per_step=2", "data.samples_per_prompt=4",
+                        "lm.engine.forward_batch_size=8", "train.micro_batch_size=8",
+                        "lm.agent={env: {name: guess_number, high: 1000}, max_turns: 3, max_response_tokens: 64}"],
 }
 KEEP = ["checkpoint.keep_batches=true", "checkpoint.keep_every=1"]
 STEPS = 4
@@ -143,7 +147,7 @@ def test_cli_replay_exit_status_and_rescore(kept_run, capsys):
         assert "MISMATCH" in capsys.readouterr().err
     finally:
         BatchStore(*run.rsplit("/", 1)).save(1, original)
-    scorer = "jpeg_compressibility" if recipe == "tiny-flow-grpo" else "toy_arithmetic"
+    scorer = {"tiny-flow-grpo": "jpeg_compressibility", "tiny-grpo": "toy_arithmetic"}.get(recipe, "agent_return")
     assert main(["rescore", run, "--reward", f"own={scorer}"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("| step | samples | run | own |") and "rescore.html" in out

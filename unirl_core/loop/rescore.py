@@ -31,7 +31,7 @@ from unirl_core.loop.replay import ReplayInputMissing, split_run, stored_run_con
 from unirl_core.report.charts import line_chart_svg
 from unirl_core.reward.config import RewardComponent, RewardConfig
 from unirl_core.reward.service import RewardService
-from unirl_core.types import SampleBatch
+from unirl_core.types import Sample, SampleBatch
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +42,30 @@ RUN_COLUMN = "run"
 
 @dataclasses.dataclass(frozen=True)
 class Alternative:
-    """One reward to re-score with: its column name and its reward config."""
+    """One reward to re-score with: its column name, its reward config and which Part of each Sample it scores."""
 
     name: str
     reward: RewardConfig
+    part: int | None = None
+    """None: the generated Part (what the run's reward scored); an index: that Part of every Sample, e.g. 0 for the
+    enhancer's rewrite of a composed run (prompt: the original caption, text: the rewrite)."""
 
 
-def alternative(scorer: str, *, name: str | None = None, kwargs: dict | None = None) -> Alternative:
+def alternative(scorer: str, *, name: str | None = None, kwargs: dict | None = None,
+                part: int | None = None) -> Alternative:
     """One scorer (weight 1) as an alternative reward; a sample it cannot score is left out of its mean."""
     comp = RewardComponent(name=scorer, weight=1.0, kwargs=dict(kwargs or {}))
-    return Alternative(name or scorer, RewardConfig(components=(comp,), failure_policy="mark_invalid"))
+    return Alternative(name or scorer, RewardConfig(components=(comp,), failure_policy="mark_invalid"), part)
 
 
 def parse_reward_arg(text: str) -> Alternative:
-    """``SCORER``, ``SCORER:{json kwargs}``, ``NAME=SCORER`` or ``NAME=SCORER:{json kwargs}`` (the CLI's
-    ``--reward``)."""
+    """``[NAME=]SCORER[@PART][:{json kwargs}]`` (the CLI's ``--reward``): ``aesthetic``, ``inc=jpeg_incompressibility``,
+    ``faith=caption_recall@0``, ``short=length_penalty:{"max_length": 4, "cache": 2}``."""
     head, _, raw = text.partition(":")
     name, _, scorer = head.rpartition("=")
+    scorer, _, part = scorer.partition("@")
+    if part and not part.lstrip("-").isdigit():
+        raise field_error(ConfigError, "--reward", text, "SCORER@<Part index>", "e.g. caption_recall@0")
     kwargs = {}
     if raw:
         try:
@@ -70,7 +77,7 @@ def parse_reward_arg(text: str) -> Alternative:
             raise field_error(ConfigError, "--reward", text, "a JSON object after ':'", "e.g. 'x:{\"k\": 1}'")
     if not scorer:
         raise field_error(ConfigError, "--reward", text, "a scorer name", "e.g. --reward jpeg_compressibility")
-    return alternative(scorer, name=name or None, kwargs=kwargs)
+    return alternative(scorer, name=name or None, kwargs=kwargs, part=int(part) if part else None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,13 +136,29 @@ def _scores(batch: SampleBatch) -> list[float | None]:
     return [p.reward if p.valid and p.reward is not None else None for p in batch.generated]
 
 
-def rescore_step(batches: BatchStore, step: int, services: dict[str, RewardService]) -> RescoreRow:
+def part_view(batch: SampleBatch, part: int | None) -> SampleBatch:
+    """``batch`` with every Sample cut down to its Part ``part`` (None: ``batch`` itself), for a scorer of that
+    Part; an index no Sample has raises naming it."""
+    if part is None:
+        return batch
+    try:
+        return SampleBatch(samples=[Sample(sample_id=s.sample_id, group_id=s.group_id,
+                                           parts=[dataclasses.replace(s.parts[part], parent=None)])
+                                    for s in batch.samples], metadata=dict(batch.metadata))
+    except IndexError:
+        longest = max(len(s.parts) for s in batch.samples)
+        raise field_error(ConfigError, "--reward ...@PART", part, f"a Part index of the run's Samples (they have "
+                          f"{longest} Parts)", "drop @PART to score the generated Part") from None
+
+
+def rescore_step(batches: BatchStore, step: int, services: dict[str, RewardService],
+                 parts: dict[str, int | None] | None = None) -> RescoreRow:
     """Step ``step``'s stored batch scored by each service (each on a fresh read of the batch: scoring writes the
     rewards into it)."""
     own = _scores(batches.load(step))
     means, corr, invalid = {}, {}, {}
     for name, service in services.items():
-        alt = _scores(service.score(batches.load(step)))
+        alt = _scores(service.score(part_view(batches.load(step), (parts or {}).get(name))))
         pairs = [(a, b) for a, b in zip(own, alt, strict=True) if a is not None and b is not None]
         means[name] = _mean([b for b in alt if b is not None])
         corr[name] = pearson([a for a, _ in pairs], [b for _, b in pairs])
@@ -155,9 +178,7 @@ def rescore(run: str, alternatives: Sequence[Alternative], *, steps: Sequence[in
         raise field_error(ConfigError, "alternatives", names, f"distinct names other than {RUN_COLUMN!r}",
                           "name them: --reward NAME=SCORER")
     root, name = split_run(run)
-    latest = CheckpointStore(root, name, storage_options=storage_options).latest()
-    if latest is not None:
-        stored_run_config(latest, storage_options)  # imports the run's plugins: their scorers are registered
+    import_run_plugins(root, name, storage_options)
     batches = BatchStore(root, name, storage_options=storage_options)
     have = batches.steps()
     if not have:
@@ -169,13 +190,27 @@ def rescore(run: str, alternatives: Sequence[Alternative], *, steps: Sequence[in
                                  f"{len(have)} steps); checkpoint.keep_batches was off when they ran")
     services = {a.name: RewardService(a.reward) for a in alternatives}
     try:
-        rows = tuple(rescore_step(batches, s, services) for s in wanted)
+        rows = tuple(rescore_step(batches, s, services, {a.name: a.part for a in alternatives}) for s in wanted)
     finally:
         for service in services.values():
             service.close()
     table = RescoreTable(run=name, alternatives=tuple(names), rows=rows)
     return write_table(table, posixpath.join(root.rstrip("/"), name, RESCORE_DIR), storage_options) if write \
         else table
+
+
+def import_run_plugins(root: str, name: str, storage_options: dict | None = None) -> None:
+    """Import the plugins the run's config names (their scorers register): from its newest version, or for a
+    composed run from its stacks' (``<run>/<stack>/``)."""
+    latest = CheckpointStore(root, name, storage_options=storage_options).latest()
+    if latest is None:
+        fs, path = fsspec.core.url_to_fs(posixpath.join(root.rstrip("/"), name), **dict(storage_options or {}))
+        stacks = [posixpath.basename(p) for p in fs.ls(path, detail=False) if fs.isdir(p)] if fs.exists(path) else []
+        run_root = posixpath.join(root.rstrip("/"), name)
+        latest = next((ref for s in sorted(stacks) if (ref := CheckpointStore(
+            run_root, s, storage_options=storage_options).latest()) is not None), None)
+    if latest is not None:
+        stored_run_config(latest, storage_options)
 
 
 def charts_svg(table: RescoreTable) -> list[str]:

@@ -4,7 +4,8 @@ Trains ``shapes-enhance`` (the enhancer under GRPO, the shapes-sd3 image model f
 ``checkpoint.keep_batches: true``, then re-scores every step's stored samples without training
 (``unirl_core.loop.rescore``): the enhancer's rewrites (Part 0) with ``caption_recall`` (the fraction of the
 caption's words a rewrite keeps, ``examples/compose_enhance/faithfulness.py``) against the image reward the run
-trained on. Reports both per third of the run and per step, and the mean per-sample correlation. The baseline is
+trained on. Reports both per third of the run and per step, the mean per-sample correlation, and what the rewrites
+look like per third (mean tokens, fraction empty). The baseline is
 the run's own reward (the stored ``Part.reward``), measured in the same run.
 
     python benchmarks/rescore_compose.py                 # 40 steps, seed 0 (~4-6 min on 2 CPU cores)
@@ -42,6 +43,7 @@ def main() -> None:
     pin_threads(1)
     from unirl_core.compose.config import load_compose_recipe
     from unirl_core.compose.local import run_compose_local
+    from unirl_core.checkpoint.batches import BatchStore
     from unirl_core.loop.rescore import parse_reward_arg, rescore
 
     with tempfile.TemporaryDirectory() as root:
@@ -49,17 +51,23 @@ def main() -> None:
                                                 f"loop.total_steps={args.steps}", f"loop.seed={args.seed}",
                                                 "eval=null", "report.tensorboard=false"])
         t0 = time.perf_counter()
-        run_compose_local(cfg, resume_from="never", progress=False)
+        history = [h for h in run_compose_local(cfg, resume_from="never", progress=False) if h["step"] >= 1]
         train_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         table = rescore(f"{root}/{cfg.name}", [parse_reward_arg("faith=caption_recall@0")], write=False)
         rescore_s = time.perf_counter() - t1
+        batches = BatchStore(root, cfg.name)
+        empty = [sum(not (s.parts[0].text or "").strip() for s in b.samples) / len(b.samples)
+                 for b in map(batches.load, batches.steps())]
+    tokens = [h["rollout/enhancer_tokens_mean"] for h in history]
     run = [r.run for r in table.rows]
     faith = [r.means["faith"] for r in table.rows]
     corr = [r.correlations["faith"] for r in table.rows if not math.isnan(r.correlations["faith"])]
     results = {"recipe": args.recipe, "seed": args.seed, "steps": args.steps,
                "run_reward_thirds": [round(v, 4) for v in thirds(run)],
                "caption_recall_thirds": [round(v, 4) for v in thirds(faith)],
+               "rewrite_tokens_thirds": [round(v, 2) for v in thirds(tokens)],
+               "empty_rewrite_frac_thirds": [round(v, 4) for v in thirds(empty)],
                "mean_corr_run_faith": round(sum(corr) / len(corr), 4), "train_s": round(train_s, 1),
                "rescore_s": round(rescore_s, 1),
                "per_step": [{"step": r.step, "run": round(r.run, 4), "caption_recall": round(r.means["faith"], 4),
@@ -67,7 +75,9 @@ def main() -> None:
                             for r in table.rows]}
     summary = format_table(["", "first third", "middle third", "last third"],
                            [["image reward (trained on)", *results["run_reward_thirds"]],
-                            ["caption_recall of the rewrites", *results["caption_recall_thirds"]]])
+                            ["caption_recall of the rewrites", *results["caption_recall_thirds"]],
+                            ["rewrite tokens (mean)", *results["rewrite_tokens_thirds"]],
+                            ["empty rewrites (fraction)", *results["empty_rewrite_frac_thirds"]]])
     steps = format_table(["step", "image reward", "caption_recall", "corr"],
                          [[p["step"], p["run"], p["caption_recall"], p["corr"]] for p in results["per_step"]])
     md = (f"{args.recipe}, seed {args.seed}, {args.steps} steps (training {train_s:.0f} s, re-scoring "

@@ -183,6 +183,10 @@ def replay(run: str, *, step: int, storage_options: dict | None = None, keep: bo
                                  f"{diff}", diff)
     finally:
         rollouts.close()
+        try:  # a step that failed mid-way may leave a version in flight: it lands (or fails) before the removal
+            finish_writes()
+        except Exception as e:  # noqa: BLE001  (the step's own error is the one raised)
+            log.error("the replayed version's background write failed: %s", e)
         if not keep:
             fs, path = fsspec.core.url_to_fs(scratch_root, **dict(rcfg.checkpoint.storage_options))
             if fs.exists(path):

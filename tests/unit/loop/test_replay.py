@@ -153,3 +153,27 @@ def test_cli_replay_exit_status_and_rescore(kept_run, capsys):
     assert out.startswith("| step | samples | run | own |") and "rescore.html" in out
     assert main(["replay", run, "--step", "9"]) == 2  # a step the run never trained: the error, no traceback
     assert "newest version is 4" in capsys.readouterr().err
+
+
+D_SMALL = SMALL["tiny-flow-grpo"]
+L_SMALL = SMALL["tiny-grpo"]
+VARIANTS = {  # what a step can do beyond the plain loop, each replayed bitwise
+    "tiny-dapo": L_SMALL,  # dynamic sampling: extra rollout rounds refill flat groups
+    "tiny-nft": D_SMALL,  # DiffusionNFT: rollouts sample with the version's EMA weights
+    "tiny-flow-grpo": [*D_SMALL, "loop.rollout_with_trainer=true",  # the trainer's module samples
+                       "tracker={}"],  # Flow-GRPO's per-prompt stat tracker, carried in extra.json
+    "tiny-cispo": L_SMALL, "tiny-mixgrpo": D_SMALL, "tiny-grpo-guard": D_SMALL, "tiny-flow-dppo": D_SMALL,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(VARIANTS))
+def test_algorithm_variants_replay_bitwise(tmp_path, recipe):
+    cfg = load_recipe(recipe, [*VARIANTS[recipe], f"checkpoint.root={tmp_path}", "loop.total_steps=3", *KEEP,
+                               "report.tensorboard=false"])
+    run_local(cfg, progress=False)
+    for step in (1, 3):
+        assert replay(f"{tmp_path}/{cfg.name}", step=step).step == step
+    if cfg.tracker is not None:  # the tracker state replay compared (version 3's extra.json) is really there
+        last = CheckpointStore(str(tmp_path), cfg.name).latest()
+        assert load_checkpoint(last).extra["tracker"]

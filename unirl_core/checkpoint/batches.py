@@ -11,6 +11,7 @@ uploaded from a local temp file, and a read downloads it first (no memory map ov
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import tempfile
@@ -25,6 +26,7 @@ from unirl_core.types import SampleBatch
 
 BATCH_DIR = "batches"
 SUFFIX = ".arrow"
+CONFIG_SUFFIX = ".config.json"
 
 
 class BatchStore:
@@ -44,10 +46,21 @@ class BatchStore:
     def _file(self, step: int) -> str:
         return posixpath.join(self.path, step_dirname(step) + SUFFIX)
 
-    def save(self, step: int, batch: SampleBatch) -> str:
-        """Write step ``step``'s batch (replacing one an interrupted attempt at that step left); returns its URL."""
+    def _config_file(self, step: int) -> str:
+        return posixpath.join(self.path, step_dirname(step) + CONFIG_SUFFIX)
+
+    def config(self, step: int) -> dict | None:
+        """The run config stored with step ``step``'s batch (None when the batch was stored without one)."""
+        path = self._config_file(step)
+        return json.loads(self.fs.cat_file(path)) if self.fs.exists(path) else None
+
+    def save(self, step: int, batch: SampleBatch, *, config: dict | None = None) -> str:
+        """Write step ``step``'s batch (replacing one an interrupted attempt at that step left) and, when given, the
+        run config the step ran with (``step-XXXXXXXX.config.json``); returns the batch's URL."""
         self.fs.makedirs(self.path, exist_ok=True)
         target = self._file(step)
+        if config is not None:
+            self.fs.pipe_file(self._config_file(step), json.dumps(config, sort_keys=True, indent=1).encode())
         if self.local:
             write_batch(batch, target)
         else:

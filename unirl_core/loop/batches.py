@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from unirl_core.checkpoint.batches import BatchStore
+from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.train.distributed import current_world
 from unirl_core.types import SampleBatch
@@ -14,7 +15,8 @@ def batch_store(cfg: RunConfig) -> BatchStore:
 
 
 def keep_batch(cfg: RunConfig, step: int, batch: SampleBatch) -> None:
-    """Write step ``step``'s trained batch (rank 0 only: every rank of a multi-rank train phase holds the same
-    batch, and two writers of one file race)."""
+    """Write step ``step``'s trained batch and the run config it ran with (rank 0 only: every rank of a multi-rank
+    train phase holds the same batch, and two writers of one file race). ``cfg``: an RL run's or a composed run's
+    config (a composed run's versions hold only each stack's config, so its recipe as it was is this file)."""
     if current_world()[0] == 0:
-        batch_store(cfg).save(step, batch)
+        batch_store(cfg).save(step, batch, config=to_dict(cfg))

@@ -121,8 +121,8 @@ def replay_inputs(run: str, step: int, *, storage_options: dict | None = None):
     store = CheckpointStore(root, name, storage_options=storage_options)
     if not store.versions():
         raise field_error(ConfigError, "run", run, "a run folder holding versions (an RL run: run_local or the grpo "
-                          "workflow)", f"{store.uri} holds none; check the path (composed runs keep their stacks in "
-                          "sub-folders and are not replayable yet)")
+                          "workflow)", f"{store.uri} holds none; check the path (a composed run keeps its stacks in "
+                          "sub-folders: replay it with python -m unirl_core.compose replay)")
     after = _version(store, step, why=f"the version step {step} wrote, compared with the replayed one")
     cfg = stored_run_config(after, storage_options)
     before = _version(store, step - 1, why=f"the version step {step} trains from")

@@ -17,13 +17,15 @@ from tasks.common import DECK, DEFAULT_ACCELERATOR, GPU_TASK, TRAIN_TIMEOUT, dec
 @task(container_image=train_image, **GPU_TASK, accelerator=DEFAULT_ACCELERATOR, retries=0, timeout=TRAIN_TIMEOUT,
       **DECK)
 def replay_task(run: str, steps: list[int]) -> dict[str, float]:
-    """Replay each of ``steps`` of ``run`` (``<checkpoint.root>/<run name>``); a mismatch fails the task naming the
-    first differing field. Returns ``replay/step_<k>_seconds`` and ``replay/steps`` (how many were equal)."""
+    """Replay each of ``steps`` of ``run`` (``<checkpoint.root>/<run name>``; an RL run, or a composed run of
+    ``workflows/enhance.py``); a mismatch fails the task naming the first differing field. Returns ``replay/step_<k>_seconds`` and ``replay/steps`` (how many were equal)."""
+    from unirl_core.compose.replay import is_composed_run, replay_compose
     from unirl_core.loop.replay import replay
 
+    rebuild = replay_compose if is_composed_run(run) else replay
     out, lines = {}, []
     for step in steps:
-        report = replay(run, step=step)
+        report = rebuild(run, step=step)
         out[f"replay/step_{step}_seconds"] = report.seconds
         lines.append(report.summary())
     out["replay/steps"] = float(len(steps))

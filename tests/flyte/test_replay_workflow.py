@@ -26,3 +26,14 @@ def test_replay_workflow_rebuilds_three_steps_of_a_workflow_run(tmp_path, run_na
     store.save(2, batch)
     with pytest.raises(Exception, match="field 'reward'"):
         replay(run=str(tmp_path / run_name), steps=[2])
+
+
+@pytest.mark.slow
+def test_replay_workflow_rebuilds_a_composed_workflow_run(tmp_path):
+    from tests.unit.compose.conftest import small_overrides
+    from workflows.enhance import enhance
+
+    overrides = small_overrides(tmp_path, "loop.steps_per_chunk=1", "loop.total_steps=2", *KEEP)
+    enhance(recipe="shapes-enhance", overrides=overrides)
+    out = replay(run=str(tmp_path / "enh"), steps=[1, 2])
+    assert out["replay/steps"] == 2.0

@@ -36,6 +36,15 @@ from unirl_core.plugins import import_plugins
 log = logging.getLogger(__name__)
 
 
+def is_composed_run(run: str, *, storage_options: dict | None = None) -> bool:
+    """Whether ``run`` is a composed run's folder: no versions of its own, a trained or frozen stack's under it."""
+    root, name = split_run(run)
+    if CheckpointStore(root, name, storage_options=storage_options).versions():
+        return False
+    run_root = posixpath.join(root.rstrip("/"), name)
+    return any(CheckpointStore(run_root, s, storage_options=storage_options).versions() for s in STACKS)
+
+
 def _version(store: CheckpointStore, step: int, stack: str) -> CheckpointRef:
     for ref in store.versions():
         if ref.step == step:

@@ -24,10 +24,12 @@ from collections.abc import Sequence
 
 import fsspec
 
-from unirl_core.checkpoint import CheckpointStore
+from unirl_core.checkpoint import CheckpointStore, load_version_json
 from unirl_core.checkpoint.batches import BatchStore
 from unirl_core.errors import ConfigError, field_error
-from unirl_core.loop.replay import ReplayInputMissing, split_run, stored_run_config
+from unirl_core.checkpoint.store import CONFIG
+from unirl_core.loop.replay import ReplayInputMissing, split_run
+from unirl_core.plugins import import_plugins
 from unirl_core.report.charts import line_chart_svg
 from unirl_core.reward.config import RewardComponent, RewardConfig
 from unirl_core.reward.service import RewardService
@@ -178,12 +180,12 @@ def rescore(run: str, alternatives: Sequence[Alternative], *, steps: Sequence[in
         raise field_error(ConfigError, "alternatives", names, f"distinct names other than {RUN_COLUMN!r}",
                           "name them: --reward NAME=SCORER")
     root, name = split_run(run)
-    import_run_plugins(root, name, storage_options)
     batches = BatchStore(root, name, storage_options=storage_options)
     have = batches.steps()
     if not have:
         raise ReplayInputMissing(f"run {name!r} ({batches.uri}) stored no batches: train it with "
                                  "checkpoint.keep_batches=true to keep every step's samples for re-scoring")
+    import_run_plugins(batches, have[-1], CheckpointStore(root, name, storage_options=storage_options))
     wanted = list(steps) if steps else have
     if missing := [s for s in wanted if s not in have]:
         raise ReplayInputMissing(f"run {name!r} stored no batch of steps {missing} (it has {have[0]}..{have[-1]}, "
@@ -199,18 +201,13 @@ def rescore(run: str, alternatives: Sequence[Alternative], *, steps: Sequence[in
         else table
 
 
-def import_run_plugins(root: str, name: str, storage_options: dict | None = None) -> None:
-    """Import the plugins the run's config names (their scorers register): from its newest version, or for a
-    composed run from its stacks' (``<run>/<stack>/``)."""
-    latest = CheckpointStore(root, name, storage_options=storage_options).latest()
-    if latest is None:
-        fs, path = fsspec.core.url_to_fs(posixpath.join(root.rstrip("/"), name), **dict(storage_options or {}))
-        stacks = [posixpath.basename(p) for p in fs.ls(path, detail=False) if fs.isdir(p)] if fs.exists(path) else []
-        run_root = posixpath.join(root.rstrip("/"), name)
-        latest = next((ref for s in sorted(stacks) if (ref := CheckpointStore(
-            run_root, s, storage_options=storage_options).latest()) is not None), None)
-    if latest is not None:
-        stored_run_config(latest, storage_options)
+def import_run_plugins(batches: BatchStore, step: int, store: CheckpointStore) -> None:
+    """Import the plugins the run's config names (their scorers register): the config stored with step ``step``'s
+    batch (an RL or a composed run's), else the run's newest version's."""
+    data = batches.config(step)
+    if data is None and (latest := store.latest()) is not None:
+        data = load_version_json(latest, CONFIG, storage_options=store.storage_options)
+    import_plugins((data or {}).get("plugins") or [])
 
 
 def charts_svg(table: RescoreTable) -> list[str]:

@@ -4,12 +4,16 @@ well the image satisfies the ORIGINAL prompt (``unirl_core.compose``). See READM
 Registers the warm-start pairs ``add_colour`` (``enhancer.warm_start.pairs``: each prompt once with each of
 ``enhancer.warm_start.colours`` added before its shape words); the shapes world (``examples.shapes``: prompts,
 rewards, ``shapes-sd3-long``, the ``shapes-words`` tokenizer) is imported with it. Recipes (compose):
-``shapes-enhance``, ``shapes-enhance-joint``, ``shapes-enhance-colour``.
+``shapes-enhance``, ``shapes-enhance-joint``, ``shapes-enhance-colour``. Also the scorer ``caption_recall``
+(``faithfulness.py``): how much of the caption a rewrite keeps, for re-scoring a run's enhancer Parts.
 """
 
 from examples.shapes.data import check_colours, with_colour
 from unirl_core.compose.warm_pairs import register_warm_pairs
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.reward.scorers import register_scorer
+
+register_scorer("caption_recall", "examples.compose_enhance.faithfulness:CaptionRecall")
 
 
 def _add_colour(records, cfg) -> list[tuple[str, str]]:

@@ -22,6 +22,7 @@ from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.runtime import build
+from unirl_core.loop.batches import keep_batch
 from unirl_core.loop.phases import init_run, publish_phase
 from unirl_core.train.backend import TrainBackend
 from unirl_core.types import SampleBatch
@@ -116,6 +117,8 @@ def train_phase(cfg: ComposeRunConfig, batch: SampleBatch, refs: Refs, *,
         if step != refs[name].step + 1:
             raise field_error(CheckpointError, f"{name} step", step, f"{name} ckpt.step + 1 = {refs[name].step + 1}",
                               "train each step from the versions of the step before it")
+    if cfg.checkpoint.keep_batches:  # the step's batch beside the stacks' versions, for re-scoring
+        keep_batch(cfg, step, batch)
     return compose_executor_for(cfg).train(cfg, batch, refs, step=step)
 
 

@@ -14,6 +14,7 @@ from unirl_core.advantage.dynamic_sampling import fill_groups
 from unirl_core.checkpoint import CheckpointRef
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, field_error
+from unirl_core.loop.batches import keep_batch
 from unirl_core.loop.executors import executor_for, finish_writes  # noqa: F401  (the phases' write barrier)
 from unirl_core.loop.run_init import init_run  # noqa: F401  (the setup phase, beside the others)
 from unirl_core.runtime import build  # noqa: F401  (what the phases build, for callers that inspect it)
@@ -95,6 +96,8 @@ def train_phase(cfg: RunConfig, batch: SampleBatch, ckpt: CheckpointRef, *, step
     if step != ckpt.step + 1:
         raise field_error(CheckpointError, "step", step, f"ckpt.step + 1 = {ckpt.step + 1}",
                           "train each step from the version of the step before it")
+    if cfg.checkpoint.keep_batches:
+        keep_batch(cfg, step, batch)
     return executor_for(cfg).train(cfg, batch, ckpt, step=step, asynchronous=asynchronous)
 
 

@@ -32,7 +32,7 @@ def _bytes(folder: Path, pattern: str) -> list[int]:
 def measure(recipe: str, steps: int) -> dict:
     from unirl_core.config import load_recipe
     from unirl_core.loop.local import run_local
-    from unirl_core.loop.replay import replay
+    from unirl_core.runs.replay import replay
 
     with tempfile.TemporaryDirectory() as root:
         over = [f"checkpoint.root={root}", f"loop.total_steps={steps}", "checkpoint.keep_every=1",

@@ -2,7 +2,7 @@
 
 Trains ``shapes-enhance`` (the enhancer under GRPO, the shapes-sd3 image model frozen; eval off) with
 ``checkpoint.keep_batches: true``, then re-scores every step's stored samples without training
-(``unirl_core.loop.rescore``): the enhancer's rewrites (Part 0) with ``caption_recall`` (the fraction of the
+(``unirl_core.runs.rescore``): the enhancer's rewrites (Part 0) with ``caption_recall`` (the fraction of the
 caption's words a rewrite keeps, ``examples/compose_enhance/faithfulness.py``) against the image reward the run
 trained on. Reports both per third of the run and per step, the mean per-sample correlation, and what the rewrites
 look like per third (mean tokens, fraction empty). The baseline is
@@ -44,7 +44,7 @@ def main() -> None:
     from unirl_core.compose.config import load_compose_recipe
     from unirl_core.compose.local import run_compose_local
     from unirl_core.checkpoint.batches import BatchStore
-    from unirl_core.loop.rescore import parse_reward_arg, rescore
+    from unirl_core.runs.rescore import parse_reward_arg, rescore
 
     with tempfile.TemporaryDirectory() as root:
         cfg = load_compose_recipe(args.recipe, [f"checkpoint.root={root}", "checkpoint.keep_batches=true",

@@ -1,4 +1,4 @@
-"""Replay: rebuild steps of a stored run and check them bit for bit (``unirl_core.loop.replay``), one task.
+"""Replay: rebuild steps of a stored run and check them bit for bit (``unirl_core.runs.replay``), one task.
 
 It samples, scores and trains (one step each), so it runs on the train image with a GPU; not cached (it reads the
 run's store, whose content the inputs do not name).
@@ -19,8 +19,8 @@ from tasks.common import DECK, DEFAULT_ACCELERATOR, GPU_TASK, TRAIN_TIMEOUT, dec
 def replay_task(run: str, steps: list[int]) -> dict[str, float]:
     """Replay each of ``steps`` of ``run`` (``<checkpoint.root>/<run name>``; an RL run, or a composed run of
     ``workflows/enhance.py``); a mismatch fails the task naming the first differing field. Returns ``replay/step_<k>_seconds`` and ``replay/steps`` (how many were equal)."""
-    from unirl_core.compose.replay import is_composed_run, replay_compose
-    from unirl_core.loop.replay import replay
+    from unirl_core.runs.replay_compose import is_composed_run, replay_compose
+    from unirl_core.runs.replay import replay
 
     rebuild = replay_compose if is_composed_run(run) else replay
     out, lines = {}, []

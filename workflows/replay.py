@@ -4,7 +4,7 @@ batch, rewards, advantages and version k out - or a failure naming the first fie
     pyflyte run workflows/replay.py replay --run runs/tiny-flow-grpo --steps '[1, 2, 4]'
 
 The run must have been trained with ``checkpoint.keep_batches: true`` and keep the versions around each step
-(``checkpoint.keep_every: 1``). Only wiring: ``replay_task`` calls ``unirl_core.loop.replay.replay``.
+(``checkpoint.keep_every: 1``). Only wiring: ``replay_task`` calls ``unirl_core.runs.replay.replay``.
 """
 
 from __future__ import annotations

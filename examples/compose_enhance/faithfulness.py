@@ -5,7 +5,7 @@ image model renders badly anyway (the empty prompt outscores the caption itself 
 headers). Re-scoring a run's enhancer Parts (Part 0 of a composed Sample: prompt = the original prompt, text = the
 rewrite) with this scorer shows whether its climb keeps the caption:
 
-    python -m unirl_core.loop rescore runs/shapes-enhance --reward faith=caption_recall@0
+    python -m unirl_core.runs rescore runs/shapes-enhance --reward faith=caption_recall@0
 
 Score: the fraction of the caption's words (``targets['caption']`` when the data set gave one, else the prompt;
 lower-cased, split on non-letters, plural ``s`` kept) that occur in the rewrite; an empty rewrite scores 0.

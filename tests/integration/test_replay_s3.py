@@ -11,8 +11,8 @@ import s3fs
 from unirl_core.checkpoint.batches import BatchStore
 from unirl_core.config import load_recipe
 from unirl_core.loop.local import run_local
-from unirl_core.loop.replay import ReplayMismatch, replay
-from unirl_core.loop.rescore import alternative, rescore
+from unirl_core.runs.replay import ReplayMismatch, replay
+from unirl_core.runs.rescore import alternative, rescore
 
 pytestmark = pytest.mark.integration
 

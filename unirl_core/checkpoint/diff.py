@@ -1,6 +1,6 @@
 """Where two versions differ, bit for bit: weights, EMA weights, the full train state, the extra JSON.
 
-Replay trains step k again and compares its version with the one the run stored (``unirl_core/loop/replay.py``).
+Replay trains step k again and compares its version with the one the run stored (``unirl_core/runs/replay.py``).
 ``config.json`` is not compared: it is the input (the replayed version is written under another root).
 """
 

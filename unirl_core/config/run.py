@@ -177,7 +177,7 @@ class CheckpointConfig:
     """Also keep every m-th step forever."""
     keep_batches: bool = False
     """Also write each step's trained batch (rollout, rewards, advantages) to ``<root>/<run>/batches/`` (never
-    pruned): what ``replay`` and ``rescore`` read (``unirl_core/loop/replay.py``). Replaying step k also needs
+    pruned): what ``replay`` and ``rescore`` read (``unirl_core/runs/replay.py``). Replaying step k also needs
     versions k-1 and k: keep them with ``keep_every: 1`` (or a ``keep_last`` of at least ``loop.total_steps``)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options (e.g. ``{"client_kwargs": {"endpoint_url": ...}}``); credentials come from the environment."""

@@ -1,6 +1,6 @@
 """Where two batches differ, bit for bit: the first field (in the Arrow schema's names) and the row.
 
-Replay compares a recomputed step with the batch the run stored (``unirl_core/loop/replay.py``). The fields are
+Replay compares a recomputed step with the batch the run stored (``unirl_core/runs/replay.py``). The fields are
 walked in the order the loop fills them - what the rollout wrote, then the reward phase's, then the advantage - so
 the first difference points at the earliest phase that diverged. Tensors are compared as raw bytes (dtype and
 shape first), floats by their IEEE bits (a NaN equals the same NaN; -0.0 differs from 0.0).

@@ -96,7 +96,7 @@ class DiffusionModelConfig:
     lora: LoRASpec = field(default_factory=LoRASpec)
     """Adapter shape when ``finetune == 'lora'``."""
     adapter: str | None = None
-    """A peft adapter folder (local path or fsspec URI, e.g. one written by ``python -m unirl_core.runtime.export
+    """A peft adapter folder (local path or fsspec URI, e.g. one written by ``python -m unirl_core.runs.export
     ... --format peft``) whose weights the LoRA starts from instead of its random init (``finetune: lora``; its
     ``adapter_config.json`` must have this ``lora`` shape). None: the seeded random init."""
     reference_copy: bool = True

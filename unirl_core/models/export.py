@@ -10,15 +10,20 @@ Three formats (``EXPORT_FORMATS``), each a writer of a bundle into a local folde
 - ``transformers``: model + tokenizer (``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained``), LoRA merged.
 
 ``lora.load_adapter`` is the way back: a run whose ``model.adapter`` names such a folder starts its LoRA from it.
-Where a version comes from (a run's checkpoint store) is ``unirl_core.runtime.export``'s concern.
+Where a version comes from (a run's checkpoint store) is ``unirl_core.runs.export``'s concern.
 """
 
 from __future__ import annotations
+
+import json
+import posixpath
+import tempfile
 
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+import fsspec
 import safetensors.torch
 
 from unirl_core.errors import ConfigError, field_error
@@ -98,3 +103,23 @@ def save_export(bundle, fmt: str, out: Path, *, base_model: str = "") -> None:
         raise field_error(ConfigError, "export format", fmt, f"one of {sorted(EXPORT_FORMATS)}",
                           "peft (a LoRA adapter), diffusers (a pipeline) or transformers (an LM)")
     EXPORT_FORMATS[fmt](bundle, out, base_model=base_model)
+
+
+EXPORT_MARKER = "export.json"
+"""Written last into an export folder: which version and format it holds. A folder without it is incomplete."""
+
+
+def write_export(bundle, fmt: str, uri: str, marker: dict, *, base_model: str = "",
+                 storage_options: dict | None = None) -> str:
+    """Write ``bundle`` in format ``fmt`` to ``uri`` (local or remote), ``export.json`` (``marker`` + the format)
+    last; a previous marker there is removed first, so a folder being rewritten never reads as complete."""
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if fs.exists(posixpath.join(path, EXPORT_MARKER)):
+        fs.rm_file(posixpath.join(path, EXPORT_MARKER))
+    with tempfile.TemporaryDirectory(prefix="unirl-export-") as tmp:
+        save_export(bundle, fmt, Path(tmp), base_model=base_model)
+        fs.makedirs(path, exist_ok=True)
+        fs.put(f"{tmp}/", path, recursive=True)
+    with fs.open(posixpath.join(path, EXPORT_MARKER), "w") as f:
+        json.dump({**marker, "format": fmt}, f, indent=1, sort_keys=True)
+    return uri

@@ -105,7 +105,7 @@ class LMConfig:
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Module names LoRA wraps."""
     adapter: str | None = None
-    """A peft adapter folder (local path or fsspec URI, e.g. one written by ``python -m unirl_core.runtime.export
+    """A peft adapter folder (local path or fsspec URI, e.g. one written by ``python -m unirl_core.runs.export
     ... --format peft``) whose weights the LoRA starts from instead of its random init (``finetune: lora``; its
     ``adapter_config.json`` must have this model's ``lora_rank`` / ``lora_alpha`` / ``lora_target_modules``)."""
     keep_reference: bool = True

@@ -153,7 +153,7 @@ def read_peft_adapter(uri: str, *, field: str, rank: int, alpha: float, target_m
         blob = fs.cat_file(posixpath.join(path, ADAPTER_WEIGHTS))
     except FileNotFoundError as e:
         raise field_error(ConfigError, field, uri, f"a peft adapter folder ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})",
-                          f"write one with python -m unirl_core.runtime.export ... --format peft ({e})") from None
+                          f"write one with python -m unirl_core.runs.export ... --format peft ({e})") from None
     want = {"r": rank, "lora_alpha": float(alpha), "target_modules": sorted(target_modules)}
     targets = cfg.get("target_modules")
     got = {"r": cfg.get("r"), "lora_alpha": float(cfg.get("lora_alpha") or 0),

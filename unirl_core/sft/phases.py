@@ -24,7 +24,7 @@ from unirl_core.checkpoint import (
 from unirl_core.config.loader import config_key, to_dict
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.runtime.build import apply_policy_weights, fresh_bundle
-from unirl_core.runtime.export import write_export
+from unirl_core.models.export import write_export
 from unirl_core.sft.config import SFTConfig
 from unirl_core.sft.losses import CompletionSFT, FlowMatchingSFT
 from unirl_core.sft.records import Record, load_records, supervised_batch

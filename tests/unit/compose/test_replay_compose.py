@@ -8,11 +8,11 @@ import pytest
 
 from tests.unit.compose.conftest import small_config
 from unirl_core.checkpoint.batches import BatchStore
-from unirl_core.compose.__main__ import main
+from unirl_core.runs.__main__ import main
 from unirl_core.compose.local import run_compose_local
-from unirl_core.compose.replay import replay_compose
+from unirl_core.runs.replay_compose import replay_compose
 from unirl_core.errors import ConfigError
-from unirl_core.loop.replay import ReplayInputMissing, ReplayMismatch, replay
+from unirl_core.runs.replay import ReplayInputMissing, ReplayMismatch, replay
 
 KEEP = ["checkpoint.keep_batches=true", "checkpoint.keep_every=1", "loop.total_steps=3"]
 
@@ -41,7 +41,7 @@ def test_joint_run_replays_three_steps_and_names_a_changed_field(tmp_path):
     assert main(["replay", run, "--step", "2"]) == 1  # the CLI: the mismatch, exit status 1
     store.save(2, original, config=store.config(2))
     assert main(["replay", run, "--step", "2"]) == 0
-    with pytest.raises(ConfigError, match="python -m unirl_core.compose replay"):
+    with pytest.raises(ConfigError, match="python -m unirl_core.runs replay"):
         replay(run, step=2)  # the RL replay points a composed run to its own
 
 

@@ -11,7 +11,7 @@ from tests.unit.compose.conftest import small_config
 from unirl_core.checkpoint.batches import BatchStore
 from unirl_core.compose.local import run_compose_local
 from unirl_core.errors import ConfigError
-from unirl_core.loop.rescore import parse_reward_arg, rescore
+from unirl_core.runs.rescore import parse_reward_arg, rescore
 from unirl_core.reward.scorers.base import ScoreItem
 
 

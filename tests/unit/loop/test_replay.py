@@ -15,7 +15,7 @@ from unirl_core.checkpoint.batches import BatchStore
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
 from unirl_core.loop.local import run_local
-from unirl_core.loop.replay import ReplayInputMissing, ReplayMismatch, replay
+from unirl_core.runs.replay import ReplayInputMissing, ReplayMismatch, replay
 
 SMALL = {
     "tiny-flow-grpo": ["data.prompts_per_step=2", "data.samples_per_prompt=4", "train.micro_batch_size=4",
@@ -135,7 +135,7 @@ def test_replay_refuses_step_zero_and_a_bad_run_path(tmp_path):
 
 @pytest.mark.slow
 def test_cli_replay_exit_status_and_rescore(kept_run, capsys):
-    from unirl_core.loop.__main__ import main
+    from unirl_core.runs.__main__ import main
 
     recipe, run = kept_run
     assert main(["replay", run, "--step", "1", "--step", "3"]) == 0

@@ -12,8 +12,8 @@ import pytest
 from unirl_core.config import load_recipe
 from unirl_core.errors import ConfigError
 from unirl_core.loop.local import run_local
-from unirl_core.loop.replay import ReplayInputMissing
-from unirl_core.loop.rescore import alternative, parse_reward_arg, pearson, rescore
+from unirl_core.runs.replay import ReplayInputMissing
+from unirl_core.runs.rescore import alternative, parse_reward_arg, pearson, rescore
 
 SMALL = ["data.prompts_per_step=2", "data.samples_per_prompt=4", "train.micro_batch_size=4",
          "diffusion.engine.forward_batch_size=4", "diffusion.sampling.num_steps=4", "loop.total_steps=3"]

@@ -20,7 +20,7 @@ from unirl_core.loop.local import run_local
 from unirl_core.loop.run_init import init_run
 from unirl_core.models.lora import has_lora, lora_state_dict
 from unirl_core.runtime.build import fresh_bundle, load_policy_weights
-from unirl_core.runtime.export import export_version, main, version_config, version_ref
+from unirl_core.runs.export import export_version, main, version_config, version_ref
 from tests.unit.models.round_trip import assert_outputs_close, assert_same_weights
 
 SIGMA = torch.tensor(0.6)

@@ -7,7 +7,7 @@ the audit for reward hacking: a run whose own reward climbs while a reward of wh
 a held-out judge) stays flat or falls is optimising a loophole. The table goes to ``<run>/rescore/rescore.csv``
 and a page of charts (``unirl_core.report.charts``, matplotlib SVG) and the table to ``<run>/rescore/rescore.html``.
 
-CLI: ``python -m unirl_core.loop rescore <root>/<run> --reward SCORER [--reward NAME=SCORER:{json kwargs}]``.
+CLI: ``python -m unirl_core.runs rescore <root>/<run> --reward SCORER [--reward NAME=SCORER:{json kwargs}]``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from unirl_core.checkpoint import CheckpointStore, load_version_json
 from unirl_core.checkpoint.batches import BatchStore
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.checkpoint.store import CONFIG
-from unirl_core.loop.replay import ReplayInputMissing, split_run
+from unirl_core.runs.replay import ReplayInputMissing, split_run
 from unirl_core.plugins import import_plugins
 from unirl_core.report.charts import line_chart_svg
 from unirl_core.reward.config import RewardComponent, RewardConfig

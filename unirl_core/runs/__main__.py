@@ -1,11 +1,11 @@
-"""``python -m unirl_core.loop <command>``: tools over a run the loop stored.
+"""``python -m unirl_core.runs <command>``: tools over a run the loop stored.
 
-    python -m unirl_core.loop replay runs/tiny-flow-grpo --step 3 [--step 5 ...]
-    python -m unirl_core.loop rescore runs/tiny-flow-grpo --reward aesthetic_proxy --reward 'clip_like={"x": 1}'
+    python -m unirl_core.runs replay runs/tiny-flow-grpo --step 3 [--step 5 ...]
+    python -m unirl_core.runs rescore runs/tiny-flow-grpo --reward aesthetic_proxy --reward 'clip_like={"x": 1}'
 
-``replay`` rebuilds each step from what the run stored and checks it bit for bit (``unirl_core/loop/replay.py``;
+``replay`` rebuilds each step from what the run stored and checks it bit for bit (``unirl_core/runs/replay.py``;
 exit status 1 and the first differing field on a mismatch). ``rescore`` scores the stored batches with other
-rewards, without training (``unirl_core/loop/rescore.py``): a per-step table on stdout, a CSV and a page of charts under
+rewards, without training (``unirl_core/runs/rescore.py``): a per-step table on stdout, a CSV and a page of charts under
 ``<run>/rescore/``. Both need a run trained with ``checkpoint.keep_batches: true``.
 """
 
@@ -19,12 +19,14 @@ from unirl_core.errors import UniRLError
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from unirl_core.loop.replay import ReplayMismatch, replay
+    from unirl_core.runs.replay import ReplayMismatch, replay
+    from unirl_core.runs.replay_compose import is_composed_run, replay_compose
 
+    rebuild = replay_compose if is_composed_run(args.run) else replay
     status = 0
     for step in args.step:
         try:
-            print(replay(args.run, step=step, keep=args.keep).summary())
+            print(rebuild(args.run, step=step, keep=args.keep).summary())
         except ReplayMismatch as e:
             print(f"MISMATCH: {e}", file=sys.stderr)
             status = 1
@@ -32,7 +34,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _rescore(args: argparse.Namespace) -> int:
-    from unirl_core.loop.rescore import parse_reward_arg, rescore
+    from unirl_core.runs.rescore import parse_reward_arg, rescore
 
     table = rescore(args.run, [parse_reward_arg(r) for r in args.reward], steps=args.step or None)
     print(table.markdown())
@@ -41,7 +43,7 @@ def _rescore(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m unirl_core.loop", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m unirl_core.runs", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("replay", help="rebuild steps from what the run stored and check them bit for bit")
     rp.add_argument("run", help="the run folder: <checkpoint.root>/<run name> (a path or an s3:// URL)")

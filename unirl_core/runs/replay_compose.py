@@ -1,4 +1,4 @@
-"""Replay a step of a composed run bit for bit (the composed counterpart of ``unirl_core.loop.replay``).
+"""Replay a step of a composed run bit for bit (the composed counterpart of ``unirl_core.runs.replay``).
 
 A composed run keeps its stacks' versions in ``<run>/enhancer/`` and ``<run>/image/`` and, with
 ``checkpoint.keep_batches``, each step's scored batch and the composed recipe it ran with
@@ -8,7 +8,7 @@ step-0 version), writing under ``<run>/replay/`` (removed afterwards), and check
 rewrite and the image, rewards, advantages) and every trained stack's version k come out bitwise equal; a mismatch
 raises ``ReplayMismatch`` naming the first field that differs.
 
-CLI: ``python -m unirl_core.compose replay <root>/<run> --step k``.
+CLI: ``python -m unirl_core.runs replay <root>/<run> --step k``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from unirl_core.config.loader import from_dict
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.io.diff import first_difference
 from unirl_core.loop.executors import finish_writes
-from unirl_core.loop.replay import LABELS, SCRATCH, ReplayInputMissing, ReplayMismatch, ReplayReport, split_run
+from unirl_core.runs.replay import LABELS, SCRATCH, ReplayInputMissing, ReplayMismatch, ReplayReport, split_run
 from unirl_core.plugins import import_plugins
 
 log = logging.getLogger(__name__)

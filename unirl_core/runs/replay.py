@@ -12,7 +12,7 @@ The replayed version is written under a scratch root (``<run>/replay/``, removed
 into the run; the run name stays the same, since it is part of what a step writes (the batch's metadata). It
 runs in this process with the in-process executor whatever ``pool.execution`` the run used (the pool's results
 are bitwise the in-process ones, ``tests/integration/test_pool.py``) and without the eval phase (it reads a
-version; it does not change one). CLI: ``python -m unirl_core.loop replay <root>/<run> --step k``.
+version; it does not change one). CLI: ``python -m unirl_core.runs replay <root>/<run> --step k``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def replay_inputs(run: str, step: int, *, storage_options: dict | None = None):
     if not store.versions():
         raise field_error(ConfigError, "run", run, "a run folder holding versions (an RL run: run_local or the grpo "
                           "workflow)", f"{store.uri} holds none; check the path (a composed run keeps its stacks in "
-                          "sub-folders: replay it with python -m unirl_core.compose replay)")
+                          "sub-folders: replay it with python -m unirl_core.runs replay)")
     after = _version(store, step, why=f"the version step {step} wrote, compared with the replayed one")
     cfg = stored_run_config(after, storage_options)
     before = _version(store, step - 1, why=f"the version step {step} trains from")

@@ -1,7 +1,7 @@
 """Export a run's version as a folder other libraries load: a peft adapter, a diffusers pipeline or a transformers
 model (``unirl_core.models.export`` writes the formats).
 
-``python -m unirl_core.runtime.export <version or run URI> <out URI> [--format peft|diffusers|transformers]
+``python -m unirl_core.runs.export <version or run URI> <out URI> [--format peft|diffusers|transformers]
 [--ema] [--device cpu]``
 
 The version's own ``config.json`` says how to build the model (the run's recipe, its plugins imported); its
@@ -27,31 +27,11 @@ from unirl_core.checkpoint.manifest import MANIFEST
 from unirl_core.config.loader import from_dict, to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, field_error
-from unirl_core.models.export import EXPORT_FORMATS, default_format, save_export
+from unirl_core.models.export import EXPORT_FORMATS, EXPORT_MARKER, default_format, write_export
 from unirl_core.plugins import import_plugins
 from unirl_core.runtime.build import apply_policy_weights, fresh_bundle
 
 log = logging.getLogger(__name__)
-
-EXPORT_MARKER = "export.json"
-"""Written last into an export folder: which version and format it holds. A folder without it is incomplete."""
-
-
-def write_export(bundle, fmt: str, uri: str, marker: dict, *, base_model: str = "",
-                 storage_options: dict | None = None) -> str:
-    """Write ``bundle`` in format ``fmt`` to ``uri`` (local or remote), ``export.json`` (``marker`` + the format)
-    last; a previous marker there is removed first, so a folder being rewritten never reads as complete."""
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-    if fs.exists(posixpath.join(path, EXPORT_MARKER)):
-        fs.rm_file(posixpath.join(path, EXPORT_MARKER))
-    with tempfile.TemporaryDirectory(prefix="unirl-export-") as tmp:
-        save_export(bundle, fmt, Path(tmp), base_model=base_model)
-        fs.makedirs(path, exist_ok=True)
-        fs.put(f"{tmp}/", path, recursive=True)
-    with fs.open(posixpath.join(path, EXPORT_MARKER), "w") as f:
-        json.dump({**marker, "format": fmt}, f, indent=1, sort_keys=True)
-    return uri
-
 
 def version_ref(uri: str, storage_options: dict | None = None) -> CheckpointRef:
     """The version at ``uri``, or the latest version of the run folder at ``uri``."""
@@ -112,7 +92,7 @@ def export_version(source: str, out: str, fmt: str | None = None, *, ema: bool =
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m unirl_core.runtime.export",
+    ap = argparse.ArgumentParser(prog="python -m unirl_core.runs.export",
                                  description="Export a run's version as a peft / diffusers / transformers folder.")
     ap.add_argument("source", help="a version folder <root>/<run>/step-XXXXXXXX, or a run folder (its latest)")
     ap.add_argument("out", help="the folder to write (local path or fsspec URI)")

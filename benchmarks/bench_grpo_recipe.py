@@ -190,6 +190,7 @@ def recipe_config(a, texts: list[str], root: str):
             f"lm.algorithm.max_response_tokens={a.new_tokens}", f"train.micro_batch_size={a.micro_batch}",
             "report.progress=false", "report.tensorboard=true"]
     data = load_recipe_dict(a.recipe, over)
+    data.pop("cluster", None)  # the Flyte pods section (load_recipe drops it too)
     data["name"] = "bench"
     data["data"] = {"source": "inline", "prompts": texts, "prompts_per_step": a.prompts,
                     "samples_per_prompt": a.group}

@@ -62,10 +62,10 @@ class ELBOPGConfig:
 
     name: Literal["elbo_pg"] = field(default="elbo_pg", init=False)
     """Registry name."""
-    objective: Objective = "pepg"
+    objective: Literal["epg", "pepg", "par"] = "pepg"
     """``epg`` (REINFORCE with a detached ratio), ``pepg`` (EPG with the advantage lowered by the log-ratio, the
     paper's headline GenEval run) or ``par`` (squared regression of the log-ratio onto the advantage)."""
-    weighting: Weighting = "adaptive"
+    weighting: Literal["adaptive", "x0", "velocity"] = "adaptive"
     """Weight of the velocity-matching error inside the ELBO: ``adaptive`` (x0-prediction error over its own detached
     mean absolute value, the authors' default), ``x0`` (x0-prediction error, i.e. ``t^2`` times the velocity error)
     or ``velocity`` (plain velocity error)."""

@@ -27,7 +27,8 @@ a replay is bitwise. Siblings sharing x_T (``same_noise_per_group``) share their
 
 Where the formulas come from: the abstract and third-party reviews of the paper (its full text was not reachable
 here) and the authors' public code (jaemoo-choi/rethinking-diffusion-rl: the ELBO weightings, the EPG / PEPG / PAR
-objectives, one eps per trained sampler timestep, timestep_fraction 0.99). Shapes: B samples, P = K levels x
+objectives, one eps per trained sampler timestep, timestep_fraction 0.99). V-GRPO (arXiv 2604.23380) is not
+implemented: docs/algorithms.md lists what its reachable description leaves open. Shapes: B samples, P = K levels x
 ``noise_draws`` pairs, latents ``[C, h, w]``.
 """
 

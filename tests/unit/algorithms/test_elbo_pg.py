@@ -221,3 +221,29 @@ def test_sd35m_recipe_parses_and_passes_preflight_at_its_shape(tmp_path):
     assert algo.pairs_per_sample(cfg.diffusion.sampling.num_steps) == 9
     notes = preflight(cfg, network=False)  # the hub is not asked here; the root is probed
     assert notes and "hub check skipped" in notes[0]
+
+
+SMALL = ["data.prompts_per_step=2", "data.samples_per_prompt=4", "diffusion.engine.forward_batch_size=8",
+         "train.micro_batch_size=8", "diffusion.sampling.num_steps=4", "eval.samples_per_prompt=1",
+         "report.tensorboard=false", "loop.total_steps=2"]
+
+
+def test_shapes_recipe_runs_through_the_loop_with_policy_or_ema_rollouts(tmp_path):
+    from unirl_core.loop import phases
+    from unirl_core.loop.local import run_local
+
+    cfg = load_recipe("shapes-elbo-pg", [f"checkpoint.root={tmp_path}/a", *SMALL])
+    seen = []
+    hist = run_local(cfg, progress=False, on_step=lambda m, b: seen.append(b))
+    assert not any(bool(p.segment.sde_mask.any()) for b in seen for p in b.generated)  # ODE rollouts
+    assert all(h["train/ratio_min"] == 1.0 == h["train/ratio_max"] for h in hist)  # one update a batch: exact
+    assert all(h["train/elbo_absdiff_max"] == 0.0 and h["train/grad_norm"] > 0 for h in hist)
+    with pytest.raises(ConfigError, match="train.ema_decay"):
+        load_recipe("shapes-elbo-pg", ["diffusion.algorithm.old_policy=ema"])
+    ema = load_recipe("shapes-elbo-pg", [f"checkpoint.root={tmp_path}/b", *SMALL, "diffusion.algorithm.old_policy=ema",
+                                         "train.ema_decay=0.5", "eval.weights=ema"])
+    seen.clear()
+    hist = run_local(ema, progress=False, on_step=lambda m, b: seen.append(b))
+    assert [p.policy_version for p in seen[0].generated] == [phases.EMA_POLICY_VERSION] * 8
+    assert hist[0]["train/elbo_absdiff_max"] == 0.0  # step 1: the EMA equals the weights
+    assert hist[1]["train/elbo_absdiff_max"] > 0.0  # then ELBO_old is the lagging EMA's: the ratio moves

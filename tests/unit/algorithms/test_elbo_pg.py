@@ -232,14 +232,15 @@ def test_shapes_recipe_runs_through_the_loop_with_policy_or_ema_rollouts(tmp_pat
     from unirl_core.loop import phases
     from unirl_core.loop.local import run_local
 
-    cfg = load_recipe("shapes-elbo-pg", [f"checkpoint.root={tmp_path}/a", *SMALL])
+    cfg = load_recipe("shapes-elbo-pg", [f"checkpoint.root={tmp_path}/a", *SMALL, "diffusion.algorithm.old_policy=policy",
+                                         "train.ema_decay=null", "eval.weights=policy"])
     seen = []
     hist = run_local(cfg, progress=False, on_step=lambda m, b: seen.append(b))
     assert not any(bool(p.segment.sde_mask.any()) for b in seen for p in b.generated)  # ODE rollouts
     assert all(h["train/ratio_min"] == 1.0 == h["train/ratio_max"] for h in hist)  # one update a batch: exact
     assert all(h["train/elbo_absdiff_max"] == 0.0 and h["train/grad_norm"] > 0 for h in hist)
     with pytest.raises(ConfigError, match="train.ema_decay"):
-        load_recipe("shapes-elbo-pg", ["diffusion.algorithm.old_policy=ema"])
+        load_recipe("shapes-elbo-pg", ["diffusion.algorithm.old_policy=ema", "train.ema_decay=null"])
     ema = load_recipe("shapes-elbo-pg", [f"checkpoint.root={tmp_path}/b", *SMALL, "diffusion.algorithm.old_policy=ema",
                                          "train.ema_decay=0.5", "eval.weights=ema"])
     seen.clear()

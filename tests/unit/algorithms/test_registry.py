@@ -18,7 +18,7 @@ from unirl_core.runtime import build
 
 def test_builtin_names_per_family():
     assert algorithm_names("lm") == ["cispo", "grpo"]
-    assert algorithm_names("diffusion") == ["flow_dppo", "flow_grpo", "grpo_guard", "nft"]
+    assert algorithm_names("diffusion") == ["elbo_pg", "flow_dppo", "flow_grpo", "grpo_guard", "nft"]
 
 
 def test_recipes_without_a_name_keep_the_family_default():
@@ -57,7 +57,7 @@ def test_bad_algorithm_sections_name_field_value_and_fix(override, message):
 
 
 def test_diffusion_section_rejects_lm_algorithms_and_knobs():
-    with pytest.raises(ConfigError, match=r"diffusion.algorithm.name='cispo': expected one of \['flow_dppo', 'flow_grpo', 'grpo_guard', 'nft'\]"):
+    with pytest.raises(ConfigError, match=r"diffusion.algorithm.name='cispo': expected one of \['elbo_pg', 'flow_dppo', 'flow_grpo', 'grpo_guard', 'nft'\]"):
         load_recipe("tiny-flow-grpo", ["diffusion.algorithm.name=cispo"])
     with pytest.raises(ConfigError, match=r"diffusion.algorithm.epsilon=0.2: .*'epsilon' belongs to grpo \(a lm"):
         load_recipe("tiny-flow-grpo", ["diffusion.algorithm.epsilon=0.2"])

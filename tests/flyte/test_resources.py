@@ -54,7 +54,7 @@ def test_a_tiny_recipe_runs_on_cpu_pods_without_an_accelerator():
                        "limits": {"MEMORY": "16Gi", "GPU": "0"}, "accelerator": None}, role
 
 
-@pytest.mark.parametrize("recipe", ["sd35m-pickscore", "sd35m-ocr", "qwen3-math"])
+@pytest.mark.parametrize("recipe", ["sd35m-pickscore", "sd35m-ocr", "sd35m-elbo-pg", "qwen3-math"])
 def test_each_cluster_recipe_gets_the_pods_its_cluster_section_declares(recipe):
     spec = _compile(["loop.total_steps=1"], recipe=recipe)
     pods = {role: _named(p) for role, p in _pods(spec).items()}

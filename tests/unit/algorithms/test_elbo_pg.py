@@ -214,7 +214,9 @@ def test_backend_step_moves_weights_on_policy_and_a_replay_is_bitwise():
 def test_sd35m_recipe_parses_and_passes_preflight_at_its_shape(tmp_path):
     from unirl_core.config.preflight import preflight
 
-    cfg = load_recipe("sd35m-elbo-pg", [f"checkpoint.root={tmp_path}"])
+    prompts = tmp_path / "train.jsonl"  # the recipe's prompt file is the user's (the data check reads its head)
+    prompts.write_text("".join(f'{{"prompt": "a photo of {i} cats"}}\n' for i in range(64)))
+    cfg = load_recipe("sd35m-elbo-pg", [f"checkpoint.root={tmp_path}", f"data.file.path={prompts}"])
     algo = cfg.diffusion.algorithm
     assert isinstance(algo, ELBOPGConfig) and algo.objective == "pepg" and algo.timestep_fraction == 0.99
     assert cfg.diffusion.sampling.sde_type == "ode" and cfg.diffusion.sampling.guidance_scale == 1.0

@@ -63,8 +63,9 @@ def test_background_versions_equal_the_pods_order(tmp_path, monkeypatch):
     background = run_local(_cfg(tmp_path / "bg"))
     pods = _pods_order(_cfg(tmp_path / "pods"))
     bg, pd = str(tmp_path / "bg"), str(tmp_path / "pods")
-    # run_local reads only the step-0 version (written by init_run, not by its trainer); the pods order every one
-    assert [s for r, s in reads if r == bg] == [0] and [s for r, s in reads if r == pd] == [0, 1, 2]
+    # run_local samples with the trainer's module (loop.rollout_with_trainer's default), so it loads no version into
+    # a rollout bundle (the trainer restores step 0 once); the pods order loads every one
+    assert [s for r, s in reads if r == bg] == [] and [s for r, s in reads if r == pd] == [0, 1, 2]
     assert all("checkpoint/wait_s" in h for h in background)  # the versions were written in the background
     assert any(h["train/grad_norm"] > 0 for h in pods)
     for a, b in zip(background, pods, strict=True):

@@ -59,7 +59,6 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -67,6 +66,15 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from common import RESULTS, matmul_peak_tflops, write_record  # noqa: E402
+from grpo_shapes import (  # noqa: E402
+    SHAPES,
+    TextHashScorer,
+    build_model,
+    model_flops_per_step,
+    prompt_texts,
+    text_reward,
+    tokenizer,
+)
 
 PRESETS = {
     "tiny": dict(shape="tiny", dtype="float32", prompts=2, group=4, new_tokens=8, prompt_len=8, micro_batch=4,
@@ -78,97 +86,6 @@ PRESETS = {
     "4b": dict(shape="qwen3-4b", dtype="bfloat16", prompts=8, group=8, new_tokens=256, prompt_len=64,
                micro_batch=8, decode_batch=64, loss="grpo", grad_ckpt=True, lr=1e-6, sides="backend"),
 }
-QWEN3 = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
-             rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-SHAPES = {"qwen3-0.6b": QWEN3,
-          "qwen3-1.7b": dict(QWEN3, hidden_size=2048, intermediate_size=6144),
-          "qwen3-4b": dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                           num_attention_heads=32),
-          # the real vocabulary and word tokenizer on a 2-layer body: the CPU check of the Qwen3 shapes' code path
-          "qwen3-mini": dict(QWEN3, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=16)}
-EOS, PAD = 151_645, 151_643
-
-
-def model_flops_per_step(a) -> float | None:
-    """Model FLOPs of one GRPO step at the shape, the work both sides must do: generation (prefill of the prompt,
-    one decode step per new token) and one forward + backward of every sample (3x a forward), matmuls of the
-    decoder and the LM head (on response positions) plus causal attention. Not counted: our rescoring forward and
-    recomputation under gradient checkpointing (they are overhead, not model work). Full fine-tune, no CFG."""
-    if a.shape not in SHAPES:
-        return None
-    c = SHAPES[a.shape]
-    d, ff, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    body = 2 * L * (d * q + 2 * d * kv + q * d + 3 * d * ff)  # per token: projections and the gated MLP
-    attn = lambda ctx: 4 * L * q * ctx  # per token: QK^T and AV over ``ctx`` keys  # noqa: E731
-    head = 2 * d * V
-    p, r = a.prompt_len, a.new_tokens
-    gen = p * (body + attn(p / 2)) + r * (body + head + attn(p + r / 2))
-    train = 3 * ((p + r) * body + r * head + (p + r) * attn((p + r) / 2))
-    return a.prompts * a.group * (gen + train)
-
-
-def text_reward(text: str) -> float:
-    """The benchmark's reward, identical on both sides: a hash of the completion text in [0, 1]."""
-    return (zlib.crc32(text.strip().encode()) % 11) / 10
-
-
-class TextHashScorer:
-    def __call__(self, items) -> list[float]:
-        return [text_reward(it.text or "") for it in items]
-
-
-# ----------------------------------------------------------------------------- models and prompts
-
-
-def build_model(a):
-    """``(module, tokenizer)`` of the shape, random init (seed 0), in its dtype on the device."""
-    import torch
-
-    dtype = getattr(torch, a.dtype)
-    if a.shape == "tiny":
-        from unirl_core.models.lm import build_tiny_lm
-
-        bundle = build_tiny_lm(seed=0, keep_reference=False, dtype=a.dtype)
-        return bundle.module.to(a.device), bundle.tokenizer
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(**SHAPES[a.shape], pad_token_id=PAD, eos_token_id=EOS, bos_token_id=PAD)
-    cfg._attn_implementation = "sdpa"  # LMConfig's default; the engine's lean decoder needs sdpa or eager
-    torch.manual_seed(0)
-    with torch.device(a.device):
-        model = Qwen3ForCausalLM(cfg)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, PAD
-    return model.to(dtype).eval(), tokenizer(a.shape)
-
-
-def tokenizer(shape: str):
-    if shape == "tiny":
-        from unirl_core.models.tokenizer import load_tokenizer
-
-        return load_tokenizer("tiny")
-    from bench_ar_rollout import _word_tokenizer
-
-    return _word_tokenizer(SHAPES[shape]["vocab_size"], EOS, PAD)
-
-
-def prompt_texts(a, tokenizer, count: int = 64) -> list[str]:
-    """``count`` prompts of ``prompt_len`` random non-special tokens (seeded)."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    special, vocab = set(tokenizer.all_special_ids), len(tokenizer)
-    out = []
-    while len(out) < count:
-        ids = [i for i in torch.randint(0, vocab, (a.prompt_len * 2,), generator=g).tolist() if i not in special]
-        text = tokenizer.decode(ids[:a.prompt_len])
-        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) == a.prompt_len:
-            out.append(text)
-    return out
-
-
 # ----------------------------------------------------------------------------- ours
 
 
@@ -541,8 +458,6 @@ def main() -> None:
     for k, v in PRESETS[a.preset].items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
-    global ARGS
-    ARGS = a
     if a.recipe:
         recipe_shape(a)
     if a.worker:
@@ -559,7 +474,7 @@ def main() -> None:
     report(a, sides, runs)
 
 
-def summarise(side: str, rounds: list[dict], base: list[dict] | None) -> dict:
+def summarise(a, side: str, rounds: list[dict], base: list[dict] | None) -> dict:
     ok = [r for r in rounds if "failed" not in r]
     row: dict = {"side": side, "rounds_ok": len(ok), "failed": [r["failed"] for r in rounds if "failed" in r]}
     if not ok:
@@ -579,7 +494,7 @@ def summarise(side: str, rounds: list[dict], base: list[dict] | None) -> dict:
                ratio_max_dev=ok[-1].get("ratio_max_dev"))
     if ok[-1].get("phase_peak_mib"):
         row["phase_peak_mib"] = ok[-1]["phase_peak_mib"]
-    flops, peak = model_flops_per_step(ARGS), getattr(ARGS, "peak_tflops", None)
+    flops, peak = model_flops_per_step(a), getattr(a, "peak_tflops", None)
     if flops and peak:
         row.update(model_tflop_per_step=flops / 1e12, matmul_peak_tflops=peak,
                    mfu=flops / (row["median_step_s"] * peak * 1e12))
@@ -596,7 +511,7 @@ def report(a, sides: list[str], runs: dict[str, list[dict]], *, final: bool = Tr
     from bench_ar_rollout import hardware
 
     base = runs.get("trl")
-    rows = [summarise(s, runs[s], base if s != "trl" else None) for s in sides]
+    rows = [summarise(a, s, runs[s], base if s != "trl" else None) for s in sides]
     if not final:
         _write(a, rows, runs, hardware())
         return
@@ -638,8 +553,6 @@ def report(a, sides: list[str], runs: dict[str, list[dict]], *, final: bool = Tr
         print("loop phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(loop["phases"].items())))
     print(f"wrote {_write(a, rows, runs, hardware())}")
 
-
-ARGS = None  # the driver's arguments (MFU needs the shape)
 
 BENCHMARKS = {"tiny": "grpo_recipe_tiny_cpu", "0.6b": "grpo_recipe_qwen3_0.6b", "math": "grpo_recipe_math",
               "4b": "grpo_recipe_qwen3_4b"}

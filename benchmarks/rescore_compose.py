@@ -26,12 +26,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import environment, format_table, pin_threads, write_record  # noqa: E402
-
-
-def thirds(values: list[float]) -> list[float]:
-    n = len(values)
-    cuts = [0, n // 3, 2 * n // 3, n]
-    return [sum(values[a:b]) / (b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+from benchmarks.compose_enhance_climb import thirds  # noqa: E402
 
 
 def main() -> None:

@@ -91,10 +91,14 @@ case "$PART" in
         --preset sd35m --device cuda --sizes 8 --cfg-batch "$mode"
     done ;;
   delta)
-    # bytes per version, write and publish time of full vs delta versions (checkpoint.weights_encoding), on the disk
+    # bytes per version, write and publish time of full vs delta versions (checkpoint.weights_encoding), on the disk:
+    # Qwen3-0.6B full fine-tune (qwen3-math's lr), SD3.5-M LoRA r32 (the sd35m recipes' lr), SD3.5-M full (lr 1e-5)
     root="$(mktemp -d)"
-    CUDA_VISIBLE_DEVICES=0 bench delta "delta_versions" python3 benchmarks/bench_delta_versions.py \
-      --shape qwen3-0.6b --device cuda --steps 6 --root "$root" "$@"
+    for spec in "qwen3-0.6b --steps 6" "sd35m-lora --steps 6 --batch 1" "sd35m-full --steps 5 --batch 1 --lr 1e-5"; do
+      # shellcheck disable=SC2086  # spec: the shape and its arguments
+      CUDA_VISIBLE_DEVICES=0 bench "delta-${spec%% *}" "delta_versions" python3 benchmarks/bench_delta_versions.py \
+        --device cuda --root "$root" --shape $spec "$@"
+    done
     rm -rf "$root" ;;
   flowstep)
     CUDA_VISIBLE_DEVICES=0 bench flowstep "flow_grpo_step" python3 benchmarks/bench_flow_grpo_step.py "$@" ;;

@@ -15,11 +15,11 @@ import weakref
 
 from unirl_core.config.loader import config_key
 from unirl_core.config.run import RunConfig
+from unirl_core.runtime import build
 from unirl_core.runtime.build import (
     EngineSlot,
     algorithm,
     engine_key,
-    fresh_bundle,
     start_engine,
     stop_engine,
     train_bundle,
@@ -42,7 +42,8 @@ class Resources:
         loaded: always load a version into it before use."""
         key = f"{cfg.family}:{config_key(cfg.section.model)}"
         if key not in self._bundles:
-            self._bundles[key] = fresh_bundle(cfg)
+            # through the module: the one builder every phase uses (a benchmark's shaped builder replaces it there)
+            self._bundles[key] = build.fresh_bundle(cfg)
         return self._bundles[key]
 
     def trainer(self, cfg: RunConfig) -> TrainBackend:

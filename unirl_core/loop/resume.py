@@ -228,7 +228,8 @@ def fork_version(cfg: RunConfig, run: str, step: int) -> CheckpointRef:
     versions = store.versions()
     if not versions:
         fs, root = fsspec.core.url_to_fs(cfg.checkpoint.root, **opts)
-        runs = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) if fs.exists(root) else []
+        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) if fs.exists(root) else ()
+        runs = sorted(n for n in names if not n.startswith("."))
         raise field_error(CheckpointError, "checkpoint.fork_from", value,
                           f"a run with versions under checkpoint.root={cfg.checkpoint.root!r}",
                           f"{store.uri} holds none; name one of the runs there ({runs}) or train run {run!r} first")

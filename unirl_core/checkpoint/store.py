@@ -138,8 +138,8 @@ class CheckpointStore:
         copying it: version ``source.step`` of this run gets its own ``config.json`` and ``extra.json`` and a manifest
         whose other entries (weights, EMA, train state) name the run that holds their bytes (``fsio.OWNER_RUN``; a
         version that is itself a reference passes its owner on, so forks of forks point at the bytes' one owner).
-        The owner keeps that version from then on: a pin ``<owner>/forks/<this run>.json`` (its retention reads it);
-        this run's retention deletes only this run's folder. Two forks of one parent share its files."""
+        The owner keeps that version from then on: a pin ``<owner>/forks/<this run>.json`` (its retention reads it;
+        ``source.run`` gets one too); this run's retention deletes only this run's folder. Two forks of one parent share its files."""
         src_folder, src = _open_version(source, self.storage_options)
         if posixpath.dirname(posixpath.dirname(src_folder.path)) != posixpath.dirname(self._run.path):
             raise field_error(CheckpointError, "checkpoint.fork_from", source.uri, f"a version under this run's "
@@ -151,7 +151,9 @@ class CheckpointStore:
         files = {name: {**entry, OWNER_RUN: entry.get(OWNER_RUN, source.run)}
                  for name, entry in src.files.items() if name not in own}
         owners = sorted({str(e[OWNER_RUN]) for e in files.values()})
-        for owner in owners:  # pinned before this version exists: the owner's retention keeps it from now on
+        # pinned before this version exists: the owner's retention keeps it from now on; the parent named (when it
+        # is a fork whose start version this is) is pinned too, so each run's pins list all of its forks
+        for owner in sorted({*owners, source.run}):
             pin = Folder(self._run.fs, posixpath.join(posixpath.dirname(self._run.path), owner, FORKS))
             pin.write(f"{self.run}.json", _to_json({"run": self.run, "step": source.step, "from": source.uri},
                                                      "fork pin"), atomic=True)

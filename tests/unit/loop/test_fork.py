@@ -122,13 +122,17 @@ def test_forks_share_the_parents_files_and_retention_keeps_them(tmp_path):
     assert aa["parent_run"] == "fork-a" and aa["parent_lineage"]["parent_run"] == PARENT
 
     # the fork's retention removes its own start version, never the parent's files
-    run_local(_fork(tmp_path, "fork-a", f"{PARENT}@2", 6, "checkpoint.keep_every=null", "checkpoint.keep_last=1"))
-    assert not (tmp_path / "fork-a" / "step-00000002").exists()
+    run_local(_fork(tmp_path, "fork-b", f"{PARENT}@2", 6, "train.lr=1e-3", "checkpoint.keep_every=null",
+                    "checkpoint.keep_last=1"))
+    assert not (tmp_path / "fork-b" / "step-00000002").exists()
     assert (parent / "step-00000002" / "model.safetensors").is_file()
+    # a fork's start version that a fork of it names as parent stays (pinned; a manifest, no weights)
+    run_local(_fork(tmp_path, "fork-a", f"{PARENT}@2", 6, "checkpoint.keep_every=null", "checkpoint.keep_last=1"))
+    assert [r.step for r in CheckpointStore(str(tmp_path), "fork-a").versions()] == [2, 3, 6]
     # the parent's own retention keeps the version forks reference
     run_local(_cfg(tmp_path, 5, "checkpoint.keep_every=null", "checkpoint.keep_last=1"))
     assert [r.step for r in CheckpointStore(str(tmp_path), PARENT).versions()] == [2, 5]
-    assert _bitwise_equal(_version(tmp_path, "fork-b", 2).weights, _version(tmp_path, PARENT, 2).weights)
+    assert _bitwise_equal(_version(tmp_path, "fork-a", 2).weights, _version(tmp_path, PARENT, 2).weights)
 
 
 def test_bad_fork_points_name_the_field_value_and_fix(tmp_path):

@@ -239,6 +239,12 @@ def fork_version(cfg: RunConfig, run: str, step: int) -> CheckpointRef:
                           f"a stored step of run {run!r}: one of {[r.step for r in versions]}",
                           f"fork one of those steps; to fork any step, train the parent with checkpoint.keep_every=1")
     if TRAIN_STATE not in load_manifest(ref, storage_options=opts).files:
+        stored = load_version_json(ref, CONFIG, storage_options=opts) or {}
+        if (stored.get("checkpoint") or {}).get("full_state") == "sharded":
+            raise field_error(CheckpointError, "checkpoint.fork_from", value, "a version with its full state in "
+                              f"{TRAIN_STATE}, but run {run!r} keeps it sharded (checkpoint.full_state: sharded, "
+                              "state-XXXXXXXX/)", "forks start from file full states: train the parent with "
+                              "checkpoint.full_state=file to fork it")
         full = [r.step for r in versions if TRAIN_STATE in load_manifest(r, storage_options=opts).files]
         raise field_error(CheckpointError, "checkpoint.fork_from", value,
                           f"a version with the full state (optimizer, RNG, data cursor), but {ref.uri} holds "

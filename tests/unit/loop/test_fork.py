@@ -152,3 +152,12 @@ def test_bad_fork_points_name_the_field_value_and_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"^lm.model.tiny.num_layers=1.*new run from scratch"):
         init_run(_fork(tmp_path, "f", f"{PARENT}@2", 3, "lm.model.tiny.num_layers=1"))
     assert not (tmp_path / "f").exists() and not (tmp_path / PARENT / "forks").exists()
+
+
+def test_a_forks_first_step_replays_from_its_start_version(tmp_path):
+    from unirl_core.runs.replay import replay
+
+    run_local(_cfg(tmp_path, 2))
+    run_local(_fork(tmp_path, "fork-k", f"{PARENT}@1", 2, "checkpoint.keep_batches=true", "train.lr=1e-3"))
+    report = replay(str(tmp_path / "fork-k"), step=2)  # from version 1: the parent's files, through the reference
+    assert report.step == 2 and report.samples == 8

@@ -184,7 +184,7 @@ class CheckpointStore:
         return ref
 
     def pinned_steps(self) -> dict[int, list[str]]:
-        """step -> the forks whose start version references this run's version ``step`` (``<run>/forks/``)."""
+        """step -> the forks (sorted) whose start version references this run's version ``step`` (``<run>/forks/``)."""
         pins = Folder(self._run.fs, self._run.join(FORKS))
         out: dict[int, list[str]] = {}
         for name in pins.listdir():
@@ -195,7 +195,7 @@ class CheckpointStore:
                 out.setdefault(int(body["step"]), []).append(str(body["run"]))
             except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
                 log.warning("ignoring damaged fork pin %s: %s", pins.uri(pins.join(name)), e)
-        return out
+        return {step: sorted(runs) for step, runs in sorted(out.items())}
 
     @staticmethod
     def _payload(weights, ema_weights, train_state, config, extra) -> dict[str, list[Piece]]:

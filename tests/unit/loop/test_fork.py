@@ -161,3 +161,12 @@ def test_a_forks_first_step_replays_from_its_start_version(tmp_path):
     run_local(_fork(tmp_path, "fork-k", f"{PARENT}@1", 2, "checkpoint.keep_batches=true", "train.lr=1e-3"))
     report = replay(str(tmp_path / "fork-k"), step=2)  # from version 1: the parent's files, through the reference
     assert report.step == 2 and report.samples == 8
+
+
+def test_fork_from_is_refused_where_no_fork_starts(tmp_path):
+    from unirl_core.compose.config import load_compose_recipe
+    from unirl_core.sft.config import load_sft_recipe
+
+    for load, recipe in ((load_compose_recipe, "shapes-enhance"), (load_sft_recipe, "sft-shapes")):
+        with pytest.raises(ConfigError, match=r"^checkpoint.fork_from='x@1'.*forks start RL runs"):
+            load(recipe, ["checkpoint.fork_from=x@1"])

@@ -3,6 +3,8 @@
     pyflyte run workflows/grpo.py grpo                                   # shapes-flow-grpo-count, local, CPU
     pyflyte run workflows/grpo.py grpo --recipe tiny-grpo --overrides '["loop.total_steps=2"]'
     pyflyte run --remote workflows/grpo.py grpo --recipe sd35m-pickscore  # a cluster with GPUs
+    pyflyte run workflows/grpo.py grpo --overrides '["name=b", "checkpoint.fork_from=shapes-flow-grpo-count@32"]'
+                                                                         # a fork: steps 33.. only (docs/replay.md)
 
 ``grpo_chunk`` is a @dynamic that wires ``loop.steps_per_chunk`` steps and then calls itself for the next
 chunk, so no single DAG grows with ``loop.total_steps``. Only wiring lives here; each phase is one task.

@@ -18,6 +18,11 @@ from unirl_core.checkpoint.manifest import Manifest
 from unirl_core.errors import CheckpointError, field_error
 
 CHUNK = 8 << 20
+OWNER_RUN = "run"
+"""Key of a manifest file entry whose bytes live in another run's folder (a fork's start version references its
+parent's files instead of copying them; ``CheckpointStore.save_reference``)."""
+FORKS = "forks"
+"""Folder of a run holding one pin file per fork that references one of its versions (retention keeps those)."""
 Piece = bytes | memoryview
 
 
@@ -204,12 +209,13 @@ class Folder:
         """
         entry = manifest.files.get(name)
         size = int(entry["bytes"]) if entry else 0
+        path = self.file_path(name, manifest)
         buf = bytearray(size + 1)  # one spare byte reveals a file longer than recorded
         view = memoryview(buf)
         h = hashlib.sha256()
         got = 0
         try:
-            with self.fs.open(self.join(name), "rb") as f, ThreadPoolExecutor(1) as pool:
+            with self.fs.open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
                 pending = None
                 while got < len(buf):
                     n = f.readinto(view[got:min(got + CHUNK, len(buf))])
@@ -227,12 +233,27 @@ class Folder:
                 if got == len(buf):
                     got += len(f.read())
         except FileNotFoundError:
-            raise field_error(CheckpointError, self.uri(self.join(name)), "missing", "an existing file",
+            owner = manifest.files[name].get(OWNER_RUN) if name in manifest.files else None
+            if owner is not None:
+                raise field_error(CheckpointError, self.uri(path), "missing", f"the file of run {owner!r} that fork "
+                                  f"{manifest.run!r}'s version {self.uri()} references",
+                                  f"the parent's version was deleted outside the store (its retention keeps a "
+                                  f"version a fork pins, {FORKS}/); restore it or fork another version") from None
+            raise field_error(CheckpointError, self.uri(path), "missing", "an existing file",
                               "the version is incomplete; resume from another one") from None
         manifest.verify_digest(name, got, h.hexdigest(), self.uri())
         view.release()
         del buf[size:]
         return buf
+
+    def file_path(self, name: str, manifest: Manifest) -> str:
+        """Where file ``name`` of the version in this folder lives: here, or for a fork's start version (its manifest
+        entry names an ``OWNER_RUN``) in the same step folder of that run, a sibling of this run under the root."""
+        owner = (manifest.files.get(name) or {}).get(OWNER_RUN)
+        if owner is None:
+            return self.join(name)
+        run_dir = posixpath.dirname(self.path)
+        return posixpath.join(posixpath.dirname(run_dir), str(owner), posixpath.basename(self.path), name)
 
     def listdir(self) -> list[str]:
         self.fs.invalidate_cache(self.path)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from unirl_core.checkpoint import tensorfile
 from unirl_core.checkpoint.delta import Base, FullVersions, VersionEncoding, WeightsMemory, apply_delta
-from unirl_core.checkpoint.fsio import Folder, Piece
+from unirl_core.checkpoint.fsio import FORKS, OWNER_RUN, Folder, Piece
 from unirl_core.checkpoint.manifest import MANIFEST, Manifest
 from unirl_core.checkpoint.ref import CheckpointRef, parse_step_dirname, step_dirname
 from unirl_core.errors import CheckpointError, ConfigError, field_error
@@ -132,6 +132,71 @@ class CheckpointStore:
             self.publish(ref)
         return ref
 
+    def save_reference(self, source: CheckpointRef, *, config: object | None, extra: dict[str, object],
+                       publish: bool = True) -> CheckpointRef:
+        """Start this run (a fork) at ``source``, a complete version of another run under the same root, without
+        copying it: version ``source.step`` of this run gets its own ``config.json`` and ``extra.json`` and a manifest
+        whose other entries (weights, EMA, train state) name the run that holds their bytes (``fsio.OWNER_RUN``; a
+        version that is itself a reference passes its owner on, so forks of forks point at the bytes' one owner).
+        The owner keeps that version from then on: a pin ``<owner>/forks/<this run>.json`` (its retention reads it;
+        ``source.run`` gets one too); this run's retention deletes only this run's folder. Two forks of one parent share its files."""
+        src_folder, src = _open_version(source, self.storage_options)
+        if posixpath.dirname(posixpath.dirname(src_folder.path)) != posixpath.dirname(self._run.path):
+            raise field_error(CheckpointError, "checkpoint.fork_from", source.uri, f"a version under this run's "
+                              f"root {posixpath.dirname(self._run.uri())}", "fork a run of the same checkpoint.root")
+        if src.delta is not None:
+            raise field_error(CheckpointError, "checkpoint.fork_from", source.uri, "a version with its weights in "
+                              "full", "fork a version that holds the full state (its weights are never a delta)")
+        own = {CONFIG, EXTRA}
+        files = {name: {**entry, OWNER_RUN: entry.get(OWNER_RUN, source.run)}
+                 for name, entry in src.files.items() if name not in own}
+        owners = sorted({str(e[OWNER_RUN]) for e in files.values()})
+        # pinned before this version exists: the owner's retention keeps it from now on; the parent named (when it
+        # is a fork whose start version this is) is pinned too, so each run's pins list all of its forks
+        for owner in sorted({*owners, source.run}):
+            pin = Folder(self._run.fs, posixpath.join(posixpath.dirname(self._run.path), owner, FORKS))
+            pin.write(f"{self.run}.json", _to_json({"run": self.run, "step": source.step, "from": source.uri},
+                                                     "fork pin"), atomic=True)
+        if _open_version(source, self.storage_options)[1].files != src.files:
+            raise field_error(CheckpointError, "checkpoint.fork_from", source.uri, "a version that stays while it "
+                              "is forked", "the parent's retention replaced it meanwhile; fork again")
+        folder = self._version(source.step)
+        if folder.fs.exists(folder.path):
+            if self._read_manifest(folder) is not None:
+                raise field_error(CheckpointError, folder.uri(), "exists", "an empty fork",
+                                  "a fork starts an empty run; pick another name")
+            folder.fs.rm(folder.path, recursive=True)
+        payload = {EXTRA: [_to_json(extra, "extra")]}
+        if config is not None:
+            payload[CONFIG] = [_to_json(config, "config")]
+        for name, pieces in payload.items():
+            digest, size = folder.write_pieces(name, pieces, sync=False)
+            files[name] = {"sha256": digest, "bytes": size}
+        folder.sync(list(payload))
+        manifest = Manifest(run=self.run, step=source.step, policy_version=source.policy_version, files=files,
+                            meta={**src.meta, "forked_from": f"{source.run}@{source.step}"})
+        folder.write(MANIFEST, manifest.to_json(), atomic=True)
+        ref = self.ref_for(source.step, source.policy_version)
+        log.info("started run %s at %s (references %s' files, %d bytes written)", self.run, ref.uri, owners,
+                 sum(int(files[n]["bytes"]) for n in payload))
+        if publish:
+            self.publish(ref)
+        return ref
+
+    def pinned_steps(self) -> dict[int, list[str]]:
+        """step -> the forks (sorted) whose start version references this run's version ``step`` (``<run>/forks/``)."""
+        pins = Folder(self._run.fs, self._run.join(FORKS))
+        out: dict[int, list[str]] = {}
+        for name in pins.listdir():
+            if not name.endswith(".json"):
+                continue
+            try:
+                body = json.loads(pins.fs.cat_file(pins.join(name)))
+                out.setdefault(int(body["step"]), []).append(str(body["run"]))
+            except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+                log.warning("ignoring damaged fork pin %s: %s", pins.uri(pins.join(name)), e)
+        return {step: sorted(runs) for step, runs in sorted(out.items())}
+
     @staticmethod
     def _payload(weights, ema_weights, train_state, config, extra) -> dict[str, list[Piece]]:
         """File name -> pieces; tensors are streamed from their own memory (no serialised copy)."""
@@ -181,7 +246,7 @@ class CheckpointStore:
 
     def apply_retention(self) -> list[int]:
         """Delete versions outside keep_last / keep_every (never the published one, nor a version a kept delta
-        version's chain needs) and stale partial folders. Returns the deleted steps."""
+        version's chain needs, nor one a fork pinned) and stale partial folders. Returns the deleted steps."""
         manifests = self._complete()
         valid = sorted(manifests)
         pointed = self._pointer_step()
@@ -190,6 +255,7 @@ class CheckpointStore:
             keep |= {s for s in valid if s % self.keep_every == 0}
         if pointed is not None:
             keep.add(pointed)
+        keep |= set(self.pinned_steps())  # a fork references their files
         keep |= {link for s in list(keep) if s in manifests for link in manifests[s].chain}
         newest = valid[-1] if valid else -1
         doomed = [s for s in valid if s not in keep]

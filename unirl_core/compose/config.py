@@ -183,6 +183,8 @@ class ComposeRunConfig:
              "1 in a compose run", "each stack's version holds its full state every step here; leave it at 1"),
             ("loop.rollout_with_trainer", True, self.loop.rollout_with_trainer is True, "unset or false in a compose run",
              "the composed engine samples with rollout bundles of its own; remove the setting"),
+            ("checkpoint.fork_from", self.checkpoint.fork_from, self.checkpoint.fork_from is not None,
+             "unset in a compose run", "forks start RL runs (run_local, workflows/grpo.py); remove the setting"),
             ("report.wandb", "set", self.report.wandb is not None, "unset in a compose run",
              "W&B is not wired for compose runs yet; TensorBoard scalars are written"),
             ("report.mlflow", "set", self.report.mlflow is not None, "unset in a compose run",

@@ -164,6 +164,15 @@ class DataConfig(Sectioned):
         return self.prompts_per_step * self.samples_per_prompt
 
 
+def fork_point(fork_from: str) -> tuple[str, int]:
+    """``(run, step)`` of a ``checkpoint.fork_from`` value ``<run>@<step>``; ``ConfigError`` naming the field."""
+    run, sep, step = str(fork_from).rpartition("@")
+    if not (sep and run and "/" not in run and run not in (".", "..") and step.isdigit()):
+        raise field_error(ConfigError, "checkpoint.fork_from", fork_from, "'<run>@<step>', e.g. 'tiny-grpo@16'",
+                          "name the parent run (a folder under checkpoint.root) and the step of one of its versions")
+    return run, int(step)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Where versions live and how many are kept."""
@@ -194,6 +203,13 @@ class CheckpointConfig:
     """One writer per run: ``<root>/<name>/LEASE``, taken when ``run_local`` or the Flyte init task starts
     writing the run, released at its end; a second execution of the run refuses or waits (``on_held``)."""
 
+    fork_from: str | None = None
+    """``<run>@<step>``: start this run as a fork of version ``step`` of run ``<run>`` (under the same ``root``), with
+    this config's settings from step ``step + 1`` on (a changed reward, lr, algorithm knob, sampling, ...: what
+    ``resume`` refuses a fork may change, except the model). Steps up to ``step`` are not run again: the fork's
+    version ``step`` references the parent's files (no copy) and records the lineage; ``name`` must differ from
+    ``<run>``. A fork that already exists is continued. ``docs/replay.md`` (Fork)."""
+
     weights_encoding: Literal["full", "delta"] = "full"
     """How a version's weights are stored (``unirl_core/checkpoint/delta.py``). ``full``: ``model.safetensors`` every
     version. ``delta``: a weights-only version (between full states, ``every_n_steps > 1``) is the zstd-compressed
@@ -207,6 +223,8 @@ class CheckpointConfig:
     full."""
 
     def __post_init__(self) -> None:
+        if self.fork_from is not None:
+            fork_point(self.fork_from)
         if not (isinstance(self.anchor_every, int) and self.anchor_every >= 1):
             raise field_error(ConfigError, "checkpoint.anchor_every", self.anchor_every, "an integer >= 1",
                               "e.g. 8: a full version, then up to 7 deltas (1 writes every version in full)")

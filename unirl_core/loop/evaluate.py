@@ -14,12 +14,16 @@ mode), over batches of the engine's ``forward_batch_size``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Literal
 
 from unirl_core.checkpoint import CheckpointRef
+from unirl_core.loop import eval_cache
 from unirl_core.errors import ConfigError, field_error
 from unirl_core.types import NoiseRecipe, PromptRecord, SampleBatch
+
+log = logging.getLogger(__name__)
 
 HELD_OUT_SEED = 1_000_003
 """Offset of the prompt generator's seed for held-out eval prompts."""
@@ -61,10 +65,49 @@ def eval_sampling(cfg, family: str):
     return dataclasses.replace(cfg.lm.sampling, top_k=1, top_p=1.0, seed=None)
 
 
-def eval_phase(cfg, ckpt: CheckpointRef, *,
-               weights: Literal["policy", "ema"] | None = None) -> tuple[SampleBatch, dict[str, float]]:
+def eval_phase(cfg, ckpt: CheckpointRef, *, weights: Literal["policy", "ema"] | None = None,
+               use_cache: bool = True) -> tuple[SampleBatch, dict[str, float]]:
     """Sample the held-out prompts deterministically with ``ckpt``'s (or its EMA) weights and score them.
-    Returns the scored batch and ``eval/*`` metrics."""
+    Returns the scored batch and ``eval/*`` metrics.
+
+    Cached by content (``eval_cache``): the same weights (their digest) under the same protocol (prompts,
+    sampling, reward, model, seed) are evaluated once per checkpoint root, whichever run and step hold them; a hit
+    returns the stored batch and metrics (timings: this call's; the batch's metadata names the entry,
+    ``eval_cached``). The batch's metadata carries ``weights_sha256`` and ``protocol_sha256``: the digests the
+    numbers measured, which the run report's eval record keeps beside them. ``use_cache=False`` computes it anyway
+    (and stores it)."""
+
+    ev = cfg.eval
+    if ev is None:
+        raise field_error(ConfigError, "eval", None, "an eval section", "add eval: {every_n_steps: ...} to the recipe")
+    weights = weights or ev.weights
+    t0 = time.perf_counter()
+    prompts = eval_prompts(cfg)
+    digests = {"weights_sha256": eval_cache.weights_digest(cfg, ckpt, weights)}
+    proto = eval_cache.protocol(cfg, prompts, weights)
+    digests["protocol_sha256"] = eval_cache.digest_of(proto)
+    key = eval_cache.digest_of(digests)
+    cache = eval_cache.EvalCache(cfg.checkpoint.root, storage_options=cfg.checkpoint.storage_options)
+    if use_cache and (hit := cache.get(key)) is not None:
+        batch, record = hit
+        # the numbers as measured; the timings are this call's (nothing was sampled)
+        metrics = {**record["metrics"], "eval/sample_seconds": 0.0, "eval/seconds": time.perf_counter() - t0,
+                   "eval/step": float(ckpt.step)}
+        batch.metadata.update({"run": cfg.name, "step": str(ckpt.step), "eval_cached": record["key"], **digests})
+        log.info("eval of %s: cached (weights %s, protocol %s; computed for %s)", ckpt.uri,
+                 digests["weights_sha256"][:12], digests["protocol_sha256"][:12], record.get("uri"))
+        return batch, metrics
+    batch, metrics = _sample_and_score(cfg, ckpt, weights, prompts)
+    metrics["eval/seconds"] = time.perf_counter() - t0
+    batch.metadata.update(digests)
+    cache.put(key, batch, {**digests, "metrics": metrics, "protocol": proto, "run": cfg.name, "step": ckpt.step,
+                           "uri": ckpt.uri})
+    return batch, metrics
+
+
+def _sample_and_score(cfg, ckpt: CheckpointRef, weights: str,
+                      prompts: list[PromptRecord]) -> tuple[SampleBatch, dict[str, float]]:
+    """The evaluation itself: sample ``prompts`` with ``ckpt``'s weights, score them."""
     from unirl_core.runtime import build
     from unirl_core.loop.executors import in_process
     from unirl_core.loop.phases import EMA_POLICY_VERSION, reward_phase
@@ -73,15 +116,12 @@ def eval_phase(cfg, ckpt: CheckpointRef, *,
     from unirl_core.rollout.diffusion import TrainsideDiffusionEngine
 
     ev = cfg.eval
-    if ev is None:
-        raise field_error(ConfigError, "eval", None, "an eval section", "add eval: {every_n_steps: ...} to the recipe")
-    weights = weights or ev.weights
     t0 = time.perf_counter()
     policy = in_process().resources.bundle(cfg)  # eval samples in this process, in every execution mode
     build.load_policy_weights(policy, ckpt, cfg, ema=weights == "ema")
     version = ckpt.policy_version if weights == "policy" else EMA_POLICY_VERSION
     sampling = eval_sampling(cfg, getattr(policy, "family", "sd3"))
-    request = SampleBatch.from_prompts(eval_prompts(cfg), samples_per_prompt=ev.samples_per_prompt,
+    request = SampleBatch.from_prompts(prompts, samples_per_prompt=ev.samples_per_prompt,
                                        kind="diffusion" if cfg.family == "diffusion" else "ar", sampling=sampling,
                                        policy_version=version,
                                        metadata={"run": cfg.name, "step": str(ckpt.step), "phase": EVAL_STEP_KEY})

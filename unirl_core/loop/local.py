@@ -80,9 +80,11 @@ def run_local(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | Non
         # one writer per run: rank 0 holds the run's lease (the forked run's, when forking) until the run ends
         with (run_lease(resume.forked_config(cfg, fork_as)).kept() if os.environ.get("RANK", "0") == "0"
               else contextlib.nullcontext()) as lease:
+            fork_from = cfg.checkpoint.fork_from
             say(f"run {cfg.name}: opening it (resume_from={resume_from!r}"
-                f"{f', fork_as={fork_as!r}' if fork_as else ''}; an empty run builds model {_model_name(cfg)} for "
-                "its step-0 version) ...", show)
+                f"{f', fork_as={fork_as!r}' if fork_as else ''}"
+                + (f"; an empty run starts at version {fork_from} (checkpoint.fork_from)) ..." if fork_from else
+                   f"; an empty run builds model {_model_name(cfg)} for its step-0 version) ..."), show)
             ckpt = init_run(cfg, resume_from=resume_from, fork_as=fork_as)
             return _run_steps(resume.forked_config(cfg, fork_as), ckpt, _checking_lease(on_step, lease), show)
     except KeyboardInterrupt:

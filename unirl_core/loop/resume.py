@@ -15,8 +15,10 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
-from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_version_json
-from unirl_core.checkpoint.store import CONFIG, EXTRA
+import fsspec
+
+from unirl_core.checkpoint import CheckpointRef, CheckpointStore, load_manifest, load_version_json
+from unirl_core.checkpoint.store import CONFIG, EXTRA, TRAIN_STATE
 from unirl_core.config.loader import to_dict
 from unirl_core.config.run import RunConfig
 from unirl_core.errors import CheckpointError, ConfigError, field_error
@@ -29,6 +31,7 @@ RESUME_RULES: dict[str, Rule] = {
     # where the run lives, not what it trains
     "name": "ignore", "checkpoint.root": "ignore", "checkpoint.storage_options": "ignore",
     "checkpoint": "apply",  # keep_last, keep_every
+    "checkpoint.fork_from": "ignore",  # where a fork started, not what it trains
     "loop": "apply",  # total_steps, steps_per_chunk, rollout_shards, seed
     "eval": "apply",  # held-out evaluation: when, which weights, which prompts (never changes training)
     "async_training": "apply",  # the lag applies from the next step's rollout on
@@ -215,6 +218,39 @@ def check_no_newer(store: CheckpointStore, ref: CheckpointRef, resume_from: str)
 def forked_config(cfg: RunConfig, fork_as: str | None) -> RunConfig:
     """The config the loop runs with after ``init_run(cfg, fork_as=...)``: the same, under the fork's name."""
     return dataclasses.replace(cfg, name=fork_as) if fork_as else cfg
+
+
+def fork_version(cfg: RunConfig, run: str, step: int) -> CheckpointRef:
+    """Version ``step`` of run ``run`` under ``cfg``'s checkpoint root, the point ``checkpoint.fork_from`` names: a
+    complete version with the full state. ``CheckpointError`` naming the field, the value and the fix otherwise."""
+    value, opts = cfg.checkpoint.fork_from, cfg.checkpoint.storage_options
+    store = CheckpointStore(cfg.checkpoint.root, run, storage_options=opts)
+    versions = store.versions()
+    if not versions:
+        fs, root = fsspec.core.url_to_fs(cfg.checkpoint.root, **opts)
+        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) if fs.exists(root) else ()
+        runs = sorted(n for n in names if not n.startswith("."))
+        raise field_error(CheckpointError, "checkpoint.fork_from", value,
+                          f"a run with versions under checkpoint.root={cfg.checkpoint.root!r}",
+                          f"{store.uri} holds none; name one of the runs there ({runs}) or train run {run!r} first")
+    ref = next((r for r in versions if r.step == step), None)
+    if ref is None:
+        raise field_error(CheckpointError, "checkpoint.fork_from", value,
+                          f"a stored step of run {run!r}: one of {[r.step for r in versions]}",
+                          f"fork one of those steps; to fork any step, train the parent with checkpoint.keep_every=1")
+    if TRAIN_STATE not in load_manifest(ref, storage_options=opts).files:
+        stored = load_version_json(ref, CONFIG, storage_options=opts) or {}
+        if (stored.get("checkpoint") or {}).get("full_state") == "sharded":
+            raise field_error(CheckpointError, "checkpoint.fork_from", value, "a version with its full state in "
+                              f"{TRAIN_STATE}, but run {run!r} keeps it sharded (checkpoint.full_state: sharded, "
+                              "state-XXXXXXXX/)", "forks start from file full states: train the parent with "
+                              "checkpoint.full_state=file to fork it")
+        full = [r.step for r in versions if TRAIN_STATE in load_manifest(r, storage_options=opts).files]
+        raise field_error(CheckpointError, "checkpoint.fork_from", value,
+                          f"a version with the full state (optimizer, RNG, data cursor), but {ref.uri} holds "
+                          "weights only (checkpoint.every_n_steps > 1)",
+                          f"fork one of steps {full}, or train the parent with checkpoint.every_n_steps=1")
+    return ref
 
 
 def check_fork_name(cfg: RunConfig, fork_as: str, resume_from: str) -> None:

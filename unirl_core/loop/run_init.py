@@ -6,16 +6,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
 
 import torch
 
-from unirl_core.checkpoint import CheckpointRef, load_checkpoint, save_train_checkpoint
+from unirl_core.checkpoint import CheckpointRef, load_manifest, load_version_json, save_train_checkpoint
+from unirl_core.checkpoint.store import EXTRA, TRAIN_STATE
 from unirl_core.checkpoint.lease import RunLease
 from unirl_core.config.loader import to_dict
-from unirl_core.config.run import RunConfig
+from unirl_core.config.run import RunConfig, fork_point
 from unirl_core.errors import CheckpointError, ConfigError, field_error
 from unirl_core.loop import resume
 from unirl_core.runtime import build
@@ -40,28 +42,22 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None
     changes of the model are refused. A version at or past ``loop.total_steps`` is returned with a
     WARNING saying how to extend the run.
 
-    ``fork_as``: copy the version into the new run ``fork_as`` (its ``extra.json`` records the lineage:
-    parent run, version URI and step, changed settings) and return the copy; the original run is not
-    touched. The loop then runs with ``resume.forked_config(cfg, fork_as)``. Calling it again with the
-    same version continues the existing fork.
+    ``fork_as``: start the new run ``fork_as`` at the version (its ``extra.json`` records the lineage:
+    parent run, version URI and step, changed settings) and return the fork's version; the original run's
+    versions are not touched (the fork's start version references their files and pins the parent's version,
+    ``CheckpointStore.save_reference``). The loop then runs with ``resume.forked_config(cfg, fork_as)``. Calling
+    it again with the same version continues the existing fork. ``checkpoint.fork_from: <run>@<step>`` in the
+    config does the same for run ``cfg.name`` (then ``resume_from`` stays ``latest`` and ``fork_as`` unset).
 
     A vLLM run without ``lm.vllm.model`` also gets its step-0 policy exported as a HF folder
     (``build.export_initial_policy``) for the engine to start from.
     """
-    if fork_as:
-        resume.check_fork_name(cfg, fork_as, resume_from)
-    ref = _resume_point(cfg, resume_from, forking=bool(fork_as))
-    if fork_as:
-        if ref is None:
-            raise field_error(ConfigError, "fork_as", fork_as, f"a version of run {cfg.name!r} to fork from",
-                              f"{build.store(cfg).uri} holds none; train the run first, or fork another run "
-                              "(name=<that run>)")
-        parent_threads = apply_recorded_threads(cfg)
-        cfg = resume.forked_config(cfg, fork_as)
-        ref = _fork(cfg, ref, parent_threads)
-    elif ref is not None:
-        apply_recorded_threads(cfg)
-        _apply_config_changes(cfg, ref)
+    if cfg.checkpoint.fork_from is not None:
+        ref = _fork_from(cfg, resume_from, fork_as)
+    else:
+        ref = _start_point(cfg, resume_from, fork_as)
+        if fork_as:
+            cfg = resume.forked_config(cfg, fork_as)
     if ref is not None:
         if (note := resume.finished_message(cfg, ref)) is not None:
             resume.tell(note)
@@ -71,6 +67,46 @@ def init_run(cfg: RunConfig, *, resume_from: str = "latest", fork_as: str | None
             build.export_initial_policy(cfg, build.fresh_bundle(cfg))
             gc.collect()  # that bundle's model, now garbage (see below)
         return ref
+    return _fresh_start(cfg)
+
+
+def _start_point(cfg: RunConfig, resume_from: str, fork_as: str | None) -> CheckpointRef | None:
+    """The version a resume (or a ``fork_as`` fork) starts from: None for an empty run that starts fresh."""
+    if fork_as:
+        resume.check_fork_name(cfg, fork_as, resume_from)
+    ref = _resume_point(cfg, resume_from, forking=bool(fork_as))
+    if fork_as:
+        if ref is None:
+            raise field_error(ConfigError, "fork_as", fork_as, f"a version of run {cfg.name!r} to fork from",
+                              f"{build.store(cfg).uri} holds none; train the run first, or fork another run "
+                              "(name=<that run>)")
+        parent_threads = apply_recorded_threads(cfg)
+        return _fork(resume.forked_config(cfg, fork_as), ref, parent_threads)
+    if ref is not None:
+        apply_recorded_threads(cfg)
+        _apply_config_changes(cfg, ref)
+    return ref
+
+
+def _fork_from(cfg: RunConfig, resume_from: str, fork_as: str | None) -> CheckpointRef:
+    """The start of run ``cfg.name`` as a fork of ``checkpoint.fork_from`` (written now, or the fork's published
+    version when it exists)."""
+    if fork_as or resume_from != "latest":
+        field, value = ("fork_as", fork_as) if fork_as else ("resume_from", resume_from)
+        raise field_error(ConfigError, field, value, "left out with checkpoint.fork_from (it names the parent "
+                          "version; name= names the fork)", f"drop {field}, or drop checkpoint.fork_from")
+    run, step = fork_point(cfg.checkpoint.fork_from)
+    if run == cfg.name:
+        raise field_error(ConfigError, "checkpoint.fork_from", cfg.checkpoint.fork_from,
+                          f"a version of another run than this one (name={cfg.name!r})",
+                          f"name the fork, e.g. name={run}-b (the parent run stays untouched)")
+    parent = resume.fork_version(cfg, run, step)
+    parent_threads = apply_recorded_threads(dataclasses.replace(cfg, name=run))
+    return _fork(cfg, parent, parent_threads)
+
+
+def _fresh_start(cfg: RunConfig) -> CheckpointRef:
+    """A fresh step-0 version of run ``cfg.name``."""
     # a fresh build: the cached bundle may carry another run's trained weights
     fresh = build.fresh_bundle(cfg)
     if build.needs_initial_policy(cfg):
@@ -161,8 +197,8 @@ def apply_recorded_threads(cfg: RunConfig) -> dict[str, object] | None:
 
 
 def _fork(cfg: RunConfig, parent: CheckpointRef, parent_threads: dict[str, object] | None = None) -> CheckpointRef:
-    """Copy ``parent`` (a version of another run) into run ``cfg.name`` at the same step, with its lineage;
-    an existing fork of the same version is continued instead."""
+    """Start run ``cfg.name`` at ``parent`` (a version of another run), with its lineage, referencing the parent's
+    files; an existing fork of the same version is continued instead."""
     store = build.store(cfg)
     existing = store.latest()
     if existing is not None:
@@ -175,17 +211,17 @@ def _fork(cfg: RunConfig, parent: CheckpointRef, parent_threads: dict[str, objec
         ref = _resume_point(cfg, "latest")
         _apply_config_changes(cfg, ref)
         return ref
-    stored = resume.stored_config(parent, cfg.checkpoint.storage_options)
+    opts = cfg.checkpoint.storage_options
+    stored = resume.stored_config(parent, opts)
     changes = resume.config_changes(stored, resume.config_json(cfg)) if stored is not None else []
     applied = resume.check_changes(changes, ref=parent, forking=True)
-    loaded = load_checkpoint(parent, storage_options=cfg.checkpoint.storage_options)
-    if loaded.train_state is None:
-        raise field_error(CheckpointError, parent.uri, "no train_state.pt", "a training checkpoint to fork",
-                          "fork a version written by the loop (it holds the optimizer state)")
-    lineage = resume.lineage_record(parent, applied, loaded.extra)
-    ref = store.save(parent.step, weights=loaded.weights, ema_weights=loaded.ema_weights,
-                     train_state=loaded.train_state, config=to_dict(cfg), extra={**loaded.extra, "lineage": lineage},
-                     policy_version=parent.policy_version, meta=dict(loaded.manifest.meta), publish=True)
+    if TRAIN_STATE not in load_manifest(parent, storage_options=opts).files:
+        raise field_error(CheckpointError, parent.uri, f"no {TRAIN_STATE}", "a training checkpoint to fork",
+                          "fork a version written by the loop with its full state (optimizer, RNG, data cursor)")
+    parent_extra = load_version_json(parent, EXTRA, storage_options=opts) or {}
+    lineage = resume.lineage_record(parent, applied, parent_extra)
+    # the fork's start version references the parent's files: nothing of the prefix is copied or recomputed
+    ref = store.save_reference(parent, config=to_dict(cfg), extra={**parent_extra, "lineage": lineage})
     _record(store, {"event": "fork", "utc": lineage["forked_utc"], "from": parent.uri, "step": parent.step,
                     "changes": lineage["changes"], **({"threads": parent_threads} if parent_threads else {})})
     changed = f" with changed settings: {'; '.join(str(c) for c in applied)}" if applied else ""

@@ -22,6 +22,7 @@ from unirl_core.types import SampleBatch
 
 EVAL_DIR = "eval"
 EVAL_THUMB_PX = 48
+DIGEST_KEYS = ("weights_sha256", "protocol_sha256")
 EVAL_SUMMARY_KEYS = ("eval/reward/mean", "eval/accuracy")
 """Metrics shown first in the before/after table (when present); every other eval/* metric follows."""
 
@@ -38,6 +39,9 @@ class EvalRecord:
     """Held-out prompts, in eval order."""
     prompt_reward: list[float | None] = field(default_factory=list)
     """Mean reward of each prompt's valid samples (None: none valid)."""
+    digests: dict[str, str] = field(default_factory=dict)
+    """What the numbers measured (``unirl_core.loop.eval_cache``): ``weights_sha256`` of the evaluated weights and
+    ``protocol_sha256`` of the evaluation protocol."""
 
 
 def group_by_prompt(batch: SampleBatch) -> OrderedDict[str, list]:
@@ -56,7 +60,8 @@ def eval_record(step: int, batch: SampleBatch, metrics: dict[str, float]) -> Eva
         prompts.append(prompt)
         means.append(sum(vals) / len(vals) if vals else None)
     return EvalRecord(step=step, metrics={k: float(v) for k, v in metrics.items() if k.startswith("eval/")},
-                      prompts=prompts, prompt_reward=means)
+                      prompts=prompts, prompt_reward=means,
+                      digests={k: str(batch.metadata[k]) for k in DIGEST_KEYS if k in batch.metadata})
 
 
 def _cell(samples: list) -> str:

@@ -34,6 +34,7 @@ import fsspec
 
 from unirl_core.checkpoint.ref import parse_step_dirname, step_dirname
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.report.branches import branches_html
 from unirl_core.report.charts import line_chart_svg
 from unirl_core.report.eval_report import (
     EVAL_DIR,
@@ -110,7 +111,8 @@ class RunReport:
         if not run_uri:
             raise field_error(ConfigError, "run_uri", run_uri, "a directory or s3:// URL of the run",
                               "pass '<checkpoint root>/<run>'")
-        self.fs, path = fsspec.core.url_to_fs(run_uri, **dict(storage_options or {}))
+        self.storage_options = dict(storage_options or {})
+        self.fs, path = fsspec.core.url_to_fs(run_uri, **self.storage_options)
         self.path = posixpath.join(path.rstrip("/"), REPORT_DIR)
         self.fs.makedirs(self.path, exist_ok=True)
 
@@ -224,6 +226,9 @@ class RunReport:
             grids[s] = raw.decode() if len(raw) <= MAX_STRIP_BYTES else "(strip too large to embed)"
         evals = self.evals()
         held_out = before_after_html(*evals[0], *evals[-1]) if evals else ""
+        run_path = posixpath.dirname(self.path)
+        held_out += branches_html(self.fs.unstrip_protocol(posixpath.dirname(run_path)), posixpath.basename(run_path),
+                                  storage_options=self.storage_options)
         self._write("index.html", _page(title, index_body(title, records, config, grids, smooth=smooth,
                                                           held_out=held_out, curves=curves,
                                                           evals=[e for e, _ in evals])))

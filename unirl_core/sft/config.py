@@ -181,6 +181,8 @@ class SFTConfig:
             ("checkpoint.every_n_steps", ck.every_n_steps, ck.every_n_steps != 1, "the default in an SFT run",
              full_state),
             ("checkpoint.full_state", ck.full_state, ck.full_state != "file", "the default in an SFT run", full_state),
+            ("checkpoint.fork_from", ck.fork_from, ck.fork_from is not None, "unset in an SFT run",
+             "forks start RL runs (run_local, workflows/grpo.py); remove the setting"),
             ("train.micro_batch_size", t.micro_batch_size, self.data.batch_size % t.micro_batch_size,
              f"a divisor of data.batch_size ({self.data.batch_size})",
              "pick micro-batches that split a step's records evenly"),

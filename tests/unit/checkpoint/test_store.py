@@ -191,3 +191,31 @@ def test_ema_weights_alone_and_missing_ema_is_named(tmp_path):
     ref2 = save(store, 2)
     with pytest.raises(CheckpointError, match="ema.safetensors"):
         load_weights(ref2, ema=True)
+
+
+def test_reference_version_reads_the_owners_files_and_pins_them(tmp_path):
+    parent = CheckpointStore(str(tmp_path), "p", keep_last=1)
+    src = save(parent, 2, ema_weights=tensors(9), train_state={"counters": {"step": 2}}, config={"c": 1},
+               extra={"x": 1})
+    fork = CheckpointStore(str(tmp_path), "f", keep_last=1)
+    ref = fork.save_reference(src, config={"c": 2}, extra={"x": 1, "lineage": {"parent_run": "p"}})
+    assert fork.latest() == ref and (ref.step, ref.policy_version) == (2, 2)
+    got, orig = fork.load(), parent.load()
+    assert got.config == {"c": 2} and got.extra["lineage"] == {"parent_run": "p"}
+    assert all(torch.equal(got.weights[k], v) for k, v in orig.weights.items())
+    assert all(torch.equal(got.ema_weights[k], v) for k, v in orig.ema_weights.items())
+    assert got.train_state == orig.train_state and got.manifest.meta["forked_from"] == "p@2"
+    assert sorted(p.name for p in (tmp_path / "f" / "step-00000002").iterdir()) == [
+        "config.json", "extra.json", "manifest.json"]
+    # a fork of the fork's start version points at the bytes' owner, and pins it and its named parent
+    ff = CheckpointStore(str(tmp_path), "ff").save_reference(ref, config={"c": 3}, extra={})
+    files = json.loads((tmp_path / "ff" / "step-00000002" / "manifest.json").read_text())["files"]
+    assert {files[n]["run"] for n in (WEIGHTS, TRAIN_STATE, "ema.safetensors")} == {"p"} and "run" not in files[EXTRA]
+    assert parent.pinned_steps() == {2: ["f", "ff"]} and fork.pinned_steps() == {2: ["ff"]}
+    # retention: the parent keeps the pinned version past keep_last=1
+    save(parent, 3)
+    assert [r.step for r in parent.versions()] == [2, 3]
+    # a referenced file deleted by hand: the read names it and its owner
+    os.remove(tmp_path / "p" / "step-00000002" / WEIGHTS)
+    with pytest.raises(CheckpointError, match=r"p/step-00000002/model.safetensors='missing'.*run 'p' that fork 'ff'"):
+        load_weights(ff)

@@ -49,7 +49,7 @@ def test_diffusion_eval_every_step_is_deterministic_ode_and_in_the_history(tmp_p
     ref = resolve_version(cfg, "latest")
     assert ref.step == 2
     a, ma = eval_phase(cfg, ref)
-    b, mb = eval_phase(cfg, ref)
+    b, mb = eval_phase(cfg, ref, use_cache=False)  # computed again, not read from the eval cache
     assert ma["eval/reward/mean"] == mb["eval/reward/mean"] == hist[-1]["eval/reward/mean"]  # same bits each time
     assert [s.generated.prompt for s in a] == ["a red fox"] * 2 + ["a blue lake"] * 2
     assert all(not bool(p.segment.sde_mask.any()) for p in a.generated)  # ODE
@@ -84,7 +84,7 @@ def test_lm_eval_is_greedy_on_held_out_prompts(tmp_path):
     assert not {r.prompt for r in held} & train_prompts
     hist = run_local(cfg, progress=False)
     assert "eval/reward/mean" in hist[0] and hist[0]["eval/response_tokens_mean"] > 0
-    batch, _ = eval_phase(cfg, resolve_version(cfg, "latest"))
+    batch, _ = eval_phase(cfg, resolve_version(cfg, "latest"), use_cache=False)
     segs = [p.segment for p in batch.generated]
     assert all(torch.equal(segs[2 * i].response_ids, segs[2 * i + 1].response_ids) for i in range(3))  # greedy
 
@@ -114,7 +114,7 @@ def test_start_and_end_eval_go_into_the_report_before_after(tmp_path):
     assert start.prompts == ["a red fox", "a blue lake"] and set(cells) == set(start.prompts)
     assert all(cells[p].count("<img") == 2 for p in start.prompts)  # eval.samples_per_prompt thumbnails each
     # the recorded "before" is the deterministic eval of the step-0 version, the "after" the last step's
-    _, again = eval_phase(cfg, resolve_version(cfg, str(tmp_path / cfg.name / "step-00000000")))
+    _, again = eval_phase(cfg, resolve_version(cfg, str(tmp_path / cfg.name / "step-00000000")), use_cache=False)
     assert start.metrics["eval/reward/mean"] == again["eval/reward/mean"]
     assert evals[1][0].metrics["eval/reward/mean"] == hist[1]["eval/reward/mean"]
     means = start.prompt_reward

@@ -116,10 +116,12 @@ def test_older_version_is_refused_and_a_fork_leaves_the_run_untouched(tmp_path, 
     with caplog.at_level(logging.WARNING):
         hist = run_local(_cfg(tmp_path, 3), resume_from=step1, fork_as="fork-b")
     assert [h["step"] for h in hist] == [2.0, 3.0]
-    assert _files(run) == before  # the original run: not a byte changed
+    pins = {k: v for k, v in _files(run).items() if k.startswith("forks/")}
+    assert {k: v for k, v in _files(run).items() if k not in pins} == before  # the original run: not a byte changed
+    assert list(pins) == ["forks/fork-b.json"]  # but for the pin that keeps the version the fork references
     assert "forked run 'tiny-grpo' at step 1" in _warnings(caplog)
     fork = tmp_path / "fork-b"
-    for step in (1, 3):  # the copy and every version trained from it carry the lineage
+    for step in (1, 3):  # the start version and every version trained from it carry the lineage
         lineage = json.loads((fork / f"step-{step:08d}" / "extra.json").read_text())["lineage"]
         assert lineage["parent_run"] == RUN and lineage["parent_uri"] == step1 and lineage["parent_step"] == 1
     assert json.loads((fork / "step-00000003" / "config.json").read_text())["name"] == "fork-b"

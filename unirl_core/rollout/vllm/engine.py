@@ -9,8 +9,9 @@ Endpoints used (vLLM 0.32, all present when started with ``VLLM_SERVER_DEV_MODE=
 
 - ``POST /inference/v1/generate``: prompt token ids in, sampled token ids + the sampled tokens'
   log-probs out, plus ``weight_versions`` spans naming the weights that produced each token;
-- ``POST /pause`` / ``/resume``, ``/collective_rpc`` (``reload_weights`` from a folder),
-  ``/reset_prefix_cache``, ``/update_weight_version``, ``GET /weight_info``: full-weight publish;
+- ``POST /pause`` / ``/resume``, ``/collective_rpc`` (our worker extension: ``unirl_reload_weights`` from a
+  folder, ``unirl_apply_delta`` of a delta version), ``/reset_prefix_cache``, ``/update_weight_version``,
+  ``GET /weight_info``: full-weight publish;
 - ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``: LoRA publish;
 - ``POST /sleep`` / ``/wake_up``: colocated deployments (a no-op on the CPU backend).
 

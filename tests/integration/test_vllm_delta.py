@@ -132,3 +132,33 @@ def test_engine_not_at_the_base_gets_the_version_in_full(setup):
     setup["delta"].update_weights(setup["tmp"] / "v0", 8)
     setup["delta"].update_weights(setup["refs"][7], 7)
     assert setup["delta"].last_sync["kind"] == "full"
+
+
+def test_training_loop_publishes_delta_versions_to_vllm(tmp_path):
+    """``run_local`` on tiny-grpo-vllm with delta versions: each step syncs the version before it into the server
+    (step k rolls out with v(k-1)); from v3 on the server takes the delta alone, and every step's samples still pass
+    the fail-closed agreement with the trainer's replay of the version it published."""
+    from unirl_core.config import load_recipe
+    from unirl_core.loop.executors import in_process
+    from unirl_core.loop.local import run_local
+
+    cfg = load_recipe("tiny-grpo-vllm", [f"checkpoint.root={tmp_path}", "loop.total_steps=5",
+                                         "checkpoint.weights_encoding=delta", "checkpoint.every_n_steps=10"])
+    resources = in_process().resources
+    kinds: list[str] = []
+
+    def on_step(metrics, batch) -> None:
+        assert metrics["rollout/weight_synced"] == 1.0
+        slot = resources.dedicated_engine(cfg, resources.bundle(cfg))
+        kinds.append(str(slot.engine.last_sync.get("kind")))
+
+    try:
+        hist = run_local(cfg, on_step=on_step)
+    finally:
+        resources.close_engines()
+    chains = [load_manifest(r).chain for r in CheckpointStore(str(tmp_path), cfg.name, keep_last=100).versions()]
+    assert chains[:4] == [[], [1], [1, 2], [1, 2, 3]], chains  # v1 full, v2..v4 deltas
+    # step 1 serves v0 (the exported start); v1 full; v2 a delta the server holds no base for; v3, v4 deltas
+    assert kinds[1:] == ["full", "full", "delta", "delta"], kinds
+    check = cfg.lm.logp_check
+    assert all(0 <= h["rollout/logp_absdiff_max"] <= check.max_abs_diff for h in hist)

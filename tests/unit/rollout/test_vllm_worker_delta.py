@@ -71,7 +71,11 @@ def test_refusals_leave_the_model_untouched(tmp_path):
     assert worker.unirl_apply_delta(**args)["reason"] == "no kept base"
     worker.unirl_reload_weights(str(folder), keep_sha256="0" * 64)  # kept under another version's digest
     assert worker.unirl_apply_delta(**args)["reason"] == "not at the delta's base"
-    assert worker.loads == [str(folder), str(folder)]
+    worker.unirl_reload_weights(str(folder), keep_sha256=sha1)
+    out = worker.unirl_apply_delta(**{**args, "size": args["size"] + 1})  # does not decode to the manifest's size
+    assert not out["applied"] and "decompressed to" in out["reason"]
+    assert worker._unirl_held is not None  # nothing was XOR-ed: the copy is still the base
+    assert worker.loads == [str(folder), str(folder), str(folder)]
     # The right digest claimed for other weights: the result's digest does not match, nothing is loaded and the
     # copy (XOR-ed into) is dropped.
     other = tmp_path / "other"
@@ -82,4 +86,4 @@ def test_refusals_leave_the_model_untouched(tmp_path):
     worker.unirl_reload_weights(str(other), keep_sha256=sha1)
     out = worker.unirl_apply_delta(**args)
     assert not out["applied"] and out["reason"].startswith("digest ")
-    assert worker.loads == [str(folder), str(folder), str(other)] and worker._unirl_held is None
+    assert worker.loads == [str(folder), str(folder), str(folder), str(other)] and worker._unirl_held is None

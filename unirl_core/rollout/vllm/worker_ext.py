@@ -110,12 +110,16 @@ class WeightSyncExtension:
             return {"applied": False, "reason": "not at the delta's base" if held else "no kept base"}
         try:
             from unirl_core.checkpoint.delta import bits, decode_delta, weights_digest
+            from unirl_core.errors import CheckpointError
         except ImportError as e:  # vLLM's venv without zstandard / fsspec
             return {"applied": False, "reason": f"cannot decode deltas here: {e}"}
         from pathlib import Path
 
         blob = Path(delta_path).read_bytes()
-        xors = decode_delta(blob, int(size), delta_path)
+        try:
+            xors = decode_delta(blob, int(size), delta_path)
+        except CheckpointError as e:
+            return {"applied": False, "reason": str(e)}
         tensors = held[1]
         if set(xors) != set(tensors) or any(tensors[k].dtype != x.dtype or tensors[k].shape != x.shape
                                             for k, x in xors.items()):

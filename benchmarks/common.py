@@ -8,6 +8,7 @@ History lives in git: a re-run overwrites ``latest``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -249,6 +250,21 @@ def count_flops(fn, *args, **kwargs) -> int:
     with FlopCounterMode(display=False) as counter:
         fn(*args, **kwargs)
     return counter.get_total_flops()
+
+
+@contextlib.contextmanager
+def without_recompute(module):
+    """Gradient checkpointing off inside (diffusers' and transformers' ``gradient_checkpointing`` flags), back on
+    after: a FLOP count of a backward excludes recomputation. Count at a small batch where memory needs the
+    checkpointing, and scale (model FLOPs are linear in the rows)."""
+    flagged = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in flagged:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.gradient_checkpointing = True
 
 
 def mfu(flops: float | None, seconds: float, peak_tflops: float | None) -> float:

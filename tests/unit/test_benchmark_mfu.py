@@ -124,3 +124,17 @@ def test_ar_rollout_table_has_mfu_column():
                                   [bench_ar_rollout.md_table([gpu])[0], *bench_ar_rollout.md_table([gpu, cpu])[2:]])
     col = [h.strip() for h in header].index("MFU")
     assert gpu_line[col].strip() == "50.0%" and cpu_line[col].strip() == "-"
+
+
+def test_without_recompute_drops_checkpointing_from_the_count():
+    model, _ = _tiny_qwen3("cpu")  # torch.utils.checkpoint does not run on meta tensors
+    model.train()
+    ids = torch.zeros(2, 12, dtype=torch.long)
+    step = lambda: model(ids).logits.sum().backward()  # noqa: E731
+    plain = common.count_flops(step)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    recomputed = common.count_flops(step)
+    with common.without_recompute(model):
+        assert common.count_flops(step) == plain
+    assert recomputed > plain  # the decoder layers' forwards run twice
+    assert common.count_flops(step) == recomputed  # back on after

@@ -221,6 +221,17 @@ def matmul_peak_tflops(device: str) -> float | None:
     return 2 * 8192**3 / best / 1e12
 
 
+def matmul_peak_tflops_in_child(device: str) -> float | None:
+    """``matmul_peak_tflops`` measured in a child process: a driver whose workers own the GPU keeps no CUDA
+    context or cached blocks of its own."""
+    if not device.startswith("cuda"):
+        return None
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+            f"from common import matmul_peak_tflops; print(matmul_peak_tflops({device!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 # ----------------------------------------------------------------------------- MFU
 #
 # MFU = model FLOPs of one step / (step seconds x the measured bf16 matmul peak of the same GPU,

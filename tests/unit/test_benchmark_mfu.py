@@ -138,3 +138,29 @@ def test_without_recompute_drops_checkpointing_from_the_count():
         assert common.count_flops(step) == plain
     assert recomputed > plain  # the decoder layers' forwards run twice
     assert common.count_flops(step) == recomputed  # back on after
+
+
+def test_step_model_flops_compose_the_rows_of_a_flow_grpo_step():
+    """The recipe step's count scales with CFG rows, adds one reference forward per trained step with a KL, and is
+    None for the tiny presets (no MFU on CPU recipes)."""
+    import bench_step_cost
+    import step_cost_shapes
+
+    from unirl_core.config import load_recipe
+
+    p = bench_step_cost.PRESETS["sd35m-lora"]
+    spec = {"preset": "sd35m-lora", "shaped": "sd35m", "device": "cpu", "layers": 1}
+    base = [*p["overrides"], "diffusion.model.device=cpu", "diffusion.sampling.height=64",
+            "diffusion.sampling.width=64"]
+    cfg = lambda *extra: load_recipe(p["recipe"], [*base, *extra])  # noqa: E731
+    fwd, train = step_cost_shapes._sd35m_row_flops(spec, cfg())
+    assert fwd < train < 3 * fwd  # LoRA: the frozen base's backward is about one forward
+    with_kl = step_cost_shapes.step_model_flops(spec, cfg())
+    no_kl = step_cost_shapes.step_model_flops(spec, cfg("diffusion.algorithm.kl_beta=0.0"))
+    no_cfg = step_cost_shapes.step_model_flops(spec, cfg("diffusion.algorithm.kl_beta=0.0",
+                                                         "diffusion.sampling.guidance_scale=1.0"))
+    rows, steps = 2 * 16, 10  # 2 prompts x 16 samples, 10 steps, timestep_fraction 0.99 -> all 10 trained
+    assert with_kl - no_kl == rows * 2 * steps * fwd
+    assert no_kl == 2 * no_cfg == rows * 2 * steps * (fwd + train)
+    tiny = bench_step_cost.PRESETS["tiny-grpo"]
+    assert step_cost_shapes.step_model_flops({"shaped": None}, load_recipe(tiny["recipe"], [])) is None

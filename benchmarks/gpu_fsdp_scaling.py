@@ -59,8 +59,15 @@ def model_flops(family: str, rollout, algo, batch) -> float:
     differ), diffusion on one sample times the batch (every sample has the same shape)."""
     from unirl_core.types import SampleBatch
 
+    def fwd_bwd(mb) -> None:
+        if hasattr(algo, "loss_terms"):  # as the backend runs it: one term's graph alive at a time
+            for term in algo.loss_terms(rollout, mb, old_log_probs=None):
+                term.backward()
+        else:
+            algo.loss(rollout, mb, old_log_probs=None).loss.backward()
+
     def one(s) -> int:
-        return count_flops(lambda: algo.loss(rollout, SampleBatch(samples=[s]), old_log_probs=None).loss.backward())
+        return count_flops(fwd_bwd, SampleBatch(samples=[s]))
 
     total = sum(map(one, batch.samples)) if family == "lm" else one(batch.samples[0]) * len(batch.samples)
     rollout.module.zero_grad(set_to_none=True)

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import write_record  # noqa: E402
+from benchmarks.common import fmt_mfu, lm_generate_flops, matmul_peak_tflops, mfu_fields, write_record  # noqa: E402
 from unirl_core.models.lm import LMBundle, LMConfig, build_tiny_lm  # noqa: E402
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine  # noqa: E402
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch  # noqa: E402
@@ -165,6 +165,10 @@ def main() -> None:
         "engine_rescore_graphs": lambda: time_engine(bundle, texts, args.new_tokens, args.device, "rescore",
                                                      args.batch, graphs=True),
     }
+    peak = matmul_peak_tflops(args.device)
+    # model FLOPs: the generation every method runs (prefill + KV-cached decode); the rescoring forward is not counted
+    lens = [len(ids) for ids in bundle.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    flops = lm_generate_flops(bundle.module.config, args.batch, statistics.fmean(lens), args.new_tokens)
     for run in runners.values():  # warm-up (allocator, kernels, lazy imports)
         run()
     times: dict[str, list[float]] = {k: [] for k in runners}
@@ -179,7 +183,8 @@ def main() -> None:
     for name in runners:
         tps = tokens[name] / statistics.median(times[name])
         rows.append({"method": name, "tokens": tokens[name], "median_s": statistics.median(times[name]),
-                     "tok_per_s": tps, "ratio_vs_hf_generate": tps / base})
+                     "tok_per_s": tps, "ratio_vs_hf_generate": tps / base,
+                     **mfu_fields(flops, statistics.median(times[name]), peak)})
     report(args, rows)
 
 
@@ -189,17 +194,23 @@ def report(args, rows) -> None:
     setup = (f"preset={args.preset} device={args.device} dtype={args.dtype} batch={args.batch} "
              f"prompt_len={args.prompt_len} new_tokens={args.new_tokens} repeats={args.repeats} (median)")
     print(setup)
-    print(f"{'method':<20}{'tokens':>8}{'median s':>11}{'tok/s':>11}{'vs generate':>13}")
+    print(f"{'method':<20}{'tokens':>8}{'median s':>11}{'tok/s':>11}{'vs generate':>13}{'MFU':>8}")
     for r in rows:
         print(f"{r['method']:<20}{r['tokens']:>8}{r['median_s']:>11.3f}{r['tok_per_s']:>11.1f}"
-              f"{r['ratio_vs_hf_generate']:>12.2f}x")
+              f"{r['ratio_vs_hf_generate']:>12.2f}x{fmt_mfu(r.get('mfu')):>8}")
     md = [f"### AR rollout throughput ({args.preset}, {args.device})", "", f"Setup: {setup}.",
           f"Hardware: {hw.get('gpu', hw['cpu'])}, {hw['cores']} cores, OMP_NUM_THREADS={hw['omp_num_threads']}; "
-          f"torch {hw['torch']}, transformers {hw['transformers']}.", "",
-          "| method | tokens | median s | tok/s | vs model.generate |", "|---|---:|---:|---:|---:|"]
-    md += [f"| {r['method']} | {r['tokens']} | {r['median_s']:.3f} | {r['tok_per_s']:.1f} | "
-           f"{r['ratio_vs_hf_generate']:.2f}x |" for r in rows]
+          f"torch {hw['torch']}, transformers {hw['transformers']}.", "", *md_table(rows), "",
+          "MFU: the generation's model FLOPs (prefill + one KV-cached decode step per token; the rescoring forward "
+          "not counted) over the median time and this GPU's measured bf16 matmul peak (`-` on a CPU)."]
     write_record("ar_rollout", {"setup": vars(args), "rows": rows}, "\n".join(md), cell=cell, env=hw)
+
+
+def md_table(rows) -> list[str]:
+    """The record's table: one line per method, MFU last."""
+    out = ["| method | tokens | median s | tok/s | vs model.generate | MFU |", "|---|---:|---:|---:|---:|---:|"]
+    return out + [f"| {r['method']} | {r['tokens']} | {r['median_s']:.3f} | {r['tok_per_s']:.1f} | "
+                  f"{r['ratio_vs_hf_generate']:.2f}x | {fmt_mfu(r.get('mfu'))} |" for r in rows]
 
 
 if __name__ == "__main__":

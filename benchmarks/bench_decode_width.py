@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ar_rollout import build_bundle, hardware, prompts  # noqa: E402
-from common import write_record  # noqa: E402
+from common import fmt_mfu, lm_generate_flops, matmul_peak_tflops, mfu, write_record  # noqa: E402
 
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine  # noqa: E402
 from unirl_core.types import ARSamplingParams, PromptRecord, SampleBatch  # noqa: E402
@@ -48,7 +48,12 @@ def main() -> None:
     dtype = torch.float32 if a.preset == "tiny" else torch.bfloat16
     bundle = build_bundle(a.preset, dtype, a.device)
     n = a.prompts * a.group
-    recs = [PromptRecord(prompt_id=f"p{i}", prompt=t) for i, t in enumerate(prompts(bundle, a.prompts, a.prompt_len))]
+    texts = prompts(bundle, a.prompts, a.prompt_len)
+    recs = [PromptRecord(prompt_id=f"p{i}", prompt=t) for i, t in enumerate(texts)]
+    # model FLOPs: the generation (prefill + KV-cached decode) of every row; the rescoring forward is not counted
+    lens = [len(ids) for ids in bundle.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    flops = lm_generate_flops(bundle.module.config, n, statistics.fmean(lens), a.new_tokens)
+    peak = matmul_peak_tflops(a.device)
     request = SampleBatch.from_prompts(recs, samples_per_prompt=a.group, kind="ar",
                                        sampling=ARSamplingParams(max_new_tokens=a.new_tokens, temperature=1.0, seed=0))
     engines = {name: TrainsideAREngine(bundle, AREngineConfig(forward_batch_size=a.slice, decode_batch_size=width,
@@ -67,13 +72,19 @@ def main() -> None:
     sliced, wide = times["sliced"][1:], times["wide"][1:]
     pair = statistics.median(w / s for w, s in zip(wide, sliced))
     row = {"sliced_median_s": statistics.median(sliced), "wide_median_s": statistics.median(wide),
-           "median_pair_ratio_wide_over_sliced": pair}
+           "median_pair_ratio_wide_over_sliced": pair, "model_flops_per_step": flops, "peak_tflops": peak}
+    row["sliced_mfu"], row["wide_mfu"] = mfu(flops, row["sliced_median_s"], peak), mfu(flops, row["wide_median_s"], peak)
+    row["mfu"] = row["wide_mfu"]
     print(f"{a.preset} on {a.device}: {n} rows x {a.new_tokens} new tokens, prompt {a.prompt_len}, rescoring in "
           f"slices of {a.slice}")
     print(f"decode in slices of {a.slice}: {row['sliced_median_s']:.3f} s | one batch of {n}: "
-          f"{row['wide_median_s']:.3f} s | median pair ratio {pair:.2f}x")
-    md = (f"| decode in slices of {a.slice} s | one batch of {n} s | median pair ratio wide / sliced |\n|---|---|---|\n"
-          f"| {row['sliced_median_s']:.3f} | {row['wide_median_s']:.3f} | {pair:.2f}x |")
+          f"{row['wide_median_s']:.3f} s | median pair ratio {pair:.2f}x | MFU sliced {fmt_mfu(row['sliced_mfu'])}, "
+          f"wide {fmt_mfu(row['wide_mfu'])}")
+    md = (f"| decode in slices of {a.slice} s | one batch of {n} s | median pair ratio wide / sliced | MFU sliced | "
+          f"MFU wide |\n|---|---|---|---|---|\n| {row['sliced_median_s']:.3f} | {row['wide_median_s']:.3f} | {pair:.2f}x | "
+          f"{fmt_mfu(row['sliced_mfu'])} | {fmt_mfu(row['wide_mfu'])} |\n\nMFU: the generation's model FLOPs (prefill + "
+          f"one KV-cached decode step per token, rescoring not counted) over the median time and this GPU's measured "
+          f"bf16 matmul peak (`-` on a CPU).")
     out = write_record("decode_width", {"setup": vars(a), "times": times, **row}, md,
                        cell=f"{a.preset}_{a.device.split(':')[0]}", env=hardware())
     print(f"wrote {out}")

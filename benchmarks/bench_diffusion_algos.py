@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_diffusion_replay import micro_batch
 from bench_diffusion_rollout import build, sync
 from bench_flow_grpo_step import peak_of
-from common import report
+from common import count_flops, fmt_mfu, matmul_peak_tflops, mfu_fields, report, without_recompute
 
 from unirl_core.algorithms.flow_dppo import FlowDPPOConfig
 from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
@@ -105,14 +105,18 @@ def main() -> None:
     if args.only:
         keep = {"flow_grpo", *args.only.split(",")}
         chosen = {k: v for k, v in chosen.items() if k in keep}
-    backends, firsts, peaks, failed = {}, {}, {}, {}
+    peak_tflops = matmul_peak_tflops(args.device)
+    backends, firsts, peaks, failed, flops = {}, {}, {}, {}, {}
     for name, (algo_cfg, train_cfg) in chosen.items():
         bundle = copy.deepcopy(rollout)
         bundle.module.train()
         backend = TrainBackend(bundle, build_algorithm(algo_cfg), train_cfg)
         mb = batches[BATCHES.get(name, "all")]
         try:
-            firsts[name] = backend.step(mb).metrics  # warmup; first update of the batch
+            # warmup, first update of the batch, and the algorithm's model FLOPs: every forward it runs (CFG rows,
+            # a pi_old / EMA pass) and the backward (LoRA: no weight gradients of the frozen base)
+            with without_recompute(bundle.module):
+                flops[name] = count_flops(lambda be=backend, m=mb: firsts.__setitem__(name, be.step(m).metrics))
             peaks[name] = peak_of(lambda be=backend, m=mb: be.step(m), args.device)
         except Exception as e:  # one algorithm's failure is a row of the table, not the end of the run
             if name == "flow_grpo":
@@ -137,19 +141,22 @@ def main() -> None:
     for name in names:
         med = statistics.median(times[name])
         pair = statistics.median(x / y for x, y in zip(times[name], base))
+        m = mfu_fields(flops[name], med, peak_tflops)
         rows.append([name, f"{med:.3f}", f"{pair:.3f}", f"{peaks[name]:.2f}",
-                     f"{firsts[name].get('trained_steps', float('nan')):.0f}"])
+                     f"{firsts[name].get('trained_steps', float('nan')):.0f}", f"{flops[name] / 1e12:.3g}",
+                     fmt_mfu(m["mfu"])])
         data.append({"algorithm": name, "step_s": med, "median_pair_ratio_vs_flow_grpo": pair,
-                     "peak_gib": peaks[name], "times": times[name], "first_update_metrics": firsts[name]})
+                     "peak_gib": peaks[name], "times": times[name], "first_update_metrics": firsts[name], **m})
     for name, err in failed.items():
-        rows.append([name, "failed", err, "", ""])
+        rows.append([name, "failed", err, "", "", "", ""])
         data.append({"algorithm": name, "error": err})
     cell = f"{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
         cell += "_smoke"
     report("diffusion_algos", f"Diffusion algorithms: one train step (micro-batch {b}; trained steps per row) vs Flow-GRPO "
                  f"({args.preset}, {height} px)",
-           ["algorithm", "step s (median)", "vs flow_grpo (median of pairs)", "peak GiB", "trained steps"],
+           ["algorithm", "step s (median)", "vs flow_grpo (median of pairs)", "peak GiB", "trained steps",
+            "model TFLOP", "MFU"],
            rows, {"micro_batch": b, "height": height, "repeats": args.repeats, "results": data},
            notes=f"TrainBackend.step per algorithm on its own copy of the same LoRA r32 weights, the same micro-batch "
                  f"(CFG {G} SDE trajectories), one update, no KL; median of {args.repeats} interleaved rounds after a "
@@ -157,7 +164,9 @@ def main() -> None:
                  "EMA); nft trains the conditional velocity only (B rows per forward instead of CFG's 2B). "
                  f"mixgrpo_window4: Flow-GRPO on a rollout whose SDE window is steps {WINDOW} (ODE elsewhere), "
                  "only the window trained; flow_grpo_no_cfg: Flow-GRPO on a guidance-1 rollout (B rows per forward). "
-                 "Peak: CUDA only (nan on CPU).", cell=cell)
+                 "Peak: CUDA only (nan on CPU). MFU: the algorithm's model FLOPs per step (FlopCounterMode over its "
+                 "first step: every forward it runs and the backward, LoRA's frozen base without weight gradients) "
+                 "over the median step and this GPU's measured bf16 matmul peak (`-` on a CPU).", cell=cell)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_diffusion_rollout import build, conditions, sync, timed_pair  # noqa: E402
 from bench_diffusion_rollout import ours as rollout_slice
-from common import report  # noqa: E402
+from common import count_flops, fmt_mfu, matmul_peak_tflops, mfu_fields, report, without_recompute  # noqa: E402
 
 from unirl_core.algorithms.flow_grpo import FlowGRPO, FlowGRPOConfig  # noqa: E402
 from unirl_core.sde import flow_sigmas, initial_noise  # noqa: E402
@@ -95,6 +95,14 @@ def plain_fwd_bwd(bundle, mb: SampleBatch, steps: list[int], guidance: float) ->
     bundle.module.zero_grad(set_to_none=True)
 
 
+def model_flops(bundle, mb: SampleBatch, steps: list[int], guidance: float) -> float:
+    """The CFG forwards (2B rows per trained step) and their backward, counted on one sample without recomputation
+    and scaled to the micro-batch (one sample's activations fit where the micro-batch's need checkpointing)."""
+    with without_recompute(bundle.module):
+        return len(mb.samples) * count_flops(plain_fwd_bwd, bundle, SampleBatch(samples=mb.samples[:1]), steps,
+                                             guidance)
+
+
 def ours_fwd_bwd(bundle, algo: FlowGRPO, mb: SampleBatch) -> None:
     algo.loss(bundle, mb, old_log_probs=None).loss.backward()
     bundle.module.zero_grad(set_to_none=True)
@@ -128,6 +136,7 @@ def main() -> None:
     steps = p["steps"]
     sampling = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=steps), guidance_scale=args.guidance,
                                        height=p["height"], width=p["height"])
+    peak = matmul_peak_tflops(args.device)
     rows, data = [], []
     for b in sizes:
         mb = micro_batch(bundle, args.preset, b, sampling)
@@ -140,26 +149,33 @@ def main() -> None:
         bundle.module.zero_grad(set_to_none=True)
         t_plain, t_ours, ratio = timed_pair(lambda mb=mb, chosen=chosen: plain_fwd_bwd(bundle, mb, chosen, args.guidance),
                                             lambda mb=mb, algo=algo: ours_fwd_bwd(bundle, algo, mb), args.device, repeats)
+        flops = model_flops(bundle, mb, chosen, args.guidance)
+        m_plain, m_ours = mfu_fields(flops, t_plain, peak), mfu_fields(flops, t_ours, peak)
         rows.append([args.preset, args.finetune + ("+ckpt" if args.grad_ckpt else ""), b, train_steps,
                      f"{t_plain * 1e3:.1f}", f"{t_ours * 1e3:.1f}", f"{ratio:.3f}",
-                     f"{exact['ratio_min']:.9g}..{exact['ratio_max']:.9g}", f"{exact['logp_absdiff_max']:.3g}"])
+                     f"{exact['ratio_min']:.9g}..{exact['ratio_max']:.9g}", f"{exact['logp_absdiff_max']:.3g}",
+                     fmt_mfu(m_plain["mfu"]), fmt_mfu(m_ours["mfu"])])
         data.append({"preset": args.preset, "finetune": args.finetune, "grad_ckpt": args.grad_ckpt, "micro_batch": b,
                      "trained_steps": train_steps,
                      "height": p["height"], "dtype": p["dtype"], "device": args.device, "plain_s": t_plain,
                      "ours_s": t_ours, "ratio": ratio, "first_update_ratio_min": exact["ratio_min"],
-                     "first_update_ratio_max": exact["ratio_max"], "logp_absdiff_max": exact["logp_absdiff_max"]})
+                     "first_update_ratio_max": exact["ratio_max"], "logp_absdiff_max": exact["logp_absdiff_max"],
+                     **m_ours, "plain_mfu": m_plain["mfu"]})
     sync(args.device)
     cell = f"{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
         cell += "_smoke"
     report("diffusion_replay", f"Flow-GRPO replay fwd+bwd vs plain fwd+bwd of the same transformer ({args.preset}, {args.device})",
            ["preset", "finetune", "micro-batch", "trained steps", "plain ms", "ours ms", "ours / plain (throughput)",
-            "first-update ratio", "max abs dlogp"],
+            "first-update ratio", "max abs dlogp", "plain MFU", "ours MFU"],
            rows, data,
            notes=f"Median of {repeats} interleaved runs after a warmup; ratio = median of per-pair time ratios; CFG scale {args.guidance} (2B rows per "
                  "forward). The last two columns check the exactness contract on this device (rollout by the engine's "
                  "inner loop in eval/no-grad, replay in train mode with grad): expected exactly 1 and 0. "
-                 "CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: >= 0.95.", cell=cell)
+                 "CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: >= 0.95. "
+                 "MFU: the CFG forwards' and backward's model FLOPs (FlopCounterMode, no recomputation; LoRA: no "
+                 "weight gradients of the frozen base) over the median time and this GPU's measured bf16 matmul "
+                 "peak (`-` on a CPU).", cell=cell)
 
 
 if __name__ == "__main__":

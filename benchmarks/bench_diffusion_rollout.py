@@ -33,7 +33,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import report  # noqa: E402
+from common import count_flops, fmt_mfu, matmul_peak_tflops, mfu_fields, report  # noqa: E402
 
 from unirl_core.models.diffusion import DTYPES, DiffusionBundle, DiffusionModelConfig  # noqa: E402
 from unirl_core.rollout.diffusion import denoise_slice  # noqa: E402
@@ -173,6 +173,7 @@ def main() -> None:
     sampling = DiffusionSamplingParams(sigmas=flow_sigmas(num_steps=steps, shift=3.0), guidance_scale=args.guidance,
                                        height=p["height"], width=p["height"])
     recipe = NoiseRecipe(base_seed=0)
+    peak = matmul_peak_tflops(args.device)
     rows, data = [], []
     for b in sizes:
         conds = conditions(bundle, args.preset, b)
@@ -181,21 +182,28 @@ def main() -> None:
                                             lambda c=conds, x=x_T: ours(bundle, c, x, sampling, recipe), args.device,
                                             repeats)
         ips_plain, ips_ours = b * steps / t_plain, b * steps / t_ours
-        rows.append([args.preset, b, steps, f"{ips_plain:.1f}", f"{ips_ours:.1f}", f"{ratio:.3f}"])
+        # model FLOPs: one CFG forward of 2B rows per step (the plain loop's one step, counted, times the steps)
+        flops = steps * count_flops(plain_loop, bundle, conds, x_T, 1, args.guidance)
+        m_plain, m_ours = mfu_fields(flops, t_plain, peak), mfu_fields(flops, t_ours, peak)
+        rows.append([args.preset, b, steps, f"{ips_plain:.1f}", f"{ips_ours:.1f}", f"{ratio:.3f}",
+                     fmt_mfu(m_plain["mfu"]), fmt_mfu(m_ours["mfu"])])
         data.append({"preset": args.preset, "batch": b, "steps": steps, "height": p["height"], "dtype": p["dtype"],
                      "device": args.device, "plain_image_steps_per_s": ips_plain, "ours_image_steps_per_s": ips_ours,
-                     "ratio": ratio, "plain_s": t_plain, "ours_s": t_ours})
+                     "ratio": ratio, "plain_s": t_plain, "ours_s": t_ours, **m_ours, "plain_mfu": m_plain["mfu"]})
     cell = f"{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
         cell += "_smoke"
     if args.cfg_batch != "joint":
         cell += f"_cfg-{args.cfg_batch}"
     report("diffusion_rollout", f"Diffusion rollout: trainside (SDE + recording) vs plain diffusers loop ({args.preset}, {args.device})",
-           ["preset", "batch", "steps", "plain img-steps/s", "ours img-steps/s", "ours / plain"], rows, data,
+           ["preset", "batch", "steps", "plain img-steps/s", "ours img-steps/s", "ours / plain", "plain MFU", "ours MFU"],
+           rows, data,
            notes=f"Median of {repeats} interleaved runs after a warmup; ratio = median of per-pair time ratios; CFG scale {args.guidance} (ours: cfg_batch "
                  f"{args.cfg_batch}, joint = 2B rows per forward, split = two forwards of B); "
                  "ours records latents, fp32 Flow-GRPO log-probs and sigmas on every step. "
-                 "CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: ours / plain >= 0.97.", cell=cell)
+                 "CPU: OMP_NUM_THREADS=1, times are the thread's CPU time (the box is shared). Target: ours / plain >= 0.97. "
+                 "MFU: the CFG forwards' model FLOPs (2B rows x steps, FlopCounterMode) over the median time and "
+                 "this GPU's measured bf16 matmul peak (`-` on a CPU).", cell=cell)
 
 
 if __name__ == "__main__":

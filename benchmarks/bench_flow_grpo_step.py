@@ -247,8 +247,8 @@ def main() -> None:
                          "reference_peak_gib": peaks["reference"], "ours_peak_gib": peaks[mode],
                          "first_update_ratio_min": first["ratio_min"], "first_update_ratio_max": first["ratio_max"],
                          "logp_absdiff_max": first["logp_absdiff_max"], "reference_times": a, "ours_times": o,
-                         "model_tflop_per_step": flops / 1e12, "matmul_peak_tflops": peak_tflops,
-                         "reference_mfu": mfu(med_a), "ours_mfu": mfu(med_o)})
+                         "model_flops_per_step": flops, "peak_tflops": peak_tflops,
+                         "reference_mfu": mfu(med_a), "mfu": mfu(med_o)})
         del sides, ref, ref_bundle
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -496,7 +496,7 @@ def summarise(a, side: str, rounds: list[dict], base: list[dict] | None) -> dict
         row["phase_peak_mib"] = ok[-1]["phase_peak_mib"]
     flops, peak = model_flops_per_step(a), getattr(a, "peak_tflops", None)
     if flops and peak:
-        row.update(model_tflop_per_step=flops / 1e12, matmul_peak_tflops=peak,
+        row.update(model_flops_per_step=flops, peak_tflops=peak,
                    mfu=flops / (row["median_step_s"] * peak * 1e12))
     if base is not None:
         pairs = [t / u for r, b in zip(rounds, base) if "failed" not in r and "failed" not in b

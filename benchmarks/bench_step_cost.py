@@ -217,7 +217,9 @@ def _same_result(a: dict, b: dict) -> dict:
 
 
 def run_preset(name: str, args) -> None:
-    from common import report
+    from common import fmt_mfu, matmul_peak_tflops_in_child, mfu, report
+    from step_cost_shapes import step_model_flops
+    from step_cost_worker import _config
 
     p = dict(PRESETS[name])
     device = args.device or p["device"]
@@ -250,6 +252,11 @@ def run_preset(name: str, args) -> None:
             "shaped": p.get("shaped"), "standins": p.get("standins", {}), "layers": args.layers,
             "standin_scale": args.standin_scale if args.standin_scale is not None else 1.0}
     (state / "spec.json").write_text(json.dumps(spec, indent=1))
+    # MFU: the step's model FLOPs (counted on the meta device, shaped presets only) and this GPU's matmul peak,
+    # measured in a child before the workers start
+    flops = step_model_flops(spec, _config(dict(spec, overrides=[o.replace(f"device={device}", "device=cpu")
+                                                                 for o in overrides])))
+    peak_tflops = matmul_peak_tflops_in_child(device)
     try:
         print(f"[{name}] setup (step-0 version, step 1 in-process) in {state}", flush=True)
         setup, _, _ = _spawn("setup", state)
@@ -287,24 +294,25 @@ def run_preset(name: str, args) -> None:
     for ph in PHASES:
         pm, wm = pods_med[ph], warm_med[ph]
         rows.append([ph, "pods", *[fmt(pm.get(c, 0.0)) for c in COMPONENTS], fmt(pm["total"]),
-                     f"{pm['total'] / max(wm['total'], 1e-9):.1f}x"])
+                     f"{pm['total'] / max(wm['total'], 1e-9):.1f}x", ""])
         rows.append(["", "warm", *[fmt(wm.get(c, 0.0)) if c in wm else "-" for c in COMPONENTS],
-                     fmt(wm["total"]), ""])
+                     fmt(wm["total"]), "", ""])
     pods_step = statistics.median(pr["total"] for pr in pods_rounds)
     warm_step = statistics.median(sum(w[ph]["total"] for ph in PHASES) for w in warm_rounds)
     tot = lambda med, c: sum(med[ph].get(c, 0.0) for ph in PHASES)
     rows.append(["step", "pods", *[fmt(tot(pods_med, c)) for c in COMPONENTS], fmt(pods_step),
-                 f"{statistics.median(ratios):.1f}x"])
+                 f"{statistics.median(ratios):.1f}x", fmt_mfu(mfu(flops, pods_step, peak_tflops))])
     rows.append(["", "warm", *[fmt(tot(warm_med, c)) if any(c in warm_med[ph] for ph in PHASES) else "-"
                                for c in COMPONENTS],
-                 fmt(warm_step), ""])
+                 fmt(warm_step), "", fmt_mfu(mfu(flops, warm_step, peak_tflops))])
     if pool_rounds:
         pool_med = _median_components(pool_rounds)
         pool_step = statistics.median(r["_step"] for r in pool_rounds)
         for i, ph in enumerate(PHASES):
             rows.insert(3 * i + 2, ["", "pool", *["-"] * len(COMPONENTS), fmt(pool_med[ph]["total"]),
-                                    f"{pool_med[ph]['total'] / max(warm_med[ph]['total'], 1e-9):.2f}x warm"])
-        rows.append(["", "pool", *["-"] * len(COMPONENTS), fmt(pool_step), f"{pool_step / warm_step:.2f}x warm"])
+                                    f"{pool_med[ph]['total'] / max(warm_med[ph]['total'], 1e-9):.2f}x warm", ""])
+        rows.append(["", "pool", *["-"] * len(COMPONENTS), fmt(pool_step), f"{pool_step / warm_step:.2f}x warm",
+                     fmt_mfu(mfu(flops, pool_step, peak_tflops))])
         last = pool_info["bytes_per_step"][-1]
         pool_bytes = sum(last["arrow"].values()) + last["checkpoint_version"]
         pool_source = "measured in pool mode"
@@ -315,7 +323,7 @@ def run_preset(name: str, args) -> None:
         pool_source = "projections of the pods batches + the checkpoint version"
     pods_bytes = sum(arrow.values()) + version_bytes
     mb = lambda n: f"{n / 1e3:.0f} kB" if n < 1e6 else f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
-    header = ["phase", "mode", *COMPONENTS, "total s", "pods/warm"]
+    header = ["phase", "mode", *COMPONENTS, "total s", "pods/warm", "MFU"]
     sub = {ph: pods_med[ph] for ph in PHASES}
     data = {"preset": name, "recipe": p["recipe"], "overrides": [o for o in overrides if not o.startswith(
         ("checkpoint.root=", "name="))], "device": device, "step": STEP, "rounds": rounds,
@@ -328,6 +336,9 @@ def run_preset(name: str, args) -> None:
                                        "pool_arrow": (pool_info["bytes_per_step"][-1]["arrow"] if pool_rounds
                                                       else pods_rounds[-1]["projection_bytes"])},
             "pool_step_s": pool_step, "pool_median": pool_med,
+            "model_flops_per_step": flops, "peak_tflops": peak_tflops, "mfu": mfu(flops, warm_step, peak_tflops),
+            "pods_mfu": mfu(flops, pods_step, peak_tflops),
+            "pool_mfu": mfu(flops, pool_step, peak_tflops) if pool_step else None,
             "pool_first_step_s": pool_info["first_step_s"] if pool_info else None,
             "same_result_pool": _same_result(pods_rounds[-1]["metrics"], pool_info["metrics"]) if pool_info
             else None,
@@ -355,7 +366,10 @@ def run_preset(name: str, args) -> None:
              f"max abs diff {check['max_abs_diff']:.3g}. Page cache {'evicted' if args.cold_cache else 'kept'} "
              "before each pod (best effort). Not modelled: pod scheduling / image pull / container start, "
              "flytekit literal conversion and blob upload/download (see bench_orchestration), the report task (and "
-             f"join_shards with more than one rollout shard){sub_note}.")
+             f"join_shards with more than one rollout shard){sub_note}. MFU (step rows, shaped presets): the step's "
+             "model FLOPs (generation / CFG rollout forwards + the trained forward and backward + a KL reference "
+             "forward; `step_cost_shapes.step_model_flops`) over the step time and this GPU's measured bf16 matmul "
+             "peak (`-` on a CPU or a tiny preset).")
     suffix = "_smoke" if smoke else ""
     report("step_cost",
            f"Step cost by component: fresh process per phase (pods) vs warm in-process loop ({name}, {device})",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import pin_threads, report  # noqa: E402
+from benchmarks.common import fmt_mfu, lm_replay_flops, matmul_peak_tflops, mfu_fields, pin_threads, report  # noqa: E402
 
 PRESETS = {
     # hidden, layers, heads, vocab, prompt/response tokens, rollout batch, micro-batch
@@ -143,6 +143,9 @@ def main() -> None:
     cfg = TrainConfig(lr=1e-5, micro_batch_size=p["micro"], warmup_steps=10, schedule="cosine", total_steps=10_000,
                       max_grad_norm=1.0)
     model = build_model(p, dev)
+    # model FLOPs: one forward + backward of every sequence, every weight trained (the head on response positions)
+    flops = lm_replay_flops(model.config, p["batch"], p["prompt"], p["response"], backward="full")
+    peak = matmul_peak_tflops(args.device)
     algo = TokenGRPO(p["prompt"], dev)
     batch = make_batch(p, model, algo)
 
@@ -184,20 +187,24 @@ def main() -> None:
     cp, cb = (statistics.median(t[1] for t in ts) for ts in (plain_t, backend_t))
     n_params = sum(q.numel() for q in plain_policy.module.parameters())
     tokens = p["batch"] * (p["prompt"] + p["response"])
-    rows = [["plain PyTorch loop", f"{tp * 1e3:.1f}", f"{cp * 1e3:.1f}", f"{tokens / tp:,.0f}", "1.00", "1.00"],
+    m_plain, m_backend = mfu_fields(flops, tp, peak), mfu_fields(flops, tb, peak)
+    rows = [["plain PyTorch loop", f"{tp * 1e3:.1f}", f"{cp * 1e3:.1f}", f"{tokens / tp:,.0f}", "1.00", "1.00",
+             fmt_mfu(m_plain["mfu"])],
             ["TrainBackend.step", f"{tb * 1e3:.1f}", f"{cb * 1e3:.1f}", f"{tokens / tb:,.0f}", f"{tp / tb:.3f}",
-             f"{cp / cb:.3f}"]]
+             f"{cp / cb:.3f}", fmt_mfu(m_backend["mfu"])]]
     cell = f"{args.preset}_{dev.type}" + ("" if args.precision is None else f"_{precision}")
     data = {"preset": args.preset, "device": str(dev), "precision": precision, "params": n_params, **p,
             "iters": args.iters, "plain_median_s": tp, "backend_median_s": tb, "throughput_ratio": tp / tb,
             "plain_cpu_median_s": cp, "backend_cpu_median_s": cb, "cpu_time_ratio": cp / cb,
-            "plain_all_s": plain_t, "backend_all_s": backend_t}
+            "plain_all_s": plain_t, "backend_all_s": backend_t, **m_backend, "plain_mfu": m_plain["mfu"]}
     report("train", f"Train step overhead ({args.preset}, {n_params / 1e6:.1f}M params, {dev.type}, {precision})",
-           ["loop", "wall ms (median)", "CPU ms (median)", "tokens/s", "wall ratio", "CPU-time ratio"], rows, data,
+           ["loop", "wall ms (median)", "CPU ms (median)", "tokens/s", "wall ratio", "CPU-time ratio", "MFU"], rows, data,
            notes=f"Same model/data/optimizer; {args.iters} alternating steps each, medians; rollout batch "
                  f"{p['batch']} x {p['prompt'] + p['response']} tokens, micro-batch {p['micro']}. "
                  "Ratios are plain/backend (>1 = backend faster); target >= 0.95. OMP_NUM_THREADS=1; on a "
-                 "shared CPU box the CPU-time ratio is the less noisy one.", cell=cell)
+                 "shared CPU box the CPU-time ratio is the less noisy one. MFU: one forward + backward of the batch "
+                 "(full fine-tune, the head on response positions, causal attention) over the median wall time and "
+                 "this GPU's measured bf16 matmul peak (`-` on a CPU).", cell=cell)
 
 
 if __name__ == "__main__":

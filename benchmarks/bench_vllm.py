@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import report  # noqa: E402
+from benchmarks.common import fmt_mfu, lm_generate_flops, matmul_peak_tflops, mfu, report  # noqa: E402
 from unirl_core.checkpoint import CheckpointStore  # noqa: E402
 from unirl_core.models.lm import TinyLMSpec, build_tiny_lm  # noqa: E402
 from unirl_core.rollout.ar import AREngineConfig, TrainsideAREngine  # noqa: E402
@@ -94,6 +94,11 @@ def main() -> None:
     n_params = sum(p.numel() for p in b0.module.parameters())
 
     side = TrainsideAREngine(b0, AREngineConfig(forward_batch_size=args.batch, ignore_eos=True))
+    # model FLOPs: the generation both engines run (prefill of the prompts as the trainside engine encodes them,
+    # one KV-cached decode step per token); the trainside rescoring forward is not counted
+    prompt_len = statistics.fmean(len(side.encode_prompt(p.prompt)) for p in req.generated)
+    flops = lm_generate_flops(b0.module.config, args.batch, prompt_len, args.new_tokens)
+    peak_tflops = matmul_peak_tflops(args.device)
     t_side = timed(lambda: side.generate(req), args.repeats)
 
     on_gpu = args.device.startswith("cuda")
@@ -118,24 +123,28 @@ def main() -> None:
         eng.close()
     assert served == 1
     t_sync_dir, t_sync_ref = statistics.median(sync_dir), statistics.median(sync_ref)
+    mfu_side, mfu_vllm = mfu(flops, t_side, peak_tflops), mfu(flops, t_vllm, peak_tflops)
     rows = [
-        ["trainside (baseline)", f"{n_tokens / t_side:,.0f}", "1.00", f"{t_side:.3f}"],
-        ["vLLM server", f"{n_tokens / t_vllm:,.0f}", f"{t_side / t_vllm:.2f}", f"{t_vllm:.3f}"],
-        ["sync: publish folder -> served", "", f"{t_sync_dir / t_start:.4f} of restart", f"{t_sync_dir:.3f}"],
-        ["sync: checkpoint ref -> served", "", f"{t_sync_ref / t_start:.4f} of restart", f"{t_sync_ref:.3f}"],
-        ["restart (server start to healthy)", "", "1.00", f"{t_start:.1f}"],
+        ["trainside (baseline)", f"{n_tokens / t_side:,.0f}", "1.00", f"{t_side:.3f}", fmt_mfu(mfu_side)],
+        ["vLLM server", f"{n_tokens / t_vllm:,.0f}", f"{t_side / t_vllm:.2f}", f"{t_vllm:.3f}", fmt_mfu(mfu_vllm)],
+        ["sync: publish folder -> served", "", f"{t_sync_dir / t_start:.4f} of restart", f"{t_sync_dir:.3f}", ""],
+        ["sync: checkpoint ref -> served", "", f"{t_sync_ref / t_start:.4f} of restart", f"{t_sync_ref:.3f}", ""],
+        ["restart (server start to healthy)", "", "1.00", f"{t_start:.1f}", ""],
     ]
     data = {"size": args.size, "device": args.device, "params": n_params, "batch": args.batch,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "trainside_s": t_side, "vllm_s": t_vllm,
             "trainside_tok_s": n_tokens / t_side, "vllm_tok_s": n_tokens / t_vllm, "speedup": t_side / t_vllm,
             "sync_folder_s": t_sync_dir, "sync_ref_s": t_sync_ref, "server_start_s": t_start,
-            "vllm": vllm_version()}
+            "vllm": vllm_version(), "model_flops_per_step": flops, "peak_tflops": peak_tflops,
+            "trainside_mfu": mfu_side, "vllm_mfu": mfu_vllm, "mfu": mfu_vllm}
     notes = (f"{args.size} Qwen3-shaped model ({n_params / 1e6:.2f} M params), {args.batch} rows x "
              f"{args.new_tokens} new tokens, EOS ignored, medians of {args.repeats} after a warm-up; "
              f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in both processes; {data['vllm']}, "
-             f"server dtype {cfg.dtype}. Trainside includes its exact-replay rescoring forward.")
+             f"server dtype {cfg.dtype}. Trainside includes its exact-replay rescoring forward. MFU: the generation's "
+             "model FLOPs (prefill + KV-cached decode, rescoring not counted) over the median time and this GPU's "
+             "measured bf16 matmul peak (`-` on a CPU).")
     report("vllm", "vLLM rollout vs trainside; weight sync",
-           ["what", "tokens/s", "ratio", "seconds"], rows, data, notes, cell=f"{args.size}_{args.device.split(':')[0]}")
+           ["what", "tokens/s", "ratio", "seconds", "MFU"], rows, data, notes, cell=f"{args.size}_{args.device.split(':')[0]}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ History lives in git: a re-run overwrites ``latest``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -218,3 +219,118 @@ def matmul_peak_tflops(device: str) -> float | None:
         if i >= 3:
             best = min(best, time.perf_counter() - t0)
     return 2 * 8192**3 / best / 1e12
+
+
+def matmul_peak_tflops_in_child(device: str) -> float | None:
+    """``matmul_peak_tflops`` measured in a child process: a driver whose workers own the GPU keeps no CUDA
+    context or cached blocks of its own."""
+    if not device.startswith("cuda"):
+        return None
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+            f"from common import matmul_peak_tflops; print(matmul_peak_tflops({device!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- MFU
+#
+# MFU = model FLOPs of one step / (step seconds x the measured bf16 matmul peak of the same GPU,
+# ``matmul_peak_tflops``). Model FLOPs are the work the algorithm needs, counted one way everywhere:
+#
+# - a multiply-add is 2 FLOPs; matmuls (linear layers, the LM head, attention's QK^T and AV) are counted, elementwise
+#   ops, norms, softmax and the sampler are not;
+# - forward: every forward the algorithm runs (CFG: 2B rows when the batch is joint, a KL reference forward, a no-grad
+#   pi_old or EMA pass), at the rows and positions it runs them;
+# - backward: for each weight GEMM 1x its forward for the input gradient, plus 1x for the weight gradient only where
+#   that weight is trained (full fine-tune: backward = 2x forward; LoRA: the frozen base weights' backward = 1x,
+#   the adapters' rank-r GEMMs are small and fall out of analytic counts); attention's QK^T and AV take 2x (both
+#   operands carry gradients). This is what autograd runs, so ``count_flops`` over a backward counts exactly it;
+# - LM generation: prefill of the prompt plus one KV-cached decode step per new token (attention over the cache);
+# - not counted: recomputation under gradient checkpointing, and our extra passes that are a choice rather than the
+#   algorithm's work (the AR engine's exact-replay rescoring forward): MFU is model FLOPs, not hardware FLOPs.
+#
+# ``count_flops`` (torch's FlopCounterMode) counts what one run dispatches; on the ``meta`` device it costs no GPU
+# time. Its attention formula counts the full T x T square even when causal (2x the causal work), so analytic counts
+# (``lm_*_flops``) are preferred for LMs; ``tests/unit/test_benchmark_mfu.py`` checks the two agree up to that term.
+
+
+def count_flops(fn, *args, **kwargs) -> int:
+    """FLOPs ``fn(*args, **kwargs)`` dispatches (matmuls, convolutions, attention; torch's FlopCounterMode)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn(*args, **kwargs)
+    return counter.get_total_flops()
+
+
+@contextlib.contextmanager
+def without_recompute(module):
+    """Gradient checkpointing off inside (diffusers' and transformers' ``gradient_checkpointing`` flags), back on
+    after: a FLOP count of a backward excludes recomputation. Count at a small batch where memory needs the
+    checkpointing, and scale (model FLOPs are linear in the rows)."""
+    flagged = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in flagged:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.gradient_checkpointing = True
+
+
+def mfu(flops: float | None, seconds: float, peak_tflops: float | None) -> float:
+    """Model FLOPs utilization; nan without a peak (CPU) or a FLOP count."""
+    if not flops or not peak_tflops or not seconds or seconds != seconds:
+        return float("nan")
+    return flops / (seconds * peak_tflops * 1e12)
+
+
+def mfu_fields(flops: float | None, seconds: float, peak_tflops: float | None) -> dict:
+    """The record's MFU fields: ``model_flops_per_step``, ``peak_tflops`` (None on CPU) and ``mfu`` (nan on CPU)."""
+    return {"model_flops_per_step": flops, "peak_tflops": peak_tflops, "mfu": mfu(flops, seconds, peak_tflops)}
+
+
+def fmt_mfu(value: float | None) -> str:
+    """An MFU table cell: a percentage, ``-`` where there is none (CPU)."""
+    return "-" if value is None or value != value else f"{value:.1%}"
+
+
+def lm_dims(config) -> dict:
+    """The FLOP-relevant sizes of a decoder-only transformer config (a transformers config or a dict of its fields)."""
+    get = (lambda k, default=None: config.get(k, default)) if isinstance(config, dict) else (  # noqa: E731
+        lambda k, default=None: getattr(config, k, default))
+    heads = get("num_attention_heads")
+    head_dim = get("head_dim") or get("hidden_size") // heads
+    return {"d": get("hidden_size"), "ff": get("intermediate_size"), "layers": get("num_hidden_layers"),
+            "vocab": get("vocab_size"), "q": heads * head_dim,
+            "kv": (get("num_key_value_heads") or heads) * head_dim}
+
+
+def _lm_terms(config):
+    c = lm_dims(config)
+    d, q, kv, L = c["d"], c["q"], c["kv"], c["layers"]
+    body = 2 * L * (d * q + 2 * d * kv + q * d + 3 * d * c["ff"])  # per token: projections and the gated MLP
+    attn = lambda ctx: 4 * L * q * ctx  # per token: QK^T and AV over ``ctx`` keys  # noqa: E731
+    return body, 2 * d * c["vocab"], attn
+
+
+def lm_generate_flops(config, rows: int, prompt_len: int, new_tokens: int) -> float:
+    """Generation of ``rows`` sequences: prefill of the prompt (causal), then one KV-cached decode step per new token
+    (the body, the LM head, attention over the cache)."""
+    body, head, attn = _lm_terms(config)
+    p, r = prompt_len, new_tokens
+    return rows * (p * (body + attn(p / 2)) + r * (body + head + attn(p + r / 2)))
+
+
+def lm_replay_flops(config, rows: int, prompt_len: int, response_len: int, *, backward: str | None = "full") -> float:
+    """A teacher-forced replay of ``rows`` sequences (prompt + response, causal, the LM head on response positions),
+    with its backward: ``"full"`` (every weight trained: 2x), ``"lora"`` (frozen base weights: 1x for the matmuls,
+    2x for attention) or None (a no-grad forward, e.g. pi_old or a KL reference)."""
+    body, head, attn = _lm_terms(config)
+    t, r = prompt_len + response_len, response_len
+    matmul, attention = t * body + r * head, t * attn(t / 2)
+    mult = {None: (1, 1), "full": (3, 3), "lora": (2, 3)}
+    if backward not in mult:
+        raise ValueError(f"backward={backward!r}: expected None, 'full' or 'lora'")
+    m, a = mult[backward]
+    return rows * (m * matmul + a * attention)

@@ -24,6 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -33,7 +34,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, write_record  # noqa: E402
+from common import count_flops, environment, matmul_peak_tflops, mfu, write_record  # noqa: E402
 from gpu_exactness import diffusion_setup, lm_setup, with_advantages  # noqa: E402
 
 from unirl_core.train import TrainBackend, TrainConfig  # noqa: E402
@@ -50,6 +51,27 @@ def work_units(family: str, batch, n_steps_trained: int) -> float:
     if family == "lm":
         return float(sum(int(p.segment.response_mask.sum()) for p in batch.generated))
     return float(len(batch.generated) * n_steps_trained)
+
+
+def model_flops(family: str, rollout, algo, batch) -> float:
+    """One forward + backward of the global batch under the algorithm's loss (what ``TrainBackend.step`` computes
+    over all ranks), counted on the unsharded rollout copy without checkpointing: LM sample by sample (lengths
+    differ), diffusion on one sample times the batch (every sample has the same shape)."""
+    from unirl_core.types import SampleBatch
+
+    def fwd_bwd(mb) -> None:
+        if hasattr(algo, "loss_terms"):  # as the backend runs it: one term's graph alive at a time
+            for term in algo.loss_terms(rollout, mb, old_log_probs=None):
+                term.backward()
+        else:
+            algo.loss(rollout, mb, old_log_probs=None).loss.backward()
+
+    def one(s) -> int:
+        return count_flops(fwd_bwd, SampleBatch(samples=[s]))
+
+    total = sum(map(one, batch.samples)) if family == "lm" else one(batch.samples[0]) * len(batch.samples)
+    rollout.module.zero_grad(set_to_none=True)
+    return float(total)
 
 
 def main() -> None:
@@ -100,6 +122,8 @@ def main() -> None:
         torch.manual_seed(1000 + k)
         batches.append(with_advantages(sample(rollout, 0, n)))
     trained_steps = 10 if args.family == "diffusion" else 1
+    flops = [model_flops(args.family, rollout, algo, b) for b in batches] if info.is_main else [None] * len(batches)
+    peak_tflops = matmul_peak_tflops(str(dev)) if info.is_main else None
     rows = []
     for k, batch in enumerate(batches):
         if dev.type == "cuda":
@@ -113,7 +137,9 @@ def main() -> None:
         units = work_units(args.family, batch, trained_steps)
         rows.append({"step": k + 1, "loss": m.loss, "grad_norm": m.grad_norm, "train_s": dt, "peak_gib": peak,
                      "samples_per_s_per_gpu": n / dt / info.world_size,
-                     "units_per_s_per_gpu": units / dt / info.world_size})
+                     "units_per_s_per_gpu": units / dt / info.world_size, "model_flops_per_step": flops[k],
+                     # every GPU's share of the step's model FLOPs over the step time and one GPU's peak
+                     "mfu": mfu(flops[k], dt * info.world_size, peak_tflops)})
         if info.is_main:
             print(json.dumps(rows[-1]), flush=True)
     state = backend.model_state_dict()
@@ -121,7 +147,8 @@ def main() -> None:
         state = {k: v.detach().float().cpu() for k, v in state.items()}
         out = {"family": args.family, "finetune": args.finetune, "world": info.world_size, "preset": args.preset,
                "dtype": str(backend.compute_dtype), "micro_batch": mb, "global_batch": n, "steps": rows,
-               "env": environment()}
+               "peak_tflops": peak_tflops, "model_flops_per_step": statistics.median(flops),
+               "mfu": statistics.median(r["mfu"] for r in rows[1:] or rows), "env": environment()}
         if args.save:
             torch.save({"state": state, "rows": rows}, args.save)
         if args.compare:
@@ -142,10 +169,16 @@ def main() -> None:
                 "speedup": tail(ref["rows"]) / tail(rows),
                 "per_gpu_efficiency": tail(ref["rows"]) / tail(rows) / info.world_size,
                 "peak_gib_1gpu": max(r["peak_gib"] for r in ref["rows"]),
-                "peak_gib_per_rank": max(r["peak_gib"] for r in rows)}
+                "peak_gib_per_rank": max(r["peak_gib"] for r in rows),
+                "mfu_1gpu": statistics.median(r.get("mfu", float("nan")) for r in ref["rows"][1:] or ref["rows"]),
+                "mfu_ngpu": out["mfu"]}
             print("COMPARE " + json.dumps(out["compare"]), flush=True)
         cell = f"{args.family}_{args.finetune}_{'fp32' if args.fp32 else 'bf16'}_w{info.world_size}_{dev.type}"
-        md = "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in out.get("compare", {}).items())
+        table = out.get("compare") or {"step_s": statistics.median(r["train_s"] for r in rows[1:] or rows),
+                                        "mfu": out["mfu"]}
+        md = "| metric | value |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in table.items())
+        md += ("\nMFU: the global batch's forward + backward model FLOPs (FlopCounterMode on the unsharded model, "
+               "no recomputation) over (steady step time x GPUs x one GPU's measured bf16 matmul peak); nan on a CPU.\n")
         write_record("fsdp_scaling", out, md, cell=cell, env=out["env"])
         print("RESULT " + json.dumps({k: v for k, v in out.items() if k != "env"}), flush=True)
     if torch.distributed.is_initialized():

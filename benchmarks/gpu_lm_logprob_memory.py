@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from unirl_core.models.lm import (build_layout, enable_gradient_checkpointing, replay_log_probs,  # noqa: E402
                                   replay_log_probs_full)
-from benchmarks.common import write_record  # noqa: E402
+from benchmarks.common import fmt_mfu, lm_replay_flops, matmul_peak_tflops, mfu, write_record  # noqa: E402
 from unirl_core.types import TokenSegment  # noqa: E402
 
 SHAPES = {  # hidden, layers, heads, kv heads, head_dim, intermediate, vocab
@@ -62,9 +62,13 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true", help="print only, write no record")
     args = ap.parse_args()
     results = []
+    peak_tflops = matmul_peak_tflops("cuda")
+    flops = None
     for gc in (False, True):
         model = build(args.shape, gc)
         vocab = model.config.vocab_size
+        # model FLOPs: one forward + backward, every weight trained (recomputation not counted)
+        flops = lm_replay_flops(model.config, args.batch, args.prompt, args.response, backward="full")
         g = torch.Generator().manual_seed(0)
         segs = [TokenSegment(prompt_ids=torch.randint(0, vocab, (args.prompt,), generator=g),
                              response_ids=torch.randint(0, vocab, (args.response,), generator=g),
@@ -89,6 +93,7 @@ def main() -> None:
                 row["seconds"] = time.perf_counter() - t0
                 row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
                 row["logp_sum"] = float(logp.detach().double().sum())
+                row["mfu"] = mfu(flops, row["seconds"], peak_tflops)
             except torch.OutOfMemoryError as e:
                 row["error"] = f"OOM: {str(e)[:120]}"
             del logp, ent
@@ -98,13 +103,16 @@ def main() -> None:
         torch.cuda.empty_cache()
     summary = {"shape": args.shape, "batch": args.batch, "prompt": args.prompt, "response": args.response,
                "chunk": args.chunk, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-               "results": results}
+               "model_flops_per_step": flops, "peak_tflops": peak_tflops, "results": results}
     print(json.dumps(summary, indent=2))
     if not args.no_record:
-        md = "| gradient checkpointing | variant | s | peak GiB |\n|---|---|---|---|\n" + "".join(
+        md = "| gradient checkpointing | variant | s | peak GiB | MFU |\n|---|---|---|---|---|\n" + "".join(
             f"| {r['gradient_checkpointing']} | {r['variant']} | {r.get('seconds', float('nan')):.3f} | "
-            f"{r.get('peak_gib', float('nan')):.2f} |\n" if "error" not in r else
-            f"| {r['gradient_checkpointing']} | {r['variant']} | {r['error']} | |\n" for r in results)
+            f"{r.get('peak_gib', float('nan')):.2f} | {fmt_mfu(r.get('mfu'))} |\n" if "error" not in r else
+            f"| {r['gradient_checkpointing']} | {r['variant']} | {r['error']} | | |\n" for r in results)
+        md += ("\nMFU: one forward + backward's model FLOPs (full fine-tune, causal attention, the head on response "
+               "positions; recomputation not counted) over the one timed replay (no warm-up) and this GPU's "
+               "measured bf16 matmul peak.\n")
         print(f"wrote {write_record('lm_logprob_memory', summary, md, cell=args.cell or args.shape)}")
 
 

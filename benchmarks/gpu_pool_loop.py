@@ -234,8 +234,14 @@ def run_preset(preset: str, args) -> dict:
     (state / "spec.json").write_text(json.dumps(spec, indent=1))
     from safetensors.torch import save_model
 
-    from step_cost_shapes import construct_shaped
+    from common import matmul_peak_tflops_in_child, mfu
+    from step_cost_shapes import construct_shaped, step_model_flops
+    from step_cost_worker import _config
 
+    # MFU: the step's model FLOPs (meta device) over the steady step x the GPUs the mode holds x one GPU's peak
+    flops = step_model_flops(spec, _config(dict(spec, overrides=[o.replace(f"device={device}", "device=cpu")
+                                                                 for o in overrides])))
+    peak_tflops = matmul_peak_tflops_in_child(device)
     t0 = time.perf_counter()
     save_model(construct_shaped(spec), str(state / "model-init.safetensors"))
     print(f"[{preset}] shaped weights written in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -246,6 +252,9 @@ def run_preset(preset: str, args) -> dict:
         one_gpu = not mode.startswith("pool-separate") and device == "cuda"
         m_env = dict(env, CUDA_VISIBLE_DEVICES="0") if one_gpu else env
         res = _summary(_spawn(mode, state, args.steps, m_env))
+        if "error" not in res:
+            res["gpus"] = 1 if one_gpu or device != "cuda" else 2
+            res["mfu"] = mfu(flops, res["steady_step_s"] * res["gpus"], peak_tflops)
         results.append(res)
         if not args.keep_versions:  # a full fine-tune's versions are ~10 GB each: one mode's at a time on disk
             shutil.rmtree(state / mode, ignore_errors=True)
@@ -254,18 +263,19 @@ def run_preset(preset: str, args) -> dict:
     if not args.keep:
         shutil.rmtree(state, ignore_errors=True)
     return {"preset": preset, "device": device, "steps": args.steps, "overrides": overrides,
-            "pool_overrides": spec["pool_overrides"], "modes": results}
+            "pool_overrides": spec["pool_overrides"], "model_flops_per_step": flops, "peak_tflops": peak_tflops,
+            "modes": results}
 
 
 def _table(out: dict, cell: str) -> None:
-    from common import report
+    from common import fmt_mfu, report
 
     rows = []
     for pr in out["presets"]:
         warm = next((m for m in pr["modes"] if m["mode"] == "warm" and "error" not in m), None)
         for m in pr["modes"]:
             if "error" in m:
-                rows.append([pr["preset"], m["mode"], m["error"], "", "", "", "", "", "", ""])
+                rows.append([pr["preset"], m["mode"], m["error"], "", "", "", "", "", "", "", ""])
                 continue
             ratio = f"{m['steady_step_s'] / warm['steady_step_s']:.3f}x" if warm else "-"
             equal = _rollout_equalised(m, warm)
@@ -277,10 +287,12 @@ def _table(out: dict, cell: str) -> None:
                          f"{equal:.3f}x" if equal is not None else "-",
                          f"{statistics.median(idle[1:] or idle):.2f}" if idle else "-",
                          f"{statistics.median(send):.3f}" if send else "-",
-                         f"{min(serving):.0f}/{len(serving)} steps" if serving else "-", peak])
+                         f"{min(serving):.0f}/{len(serving)} steps" if serving else "-", peak,
+                         fmt_mfu(m.get("mfu"))])
     report("pool_loop", "The shipped loop in pool mode vs in-process, recipe shapes" + (" (SMOKE: CPU plumbing only)"
            if out["smoke"] else ""), ["preset", "mode", "first step s", "steady step s", "vs warm",
-           "vs warm, warm's rollout", "engine idle frac", "publish send s", "engines serving (min)", "peak GiB per GPU"], rows, out,
+           "vs warm, warm's rollout", "engine idle frac", "publish send s", "engines serving (min)", "peak GiB per GPU",
+           "MFU"], rows, out,
            notes=f"{out['presets'][0]['steps']} steps per mode, each mode a fresh process; steady = median of the "
                  "steps after the first; warm = run_local in one process on GPU 0; pool-separate = trainer and "
                  "engine actors on their own GPUs, NCCL publish; pool-colocate = both on GPU 0, object-store "
@@ -290,7 +302,8 @@ def _table(out: dict, cell: str) -> None:
                  "last one including the end of the run). \"vs warm, warm's rollout\": the mode's steady step with its "
                  "median rollout replaced by warm's (the eager decode's speed moves ~1.6x from step to step on the "
                  "host, whatever runs beside it: warm-quiet), the ratio of the rest of the step. Peak = nvidia-smi "
-                 "memory.used (all processes on that GPU).", cell=cell)
+                 "memory.used (all processes on that GPU). MFU: the step's model FLOPs (`step_cost_shapes.step_model_flops`) "
+                 "over (steady step x the mode's GPUs x one GPU's measured bf16 matmul peak); `-` on a CPU.", cell=cell)
 
 
 def _rollout_equalised(m: dict, warm: dict | None) -> float | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import zlib
 
+from common import lm_generate_flops, lm_replay_flops
+
 QWEN3 = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
              num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
              rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
@@ -27,16 +29,9 @@ def model_flops_per_step(a) -> float | None:
     recomputation under gradient checkpointing (they are overhead, not model work). Full fine-tune, no CFG."""
     if a.shape not in SHAPES:
         return None
-    c = SHAPES[a.shape]
-    d, ff, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    body = 2 * L * (d * q + 2 * d * kv + q * d + 3 * d * ff)  # per token: projections and the gated MLP
-    attn = lambda ctx: 4 * L * q * ctx  # per token: QK^T and AV over ``ctx`` keys  # noqa: E731
-    head = 2 * d * V
-    p, r = a.prompt_len, a.new_tokens
-    gen = p * (body + attn(p / 2)) + r * (body + head + attn(p + r / 2))
-    train = 3 * ((p + r) * body + r * head + (p + r) * attn((p + r) / 2))
-    return a.prompts * a.group * (gen + train)
+    rows, c = a.prompts * a.group, SHAPES[a.shape]
+    return (lm_generate_flops(c, rows, a.prompt_len, a.new_tokens)
+            + lm_replay_flops(c, rows, a.prompt_len, a.new_tokens, backward="full"))
 
 
 def text_reward(text: str) -> float:

@@ -152,3 +152,62 @@ def worker_hook() -> None:
 
     state = Path(os.environ[SPEC_ENV])
     patch_shaped(json.loads((state / "spec.json").read_text()), state, _NoClock())
+
+
+def step_model_flops(spec: dict, cfg) -> float | None:
+    """Model FLOPs of one loop step of a shaped preset (the numerator of its MFU; ``common``'s convention), None for
+    the tiny presets. ``cfg``: the run's RunConfig.
+
+    LM (GRPO): generation of every row (prompt: the toy template's words, one token each under the word tokenizer;
+    response: ``max_new_tokens``, as a random-init 151k vocabulary almost never samples EOS) + one forward and
+    backward of every row (+ a reference forward with a KL). Diffusion (Flow-GRPO): one transformer row counted on the
+    meta device (no GPU time; backward with the base frozen for LoRA), times the rows: the rollout's CFG forwards on
+    every step, the trained steps' forward + backward (2B rows when CFG is on: the uncond half's gradient is cut after
+    the joint forward), and the KL reference forward per trained step."""
+    import math
+
+    from common import lm_generate_flops, lm_replay_flops
+
+    if not spec.get("shaped"):
+        return None
+    rows = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    if spec["shaped"] != "sd35m":
+        lm = cfg.lm
+        if cfg.data.source != "toy_arithmetic":
+            return None
+        p = len(cfg.data.sections["toy"].template.format(a=0, b=0).split())
+        r = lm.sampling.max_new_tokens
+        model_cfg = construct_shaped(dict(spec, device="meta")).config
+        flops = lm_generate_flops(model_cfg, rows, p, r)
+        flops += lm_replay_flops(model_cfg, rows, p, r, backward="lora" if lm.model.finetune == "lora" else "full")
+        if getattr(lm.algorithm, "beta", 0.0) > 0:
+            flops += lm_replay_flops(model_cfg, rows, p, r, backward=None)
+        return flops
+    fwd, train = _sd35m_row_flops(spec, cfg)
+    d = cfg.diffusion
+    cfg_rows = 2 if d.sampling.guidance_scale > 1 else 1
+    steps = d.sampling.num_steps
+    trained = math.ceil(d.algorithm.timestep_fraction * (d.sampling.sde_window_size or steps))
+    kl = trained * fwd if getattr(d.algorithm, "kl_beta", 0.0) > 0 else 0
+    return rows * cfg_rows * (steps * fwd + trained * train + kl)
+
+
+def _sd35m_row_flops(spec: dict, cfg) -> tuple[int, int]:
+    """(forward, forward + backward) FLOPs of one row of the SD3.5-M-shaped transformer at the run's size, on meta."""
+    import torch
+
+    from common import count_flops
+
+    model = construct_shaped(dict(spec, device="meta"))
+    s = cfg.diffusion.sampling
+    bf16 = dict(device="meta", dtype=torch.bfloat16)
+    x = torch.zeros(1, model.config.in_channels, s.height // 8, s.width // 8, **bf16)
+    kw = dict(encoder_hidden_states=torch.zeros(1, 333, 4096, **bf16), pooled_projections=torch.zeros(1, 2048, **bf16),
+              timestep=torch.zeros(1, device="meta"), return_dict=False)
+    with torch.no_grad():
+        fwd = count_flops(lambda: model(hidden_states=x, **kw))
+    lora = cfg.diffusion.model.finetune == "lora"
+    model.requires_grad_(not lora)
+    # LoRA: the adapters in the first block make every activation after them need a gradient
+    x.requires_grad_(lora)
+    return fwd, count_flops(lambda: model(hidden_states=x, **kw)[0].float().sum().backward())

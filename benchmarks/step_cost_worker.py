@@ -65,14 +65,13 @@ class Clock:
 
 def _instrument(clock: Clock) -> None:
     """Time the checkpoint reads and writes the phase functions do, as ``restore`` / ``write``."""
-    from unirl_core.loop import phases
-    from unirl_core.runtime import build
+    from unirl_core.runtime import build, steps  # the phase bodies (loop.phases delegates to runtime.steps)
 
     clock.wrap(build, "load_policy_weights", "restore")          # rollout: the version's weights
-    clock.wrap(phases, "restore_train_checkpoint", "restore")    # train: weights + optimizer state
-    clock.wrap(phases, "load_version_json", "restore")           # advantage: the tracker state (extra.json)
-    clock.wrap(phases, "load_manifest", "restore")               # publish: the manifest
-    clock.wrap(phases, "save_train_checkpoint", "write")         # train: the new version
+    clock.wrap(steps, "restore_train_checkpoint", "restore")     # train: weights + optimizer state
+    clock.wrap(steps, "load_version_json", "restore")            # advantage: the tracker state (extra.json)
+    clock.wrap(steps, "load_manifest", "restore")                # publish: the manifest
+    clock.wrap(steps, "save_train_checkpoint", "write")          # train: the new version
 
 
 def _spec(state: Path) -> dict:

@@ -47,13 +47,14 @@ _CORE = [
     "matplotlib==3.11.2",
     "xxhash==4.1.0",
     "zstandard==0.25.0",
+    "httpx>=0.27",
     "flytekit==1.16.31",
 ]
 _MODELS = ["diffusers>=0.35", "transformers>=4.56,<5.20", "peft>=0.17", "accelerate>=1.0"]
 # report.wandb / report.mlflow: the report task (train image) opens the run's sinks
 _TRACKING = ["wandb==0.31.0", "mlflow-skinny==3.18.0"]
 _REWARD = ["rapidocr>=3.0", "onnxruntime-gpu>=1.17", "math-verify[antlr4_13_2]>=0.7", "fastapi>=0.110",
-           "uvicorn>=0.29", "httpx>=0.27"]
+           "uvicorn>=0.29"]
 
 
 def given_image(cfg: ImageConfig | None, role: str) -> str | None:

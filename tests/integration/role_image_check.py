@@ -27,6 +27,9 @@ def _import_role_modules(role: str, modules: list[str]) -> None:
         importlib.import_module(name)
     if not spec.is_container():
         raise SystemExit(f"{spec.name}: is_container() is False inside its own image")
+    # pool mode: every role's phase tasks reach the run's Ray pool as Ray clients
+    importlib.import_module("unirl_core.pool.cluster")
+    importlib.import_module("ray.util.client")
 
 
 def _tiny_run(scratch: Path, recipe: str, *extra: str) -> None:

@@ -83,8 +83,9 @@ def test_sd35m_recipe_rehearses_on_cpu_and_its_lora_exports(recipe, mode, tmp_pa
 
     export_main([str(run), str(tmp_path / "peft")])  # the LoRA run's default format: a peft adapter
     assert json.loads((tmp_path / "peft" / "export.json").read_text())["step"] == 2
-    peft_model = PeftModel.from_pretrained(tiny_sd3_pipeline(seed=cfg.diffusion.model.seed).transformer,
-                                           str(tmp_path / "peft"))
+    assert cfg.diffusion.model.source == "tiny-sd35"  # SD3.5-Medium's block types at random init
+    base = tiny_sd3_pipeline(seed=cfg.diffusion.model.seed, sd35=True).transformer
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "peft"))
     got = {k.replace("base_model.model.", "").replace(".default", ""): v
            for k, v in peft_model.state_dict().items() if "lora_" in k}
     own = lora_state_dict(bundle.module)

@@ -5,8 +5,10 @@
 and loss settings, data path, reward components (their real scorer code), tracker, advantage, checkpoint policy and
 report. What it swaps:
 
-- the model: ``diffusion.model.source: tiny-sd3`` (the SD3 pipeline classes, 2-layer MMDiT, CLIP x2 + T5, tiny VAE)
-  or ``lm.model.model: tiny`` (a Qwen3-architecture causal LM, byte-level BPE), float32 on the CPU, no CUDA graphs;
+- the model (``RANDOM_INIT``): ``stabilityai/stable-diffusion-3.5-medium`` becomes ``tiny-sd35`` (the SD3 pipeline
+  classes with SD3.5-Medium's MMDiT-X block, q/k RMS norm and 16 latent channels; 2 layers, CLIP x2 + T5, tiny VAE),
+  a ``Qwen/Qwen3-*`` model becomes ``tiny`` (a Qwen3-architecture causal LM, byte-level BPE); float32 on the CPU, no
+  CUDA graphs. A model without a random-init stand-in is refused, naming the field;
 - the shapes: 64 px images, 16 new tokens, 2 prompts x 2 samples a step, micro-batches (and the engine's forward
   batches, which the stored log-probs' slicing must match) of 2, 2 rollout shards;
 - CLIP-family scorers (``pickscore``, ``hpsv2``, ``clipscore``): a random-init ``CLIPModel`` of tiny width written
@@ -29,6 +31,8 @@ import torch
 from unirl_core.config.recipes import load_recipe_dict
 from unirl_core.errors import ConfigError, field_error
 
+RANDOM_INIT = {"stabilityai/stable-diffusion-3.5-medium": "tiny-sd35", "Qwen/Qwen3-": "tiny"}
+"""A recipe's model (a hub id, or a prefix ending in ``-``) -> the preset of its architecture at random init."""
 CLIP_SCORERS = ("pickscore", "hpsv2", "clipscore")
 """Scorers whose ``model`` / ``processor`` kwargs name a CLIP folder; the rehearsal points them at a tiny one."""
 TINY_SHAPES = {"height": 64, "width": 64, "max_new_tokens": 16, "prompts_per_step": 2, "samples_per_prompt": 2,
@@ -82,6 +86,14 @@ def _components(data: dict, clip_dir: str) -> list[dict]:
     return out
 
 
+def _stand_in(field: str, model: str) -> str:
+    for key, preset in RANDOM_INIT.items():
+        if model == key or (key.endswith("-") and model.startswith(key)):
+            return preset
+    raise field_error(ConfigError, field, model, f"a model with a random-init stand-in ({sorted(RANDOM_INIT)})",
+                      "add its architecture's tiny preset to unirl_core.config.rehearsal.RANDOM_INIT")
+
+
 def rehearsal_overrides(recipe: str, root: str, *, steps: int = 2, write_clip: bool = True) -> list[str]:
     """The overrides of ``recipe``'s CPU rehearsal (module docstring), storage under the local folder ``root``;
     ``write_clip`` writes the tiny CLIP folder its CLIP scorers read (``<root>/rehearsal-clip``)."""
@@ -92,13 +104,15 @@ def rehearsal_overrides(recipe: str, root: str, *, steps: int = 2, write_clip: b
            f"data.prompts_per_step={s['prompts_per_step']}", f"data.samples_per_prompt={s['samples_per_prompt']}",
            f"train.micro_batch_size={s['micro_batch_size']}"]
     if family == "diffusion":
-        out += ["diffusion.model.source=tiny-sd3", "diffusion.model.dtype=float32", "diffusion.model.device=cpu",
+        source = _stand_in("diffusion.model.source", data["diffusion"]["model"]["source"])
+        out += [f"diffusion.model.source={source}", "diffusion.model.dtype=float32", "diffusion.model.device=cpu",
                 "diffusion.model.cuda_graphs=never", f"diffusion.engine.forward_batch_size={s['micro_batch_size']}",
                 f"diffusion.sampling.height={s['height']}",
                 f"diffusion.sampling.width={s['width']}"]
     elif family == "lm":
         n = s["max_new_tokens"]
-        out += ["lm.model.model=tiny", "lm.model.tokenizer=null", "lm.model.dtype=float32", "lm.model.device=cpu",
+        model = _stand_in("lm.model.model", data["lm"]["model"]["model"])
+        out += [f"lm.model.model={model}", "lm.model.tokenizer=null", "lm.model.dtype=float32", "lm.model.device=cpu",
                 f"lm.engine.forward_batch_size={s['micro_batch_size']}", f"lm.sampling.max_new_tokens={n}",
                 f"lm.algorithm.max_response_tokens={n}"]
     else:

@@ -57,6 +57,16 @@ def test_clip_scorers_read_the_tiny_clip_folder_with_the_recipes_other_kwargs(tm
     assert (tmp_path / "rehearsal-clip" / "config.json").is_file()
 
 
+def test_the_stand_in_has_the_recipes_architecture_and_an_unknown_model_is_refused(tmp_path):
+    cfg = load_recipe("sd35m-pickscore", rehearsal_overrides("sd35m-pickscore", str(tmp_path)))
+    assert cfg.diffusion.model.source == "tiny-sd35"
+    assert load_recipe("qwen3-math", rehearsal_overrides("qwen3-math", str(tmp_path))).lm.model.model == "tiny"
+    other = tmp_path / "flux.yaml"
+    other.write_text("name: f\nfamily: diffusion\ndiffusion: {model: {source: black-forest-labs/FLUX.1-dev}}\n")
+    with pytest.raises(ConfigError, match=r"^diffusion.model.source='black-forest-labs/FLUX.1-dev'.*RANDOM_INIT"):
+        rehearsal_overrides(str(other), str(tmp_path))
+
+
 def test_the_cli_prints_the_overrides_and_a_composed_recipe_is_refused(tmp_path, capsys):
     main(["qwen3-math", str(tmp_path), "--steps", "3"])
     overrides = json.loads(capsys.readouterr().out)

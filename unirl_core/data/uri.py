@@ -23,8 +23,10 @@ from fsspec.implementations.local import LocalFileSystem
 from unirl_core.errors import ConfigError, field_error
 
 HUB_PREFIX = "hf://datasets/"
-FORMATS = (".jsonl", ".json", ".parquet")
-EXPECTED = ("a prompt set: a .jsonl / .json / .parquet file (local path or fsspec URL: s3://, https://, ...), a "
+FORMATS = (".jsonl", ".json", ".parquet", ".txt")
+TXT_COLUMN = "prompt"
+"""The one column of a ``.txt`` prompt set: one prompt per line (Flow-GRPO's ``dataset/<name>/train.txt``)."""
+EXPECTED = ("a prompt set: a .jsonl / .json / .parquet / .txt file (local path or fsspec URL: s3://, https://, ...), a "
             "directory written by datasets.save_to_disk, or a hub dataset hf://datasets/<org>/<name>")
 PROBE_BYTES = 1 << 20
 """The preflight reads at most this much of a jsonl file: existence, format and the first rows."""
@@ -80,7 +82,7 @@ def probe_rows(where: Where) -> tuple[list[dict], bool]:
     if fmt == ".parquet":
         rows = _parquet_head(where, fs, path)
         return rows, False
-    if size is not None and size > PROBE_BYTES and fmt == ".jsonl":
+    if size is not None and size > PROBE_BYTES and fmt in (".jsonl", ".txt"):
         with fs.open(path, "rb") as f:
             head = f.read(PROBE_BYTES)
         head = head[:head.rfind(b"\n") + 1]  # complete lines only
@@ -130,7 +132,7 @@ def _format(where: Where, fs: fsspec.AbstractFileSystem, path: str) -> str:
     suffix = posixpath.splitext(path.split("?")[0])[1].lower()
     if suffix not in FORMATS:
         raise where.error(f"a file with suffix {suffix or '(none)'!r}", "convert the prompts to jsonl (one JSON "
-                          "object per line) or parquet, and name the file accordingly")
+                          "object per line), parquet or .txt (one prompt per line), and name the file accordingly")
     return suffix
 
 
@@ -155,6 +157,13 @@ def _parse(where: Where, fmt: str, data: bytes, *, complete: bool) -> list[dict]
         if not isinstance(rows, list):
             raise where.error(f"a JSON {type(rows).__name__}, not a list of rows", "write a JSON list of objects")
         return _objects(where, rows, lambda i: f"item {i}")
+    if fmt == ".txt":
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise where.error(f"a .txt file that is not UTF-8 ({e})", "write one UTF-8 prompt per line") from e
+        return _objects(where, [{TXT_COLUMN: line.strip()} for line in text.splitlines() if line.strip()],
+                        lambda i: f"line {i}")
     rows = []
     for k, line in enumerate(io.BytesIO(data), start=1):
         if not line.strip():

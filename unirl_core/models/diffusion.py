@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 DiffusionFamily = Literal["sd3", "flux"]
 FAMILIES: tuple[str, ...] = ("sd3", "flux")
-TINY_PRESETS = {"tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-flux-guidance": "flux"}
+TINY_PRESETS = {"tiny-sd3": "sd3", "tiny-sd35": "sd3", "tiny-flux": "flux", "tiny-flux-guidance": "flux"}
 """Presets built in code (no download); their T5 context is 32 tokens. Plugins add theirs
 (``unirl_core.models.presets``; see ``is_preset``)."""
 
@@ -84,7 +84,8 @@ class DiffusionModelConfig:
     """Which diffusion model to load and how to train it."""
 
     source: str = "tiny-sd3"
-    """``tiny-sd3`` / ``tiny-flux`` / ``tiny-flux-guidance`` (built from config), a plugin's preset
+    """``tiny-sd3`` / ``tiny-sd35`` (SD3.5-Medium's MMDiT-X and q/k norm) / ``tiny-flux`` / ``tiny-flux-guidance``
+    (built from config), a plugin's preset
     (``unirl_core.models.presets``, e.g. ``shapes-sd3`` of ``examples/shapes``), or a local dir / hub id for
     ``from_pretrained``."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -443,8 +444,8 @@ def stack_conditions(conds: list[dict[str, Tensor]], device: torch.device) -> di
 def _load_pipeline(config: DiffusionModelConfig):
     from unirl_core.models import diffusion_tiny
 
-    if config.source == "tiny-sd3":
-        return diffusion_tiny.tiny_sd3_pipeline(seed=config.seed), "sd3"
+    if config.source in ("tiny-sd3", "tiny-sd35"):
+        return diffusion_tiny.tiny_sd3_pipeline(seed=config.seed, sd35=config.source == "tiny-sd35"), "sd3"
     preset = diffusion_preset(config.source)
     if preset is not None:
         return preset.build(config), preset.family

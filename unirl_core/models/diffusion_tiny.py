@@ -62,20 +62,25 @@ def _tiny_vae(latent_channels: int):
                          sample_size=TINY_HEIGHT, scaling_factor=1.5305, shift_factor=0.0609)
 
 
-def tiny_sd3_pipeline(*, seed: int = 0):
-    """A ``StableDiffusion3Pipeline`` (2-layer MMDiT, tiny VAE, CLIP-L/G-shaped x2, T5) from config."""
+def tiny_sd3_pipeline(*, seed: int = 0, sd35: bool = False):
+    """A ``StableDiffusion3Pipeline`` (2-layer MMDiT, tiny VAE, CLIP-L/G-shaped x2, T5) from config.
+
+    ``sd35``: SD3.5-Medium's transformer features at the same tiny width (``tiny-sd35``): MMDiT-X (the first block
+    also attends over the image tokens alone, ``dual_attention_layers``), RMS-normalised q/k, 16 latent channels."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
     tok = char_tokenizer()
     vocab = len(tok)
-    transformer = SD3Transformer2DModel(sample_size=TINY_HEIGHT // 8, patch_size=2, in_channels=4, out_channels=4,
-                                        num_layers=2, attention_head_dim=16, num_attention_heads=4,
-                                        joint_attention_dim=64, caption_projection_dim=64, pooled_projection_dim=64,
-                                        pos_embed_max_size=32)
+    channels = 16 if sd35 else 4
+    extra = dict(dual_attention_layers=(0,), qk_norm="rms_norm") if sd35 else {}
+    transformer = SD3Transformer2DModel(sample_size=TINY_HEIGHT // 8, patch_size=2, in_channels=channels,
+                                        out_channels=channels, num_layers=2, attention_head_dim=16,
+                                        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=64,
+                                        pooled_projection_dim=64, pos_embed_max_size=32, **extra)
     return StableDiffusion3Pipeline(
-        transformer=transformer, vae=_tiny_vae(4), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer, vae=_tiny_vae(channels), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         text_encoder=CLIPTextModelWithProjection(_clip_config(vocab, 32, projection=True)), tokenizer=tok,
         text_encoder_2=CLIPTextModelWithProjection(_clip_config(vocab, 32, projection=True)), tokenizer_2=tok,
         text_encoder_3=_t5(vocab, 64), tokenizer_3=char_tokenizer(model_max_length=TINY_MAX_SEQUENCE_LENGTH),

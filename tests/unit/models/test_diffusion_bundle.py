@@ -32,17 +32,22 @@ def test_char_tokenizer_is_deterministic_and_offline():
     assert tok.decode(ids, skip_special_tokens=True) == "ab"
 
 
-@pytest.mark.parametrize("source,family,seq", [("tiny-sd3", "sd3", 77 + 32), ("tiny-flux", "flux", 32),
-                                               ("tiny-flux-guidance", "flux", 32)])
-def test_tiny_presets_shapes_and_lora_reference(source, family, seq):
+@pytest.mark.parametrize("source,family,seq,channels", [("tiny-sd3", "sd3", 77 + 32, 4),
+                                                        ("tiny-sd35", "sd3", 77 + 32, 16),
+                                                        ("tiny-flux", "flux", 32, 4),
+                                                        ("tiny-flux-guidance", "flux", 32, 4)])
+def test_tiny_presets_shapes_and_lora_reference(source, family, seq, channels):
     b = DiffusionBundle.build(DiffusionModelConfig(source=source))
     assert b.family == family
-    assert b.latent_shape(64, 64) == (4, 8, 8)
+    assert b.latent_shape(64, 64) == (channels, 8, 8)
     per = b.encode_text(["a cat"])
     assert per[0]["prompt_embeds"].shape[0] == seq and per[0]["pooled_prompt_embeds"].ndim == 1
     trainable = [n for n, p in b.module.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    x = torch.randn(2, 4, 8, 8)
+    if source == "tiny-sd35":  # SD3.5-Medium's block: MMDiT-X (a second, image-only attention) and q/k RMS norm
+        block = b.pipeline.transformer.transformer_blocks[0]
+        assert block.attn2 is not None and b.pipeline.transformer.config.qk_norm == "rms_norm"
+    x = torch.randn(2, channels, 8, 8)
     conds = _conds(b, neg=True)
     base = b.guided_velocity(x, SIGMA, conds, guidance_scale=4.5)
     assert base.shape == x.shape and base.dtype == torch.float32

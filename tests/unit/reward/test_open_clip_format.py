@@ -14,7 +14,7 @@ from collections import OrderedDict
 import pytest
 import torch
 from torch import nn
-from tests.unit.reward.conftest import _byte_chars
+from unirl_core.config.rehearsal import byte_chars
 from tests.unit.reward.reward_images import flat_png, noise_png
 
 from unirl_core.errors import ConfigError
@@ -105,7 +105,7 @@ def tokenizer_dir(tmp_path_factory):
 
     vocab = {}
     for suffix in ("", "</w>"):
-        for c in _byte_chars():
+        for c in byte_chars():
             vocab[c + suffix] = len(vocab)
     vocab["<|startoftext|>"], vocab["<|endoftext|>"] = len(vocab), len(vocab) + 1
     tok = CLIPTokenizer(vocab=vocab, merges=[], pad_token="<|endoftext|>")

@@ -1,5 +1,6 @@
-"""Replay through Flyte: a grpo workflow run that keeps its batches replays bitwise through the replay workflow
-(flytekit local execution), and a changed stored reward fails the workflow naming the field."""
+"""Replay through Flyte: a grpo workflow run of each tiny family (diffusion, LM, agentic, composed) that keeps its
+batches replays three steps bitwise through the replay workflow (flytekit local execution), and a changed stored
+reward fails the workflow naming the field."""
 
 from __future__ import annotations
 
@@ -14,9 +15,15 @@ KEEP = ["checkpoint.keep_batches=true", "checkpoint.keep_every=1"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tiny-flow-grpo", "tiny-grpo"])
+@pytest.mark.parametrize("recipe", ["tiny-flow-grpo", "tiny-grpo", "tiny-agent-calc"])
 def test_replay_workflow_rebuilds_three_steps_of_a_workflow_run(tmp_path, run_name, recipe):
-    grpo(recipe=recipe, overrides=tiny_overrides(recipe, str(tmp_path), run_name, steps=3) + KEEP)
+    if recipe == "tiny-agent-calc":  # the agentic workflow test's small batches, tiny-grpo's run settings
+        from tests.flyte.test_agent_workflow import AGENT
+
+        overrides = [*AGENT, *tiny_overrides("tiny-grpo", str(tmp_path), run_name, steps=3)[4:]]
+    else:
+        overrides = tiny_overrides(recipe, str(tmp_path), run_name, steps=3)
+    grpo(recipe=recipe, overrides=overrides + KEEP)
     assert BatchStore(str(tmp_path), run_name).steps() == [1, 2, 3]
     out = replay(run=str(tmp_path / run_name), steps=[1, 2, 3])
     assert out["replay/steps"] == 3.0
@@ -33,7 +40,7 @@ def test_replay_workflow_rebuilds_a_composed_workflow_run(tmp_path):
     from tests.unit.compose.conftest import small_overrides
     from workflows.enhance import enhance
 
-    overrides = small_overrides(tmp_path, "loop.steps_per_chunk=1", "loop.total_steps=2", *KEEP)
+    overrides = small_overrides(tmp_path, "loop.steps_per_chunk=1", "loop.total_steps=3", *KEEP)
     enhance(recipe="shapes-enhance", overrides=overrides)
-    out = replay(run=str(tmp_path / "enh"), steps=[1, 2])
-    assert out["replay/steps"] == 2.0
+    out = replay(run=str(tmp_path / "enh"), steps=[1, 2, 3])
+    assert out["replay/steps"] == 3.0

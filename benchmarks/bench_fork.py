@@ -10,6 +10,7 @@ side does). Both sides run the shipped path (``run_local``); what the rerun does
 prefix steps and their versions.
 
     python benchmarks/bench_fork.py          # the workflow's default recipe, shrunk (see --overrides), 16 steps
+    python benchmarks/bench_fork.py --steps 34 --fork-at 32   # the issue's fork point: step 32
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def main() -> None:
     ap.add_argument("--overrides", nargs="*", default=SHRINK)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--fork-at", type=int, nargs="+", default=[4, 8, 12])
+    ap.add_argument("--cell", default=None, help="the record's cell (default: fork_<k>_..._of_<steps>)")
     args = ap.parse_args()
     pin_threads(1)
     parent, rows = measure(args.recipe, args.overrides, args.steps, args.fork_at)
@@ -109,7 +111,8 @@ def main() -> None:
           f"two last versions (weights, train state) are bitwise equal.\n\n"
           + format_table(keys, [[r[k] for k in keys] for r in rows]))
     print(md)
-    write_record("bench_fork", {"parent": parent, "forks": rows}, md, env=environment(),
+    cell = args.cell or "fork_" + "_".join(str(k) for k in args.fork_at) + f"_of_{args.steps}"
+    write_record("bench_fork", {"parent": parent, "forks": rows}, md, env=environment(), cell=cell,
                  headline=", ".join(f"fork at {r['fork_at']}/{args.steps}: x{r['time_ratio']} time, "
                                     f"x{r['bytes_ratio']} bytes" for r in rows))
 

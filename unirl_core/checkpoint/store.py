@@ -260,10 +260,19 @@ class CheckpointStore:
         newest = valid[-1] if valid else -1
         doomed = [s for s in valid if s not in keep]
         partial = [s for s in self._steps_on_disk() if s not in valid and s < newest]
+        raw = {}
+        for step in doomed:
+            folder = self._version(step)
+            raw[step] = folder.fs.cat_file(folder.join(MANIFEST))
+            folder.fs.rm_file(folder.join(MANIFEST))  # the version disappears atomically for readers
+        # a fork that pinned one meanwhile (after the pins were read above) finds its manifest gone when it re-checks
+        # (save_reference refuses) or pinned it before that: then it is put back and kept
+        late = set(self.pinned_steps()) & set(doomed)
+        for step in sorted(late):
+            self._version(step).write(MANIFEST, raw[step], atomic=True)
+        doomed = [s for s in doomed if s not in late]
         for step in doomed + partial:
             folder = self._version(step)
-            if step in doomed:
-                folder.fs.rm_file(folder.join(MANIFEST))  # the version disappears atomically for readers
             folder.fs.rm(folder.path, recursive=True)
         if doomed or partial:
             log.info("retention removed versions %s and partial folders %s", doomed, partial)

@@ -144,6 +144,13 @@ class CheckpointStore:
         if posixpath.dirname(posixpath.dirname(src_folder.path)) != posixpath.dirname(self._run.path):
             raise field_error(CheckpointError, "checkpoint.fork_from", source.uri, f"a version under this run's "
                               f"root {posixpath.dirname(self._run.uri())}", "fork a run of the same checkpoint.root")
+        published = CheckpointStore(posixpath.dirname(self._run.uri()), source.run,
+                                    storage_options=self.storage_options)._pointer_step()
+        if published is None or source.step > published:
+            # a version past the published one is an interrupted step's leftover: the parent's resume replaces it
+            raise field_error(CheckpointError, "checkpoint.fork_from", source.uri, f"a published version of run "
+                              f"{source.run!r} (its published step is {published})", "fork a step at or before the "
+                              "published one, or let the parent publish this step first")
         if src.delta is not None:
             raise field_error(CheckpointError, "checkpoint.fork_from", source.uri, "a version with its weights in "
                               "full", "fork a version that holds the full state (its weights are never a delta)")

@@ -40,3 +40,16 @@ def test_a_fork_pinned_between_retentions_read_and_delete_keeps_its_parents_file
     assert started, "the fork started"
     # the fork's start version passed save_reference's re-check; its weights must still read
     load_weights(started[0])
+
+
+def test_an_unpublished_version_is_not_forked(tmp_path):
+    # Review finding: version 2 written but never published (a crash before publish) is replaced when the parent
+    # resumes from its published version 1 (resume.check_no_newer's leftover case; train_step saves with
+    # overwrite=True), which would break a fork that references it. A fork must start from a published version.
+    parent = CheckpointStore(str(tmp_path), "p", keep_last=5)
+    v1 = _save(parent, 1)
+    parent.publish(v1)
+    v2 = _save(parent, 2)  # never published
+    with pytest.raises(CheckpointError, match=r"checkpoint.fork_from.*step-00000002.*published"):
+        CheckpointStore(str(tmp_path), "f").save_reference(v2, config={}, extra={})
+    assert not (tmp_path / "p" / "forks").exists() and not (tmp_path / "f").exists()

@@ -274,7 +274,7 @@ class CheckpointStore:
             folder.fs.rm_file(folder.join(MANIFEST))  # the version disappears atomically for readers
         # a fork that pinned one meanwhile (after the pins were read above) finds its manifest gone when it re-checks
         # (save_reference refuses) or pinned it before that: then it is put back and kept
-        late = set(self.pinned_steps()) & set(doomed)
+        late = set(self.pinned_steps()) & set(doomed) if doomed else set()
         for step in sorted(late):
             self._version(step).write(MANIFEST, raw[step], atomic=True)
         doomed = [s for s in doomed if s not in late]

@@ -144,6 +144,13 @@ class CheckpointStore:
         if posixpath.dirname(posixpath.dirname(src_folder.path)) != posixpath.dirname(self._run.path):
             raise field_error(CheckpointError, "checkpoint.fork_from", source.uri, f"a version under this run's "
                               f"root {posixpath.dirname(self._run.uri())}", "fork a run of the same checkpoint.root")
+        published = CheckpointStore(posixpath.dirname(self._run.uri()), source.run,
+                                    storage_options=self.storage_options)._pointer_step()
+        if published is None or source.step > published:
+            # a version past the published one is an interrupted step's leftover: the parent's resume replaces it
+            raise field_error(CheckpointError, "checkpoint.fork_from", source.uri, f"a published version of run "
+                              f"{source.run!r} (its published step is {published})", "fork a step at or before the "
+                              "published one, or let the parent publish this step first")
         if src.delta is not None:
             raise field_error(CheckpointError, "checkpoint.fork_from", source.uri, "a version with its weights in "
                               "full", "fork a version that holds the full state (its weights are never a delta)")
@@ -260,10 +267,19 @@ class CheckpointStore:
         newest = valid[-1] if valid else -1
         doomed = [s for s in valid if s not in keep]
         partial = [s for s in self._steps_on_disk() if s not in valid and s < newest]
+        raw = {}
+        for step in doomed:
+            folder = self._version(step)
+            raw[step] = folder.fs.cat_file(folder.join(MANIFEST))
+            folder.fs.rm_file(folder.join(MANIFEST))  # the version disappears atomically for readers
+        # a fork that pinned one meanwhile (after the pins were read above) finds its manifest gone when it re-checks
+        # (save_reference refuses) or pinned it before that: then it is put back and kept
+        late = set(self.pinned_steps()) & set(doomed) if doomed else set()
+        for step in sorted(late):
+            self._version(step).write(MANIFEST, raw[step], atomic=True)
+        doomed = [s for s in doomed if s not in late]
         for step in doomed + partial:
             folder = self._version(step)
-            if step in doomed:
-                folder.fs.rm_file(folder.join(MANIFEST))  # the version disappears atomically for readers
             folder.fs.rm(folder.path, recursive=True)
         if doomed or partial:
             log.info("retention removed versions %s and partial folders %s", doomed, partial)

@@ -8,8 +8,9 @@ or any unchanged version twice, costs one read. The key:
 - **weights**: the sha256 of the version's weights as the store records them (``Manifest.weights_sha256``: the
   safetensors encoding, also for a delta version) or of its ``ema.safetensors`` for ``eval.weights: ema``;
 - **protocol**: sha256 of the JSON of what turns weights into the numbers - the eval prompts (texts and targets),
-  samples per prompt, seed, the sampling params, the reward section, the model section (for an adapter the base
-  model; the architecture it loads into), the engine section, the family - and of the process's float order (torch
+  samples per prompt, seed, the sampling params, the reward section and the algorithm's reward shaping (DAPO's overlong
+  penalty), the model section (for an adapter the base model; the architecture it loads into), the engine section,
+  the agent section (multi-turn episodes), the family - and of the process's float order (torch
   version and intra-op threads: another thread count adds floats in another order).
 
 Entries live at ``<checkpoint.root>/.evals/<key>.json`` (the metrics, the digests, the protocol, where and when it
@@ -69,7 +70,17 @@ def protocol(cfg, prompts: list, weights: str) -> dict:
             "samples_per_prompt": cfg.eval.samples_per_prompt, "seed": cfg.eval.seed,
             "sampling": to_dict(section.sampling), "reward": to_dict(cfg.reward),
             "model": to_dict(section.model), "engine": to_dict(section.engine),
+            "agent": to_dict(getattr(section, "agent", None)), "reward_shaping": _reward_shaping(cfg),
             "float_order": {"torch": torch.__version__, "threads": torch.get_num_threads()}}
+
+
+def _reward_shaping(cfg) -> dict:
+    """The algorithm's settings ``reward_phase`` shapes the eval's rewards with (``runtime.steps.shape_rewards``:
+    DAPO's overlong penalty), none when it shapes nothing."""
+    algo = cfg.section.algorithm if cfg.family == "lm" else None
+    if getattr(algo, "overlong_buffer_len", None) is None:
+        return {}
+    return {"overlong_buffer_len": algo.overlong_buffer_len, "overlong_penalty_factor": algo.overlong_penalty_factor}
 
 
 def digest_of(data: dict) -> str:

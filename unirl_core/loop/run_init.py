@@ -204,9 +204,11 @@ def _fork(cfg: RunConfig, parent: CheckpointRef, parent_threads: dict[str, objec
     if existing is not None:
         recorded = resume.fork_parent(existing, cfg.checkpoint.storage_options)
         if recorded is None or resume.normalize_uri(recorded) != resume.normalize_uri(parent.uri):
-            raise field_error(ConfigError, "fork_as", cfg.name, f"a new run name, but run {cfg.name!r} already has "
-                              f"step {existing.step} ({store.uri}) and is not a fork of {parent.uri}",
-                              f"pick another fork name, or resume that run with name={cfg.name}")
+            via_config = cfg.checkpoint.fork_from is not None  # else run_local's fork_as named the fork
+            raise field_error(ConfigError, "name" if via_config else "fork_as", cfg.name, f"a new run name, but run "
+                              f"{cfg.name!r} already has step {existing.step} ({store.uri}) and is not a fork of "
+                              f"{parent.uri}", f"pick another fork name, or resume that run with name={cfg.name}"
+                              + (" without checkpoint.fork_from" if via_config else ""))
         log.info("run %s is already a fork of %s; continuing it", cfg.name, parent.uri)
         ref = _resume_point(cfg, "latest")
         _apply_config_changes(cfg, ref)

@@ -170,3 +170,11 @@ def test_fork_from_is_refused_where_no_fork_starts(tmp_path):
     for load, recipe in ((load_compose_recipe, "shapes-enhance"), (load_sft_recipe, "sft-shapes")):
         with pytest.raises(ConfigError, match=r"^checkpoint.fork_from='x@1'.*forks start RL runs"):
             load(recipe, ["checkpoint.fork_from=x@1"])
+
+
+def test_fork_from_into_an_existing_other_run_names_the_fields_the_user_set(tmp_path):
+    # review finding: with checkpoint.fork_from (no fork_as given) the refusal named fork_as
+    run_local(_cfg(tmp_path, 1))
+    run_local(_cfg(tmp_path, 1, "name=other"))
+    with pytest.raises(ConfigError, match=r"^name='other'.*not a fork of .*checkpoint.fork_from"):
+        init_run(_fork(tmp_path, "other", f"{PARENT}@1", 3))

@@ -204,6 +204,11 @@ def main() -> None:
     ap.add_argument("--mix-interval", type=int, default=2, help="MixGRPO: training steps between window moves")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the record's cells of the algorithms not run now (each cell names its commit)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="cells run side by side (each its own single-threaded process; the budget is CPU time)")
+    ap.add_argument("--work", default="", help="folder of the runs and per-cell results (default: a temp folder); "
+                                               "a cell whose result is there already is not run again")
+    ap.add_argument("--collect-only", action="store_true", help="only tabulate the cells found in --work")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--chart", default=str(REPO / "docs" / "img" / "algo_compare.svg"))
     args = ap.parse_args()
@@ -219,24 +224,45 @@ def main() -> None:
             raise SystemExit(f"--reuse: the record's cells ran at a budget of {sorted(other)} CPU s, not "
                              f"--budget {args.budget}: run every algorithm again or pass that budget")
     order = list(dict.fromkeys([*(c["algo"] for c in cells), *args.algos]))
-    with tempfile.TemporaryDirectory(prefix="algo_compare-") as root:
-        for algo in args.algos:
-            for seed in args.seeds:
-                out = f"{root}/{algo}-{seed}.json"
-                code = (f"from benchmarks.bench_algo_compare import run_cell; run_cell({algo!r}, {seed}, {root!r}, "
-                        f"{args.budget}, {args.mix_interval}, {out!r}, {seed == args.seeds[0]})")
-                t0 = time.perf_counter()
-                p = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
-                if p.returncode != 0:
-                    raise RuntimeError(f"{algo} seed {seed} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
-                cell = json.loads(Path(out).read_text())
-                if "start" not in cell["eval"]:
-                    cell["eval"]["start"] = next(c["eval"]["start"] for c in cells if c["algo"] == algo)
-                cells.append({**cell, "commit": git_commit()})
-                s = summarize(cells[-1])
-                print(f"{algo} seed {seed}: {s['steps']} steps in {s['cpu_s']:.0f} CPU s "
-                      f"({time.perf_counter() - t0:.0f} s wall with evals); train {s['train_first']:.3f} -> "
-                      f"{s['train_final']:.3f}, eval {s['eval_start']:.3f} -> {s['eval_end']:.3f}", flush=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="algo_compare-"))
+    work.mkdir(parents=True, exist_ok=True)
+    todo = [(a, s) for a in args.algos for s in args.seeds]
+    running: list[tuple[str, int, Path, subprocess.Popen, float]] = []
+    while todo or running:
+        while todo and len(running) < args.jobs and not args.collect_only:
+            algo, seed = todo.pop(0)
+            out = work / f"{algo}-{seed}.json"
+            if out.exists():  # measured by an earlier, interrupted invocation with this --work
+                continue
+            code = (f"from benchmarks.bench_algo_compare import run_cell; run_cell({algo!r}, {seed}, "
+                    f"{str(work / 'runs')!r}, {args.budget}, {args.mix_interval}, {str(out)!r}, "
+                    f"{seed == args.seeds[0]})")
+            with open(work / f"{algo}-{seed}.log", "w") as log:
+                running.append((algo, seed, out, subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO,
+                                                                  stdout=log, stderr=subprocess.STDOUT),
+                                time.perf_counter()))
+        if args.collect_only:
+            break
+        time.sleep(2)
+        for item in [r for r in running if r[3].poll() is not None]:
+            algo, seed, out, p, t0 = item
+            running.remove(item)
+            if p.returncode != 0:
+                tail = (work / f"{algo}-{seed}.log").read_text()[-4000:]
+                raise RuntimeError(f"{algo} seed {seed} failed (exit {p.returncode}):\n{tail}")
+            cell = {**json.loads(out.read_text()), "commit": git_commit()}
+            out.write_text(json.dumps(cell))
+            s = summarize(cell)
+            print(f"{algo} seed {seed}: {s['steps']} steps in {s['cpu_s']:.0f} CPU s "
+                  f"({time.perf_counter() - t0:.0f} s wall with evals); train {s['train_first']:.3f} -> "
+                  f"{s['train_final']:.3f}, eval -> {s['eval_end']:.3f}", flush=True)
+    done = [json.loads((work / f"{a}-{s}.json").read_text()) for a in args.algos for s in args.seeds
+            if (work / f"{a}-{s}.json").exists()]
+    for cell in done:
+        if "start" not in cell["eval"]:
+            cell["eval"]["start"] = next(c["eval"]["start"] for c in done if c["algo"] == cell["algo"]
+                                         and "start" in c["eval"])
+    cells.extend(done)
     rows, summary = [], []
     header = ["algorithm", "seed", "budget CPU s", "CPU s used", "steps", "train reward first 3 -> last 3",
               "held-out eval start -> end", "train / strict re-score, step 1 -> last", "hacking?"]

@@ -259,6 +259,7 @@ def main() -> None:
     done = [json.loads((work / f"{a}-{s}.json").read_text()) for a in args.algos for s in args.seeds
             if (work / f"{a}-{s}.json").exists()]
     for cell in done:
+        cell.setdefault("commit", git_commit())  # a cell whose launching invocation was stopped before it ended
         if "start" not in cell["eval"]:
             cell["eval"]["start"] = next(c["eval"]["start"] for c in done if c["algo"] == cell["algo"]
                                          and "start" in c["eval"])

@@ -252,10 +252,10 @@ def main() -> None:
                 raise RuntimeError(f"{algo} seed {seed} failed (exit {p.returncode}):\n{tail}")
             cell = {**json.loads(out.read_text()), "commit": git_commit()}
             out.write_text(json.dumps(cell))
-            s = summarize(cell)
-            print(f"{algo} seed {seed}: {s['steps']} steps in {s['cpu_s']:.0f} CPU s "
-                  f"({time.perf_counter() - t0:.0f} s wall with evals); train {s['train_first']:.3f} -> "
-                  f"{s['train_final']:.3f}, eval -> {s['eval_end']:.3f}", flush=True)
+            rewards = [c["reward"] for c in cell["curve"]]  # the start eval may sit in another seed's cell
+            print(f"{algo} seed {seed}: {cell['steps']} steps in {cell['cpu_s']:.0f} CPU s "
+                  f"({time.perf_counter() - t0:.0f} s wall with evals); train {statistics.fmean(rewards[:3]):.3f} -> "
+                  f"{statistics.fmean(rewards[-3:]):.3f}, eval -> {cell['eval']['end']:.3f}", flush=True)
     done = [json.loads((work / f"{a}-{s}.json").read_text()) for a in args.algos for s in args.seeds
             if (work / f"{a}-{s}.json").exists()]
     for cell in done:

@@ -192,7 +192,7 @@ def chart(cells: list[dict], path: Path) -> None:
     right.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="svg", metadata={"Date": None})
+    fig.savefig(path, format=path.suffix[1:] or "svg", metadata={"Date": None} if path.suffix != ".png" else None)
     plt.close(fig)
 
 
@@ -266,7 +266,7 @@ def main() -> None:
     cells.extend(done)
     rows, summary = [], []
     header = ["algorithm", "seed", "budget CPU s", "CPU s used", "steps", "train reward first 3 -> last 3",
-              "held-out eval start -> end", "train / strict re-score, step 1 -> last", "hacking?"]
+              "held-out eval start -> end", "change of train / strict score, step 1 -> last batch", "hacking?"]
     for algo in order:
         mine = [summarize(c) for c in cells if c["algo"] == algo]
         summary.extend(mine)
@@ -274,18 +274,19 @@ def main() -> None:
             rows.append([algo, s["seed"], f"{args.budget:.0f}", f"{s['cpu_s']:.0f}", s["steps"],
                          f"{s['train_first']:.3f} -> {s['train_final']:.3f}",
                          f"{s['eval_start']:.3f} -> {s['eval_end']:.3f}",
-                         f"{s['d_train']:+.3f} / {s['d_strict']:+.3f}", "FLAG" if s["hacking"] else "no"])
+                         f"{s['d_train']:+.3f} / {s['d_strict']:+.3f}", "strict down" if s["hacking"] else "no"])
         mean = lambda k: statistics.fmean(s[k] for s in mine)  # noqa: E731
         rows.append([f"**{algo} mean**", "", f"{args.budget:.0f}", f"{mean('cpu_s'):.0f}", f"{mean('steps'):.1f}",
                      f"{mean('train_first'):.3f} -> {mean('train_final'):.3f}",
                      f"{mean('eval_start'):.3f} -> {mean('eval_end'):.3f}",
                      f"{mean('d_train'):+.3f} / {mean('d_strict'):+.3f}",
-                     f"{sum(s['hacking'] for s in mine)} of {len(mine)}"])
+                     "FLAG" if mean("d_train") > 0 > mean("d_strict") else "no"])
     table = format_table(header, rows)
     lines = [f"Compute-matched shapes-world comparison: {args.budget:.0f} s of training-process CPU time "
              f"(time.process_time, 1 thread) per run, from shapes-sd3, curriculum {CURRICULUM}, 4 x 8 images a "
              f"step, seeds {sorted({c['seed'] for c in cells})}; hacking check: the first and last training batch re-scored with the "
-             f"compositional reward under a strict detector {STRICT} (FLAG: training reward up, strict score down).",
+             f"compositional reward under a strict detector {STRICT}; a seed whose training reward rose while the strict score "
+             f"of the same images fell says 'strict down', an algorithm whose seed means do says FLAG.",
              table]
     print("\n\n".join(lines))
     chart_path = Path(args.chart)

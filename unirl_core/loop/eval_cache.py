@@ -11,7 +11,10 @@ or any unchanged version twice, costs one read. The key:
   samples per prompt, seed, the sampling params, the reward section and the algorithm's reward shaping (DAPO's overlong
   penalty), the model section (for an adapter the base model; the architecture it loads into), the engine section,
   the agent section (multi-turn episodes), the family - and of the process's float order (torch
-  version and intra-op threads: another thread count adds floats in another order).
+  version and intra-op threads: another thread count adds floats in another order) and of the code: the sha256 of
+  the library's source files and of the recipe's plugins' (``code_digest``), so a changed scorer, sampler or eval
+  path computes anew instead of reading a number the old code produced. A device (GPU model, CUDA) is not in the
+  key: entries computed on different accelerators under one root are shared.
 
 Entries live at ``<checkpoint.root>/.evals/<key>.json`` (the metrics, the digests, the protocol, where and when it
 was computed) and ``<key>.arrow`` (the scored batch, per-column checksums), shared by every run under the root.
@@ -20,13 +23,17 @@ A read that fails (damaged, foreign) is a miss, said at WARNING; the entry is re
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 import posixpath
 import tempfile
 import time
+import uuid
+from pathlib import Path
 
 import fsspec
 import torch
@@ -71,7 +78,29 @@ def protocol(cfg, prompts: list, weights: str) -> dict:
             "sampling": to_dict(section.sampling), "reward": to_dict(cfg.reward),
             "model": to_dict(section.model), "engine": to_dict(section.engine),
             "agent": to_dict(getattr(section, "agent", None)), "reward_shaping": _reward_shaping(cfg),
-            "float_order": {"torch": torch.__version__, "threads": torch.get_num_threads()}}
+            "float_order": {"torch": torch.__version__, "threads": torch.get_num_threads()},
+            "code": code_digest(tuple(getattr(cfg, "plugins", ()) or ()))}
+
+
+@functools.lru_cache(maxsize=None)
+def code_digest(plugins: tuple[str, ...] = ()) -> str:
+    """sha256 over the source files of ``unirl_core`` and of the named plugin modules (a package: all its ``.py``
+    files), by path relative to their root and content; computed once per process and plugin list."""
+    import unirl_core
+
+    roots = [Path(unirl_core.__file__).parent]
+    for name in plugins:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            origin = Path(spec.origin)
+            roots.append(origin.parent if origin.name == "__init__.py" else origin)
+    h = hashlib.sha256()
+    for root in roots:
+        files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+        for f in files:
+            h.update(str(f.relative_to(root.parent)).encode() + b"\0")
+            h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def _reward_shaping(cfg) -> dict:
@@ -108,6 +137,9 @@ class EvalCache:
         except ValueError as e:
             log.warning("ignoring damaged eval cache entry %s: %s", record_path, e)
             return None
+        if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict):
+            log.warning("ignoring eval cache entry %s: it holds no metrics", record_path)
+            return None
         try:
             if self.local:
                 batch = read_batch(batch_path, verify=True)
@@ -134,7 +166,7 @@ class EvalCache:
         body = json.dumps({**record, "key": key, "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
                           sort_keys=True, indent=1, default=str).encode()
         if self.local:
-            tmp = self._file(key, f".json.{os.getpid()}.tmp")
+            tmp = self._file(key, f".json.{uuid.uuid4().hex}.tmp")  # pods on one volume may share a pid
             with open(tmp, "wb") as f:
                 f.write(body)
             os.replace(tmp, self._file(key, ".json"))

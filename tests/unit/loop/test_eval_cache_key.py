@@ -29,3 +29,29 @@ def test_overlong_shaping_is_in_the_eval_key():
     # eval/reward/overlong_* metrics) from lm.algorithm, which a resume may change ("apply")
     assert RESUME_RULES["lm.algorithm"] == "apply"
     assert _proto("tiny-grpo") != _proto("tiny-grpo", "lm.algorithm.overlong_buffer_len=4")
+
+
+def test_a_changed_source_file_changes_the_eval_key(tmp_path, monkeypatch):
+    # a scorer's bugfix under a long-lived root must not be answered with the number the old code produced
+    from unirl_core.loop import eval_cache
+
+    plugin = tmp_path / "evkey_plugin"
+    plugin.mkdir()
+    (plugin / "__init__.py").write_text("def score(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eval_cache.code_digest.cache_clear()
+    before = eval_cache.code_digest(("evkey_plugin",))
+    assert before != eval_cache.code_digest(())  # the plugin's files are in it
+    (plugin / "__init__.py").write_text("def score(x):\n    return x + 1\n")
+    eval_cache.code_digest.cache_clear()
+    assert eval_cache.code_digest(("evkey_plugin",)) != before
+    eval_cache.code_digest.cache_clear()
+
+
+def test_an_entry_without_metrics_is_a_miss(tmp_path):
+    from unirl_core.loop.eval_cache import EvalCache
+
+    cache = EvalCache(str(tmp_path))
+    (tmp_path / ".evals").mkdir()
+    (tmp_path / ".evals" / "k.json").write_text('{"key": "k"}')
+    assert cache.get("k") is None

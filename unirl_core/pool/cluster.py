@@ -100,7 +100,15 @@ def _connect(pcfg: PoolConfig) -> bool:
 
         probe_address(pcfg.address, pcfg.connect_timeout_s)
         if not ray.is_initialized():
-            ray.init(address=pcfg.address, log_to_driver=False)
+            try:
+                ray.init(address=pcfg.address, log_to_driver=False)
+            except ConnectionError as e:
+                from unirl_core.pool.tenants import connect_error
+
+                refused = connect_error(pcfg.address, e)
+                if refused is not None:
+                    raise refused from e
+                raise
             return False
         connected = ray.get_runtime_context().gcs_address
         if pcfg.address.removeprefix("ray://") != connected:
@@ -373,14 +381,20 @@ class Pool:
     @classmethod
     def get(cls, cfg) -> Pool:
         """The process's pool of this class (a compose run's is another) for ``cfg``: the config the actors were
-        built from; another config closes the previous pool first."""
+        built from; another config closes the previous pool first. A run naming a pool (``pool.name``) gets its
+        view of that long-lived pool (``tenants.NamedPool``: its tenants on the shared actors)."""
         key = config_key(cfg)
         if cls in _POOLS and not _ray_connected():
             del _POOLS[cls]  # Ray was shut down under it: its actors are gone
         if cls in _POOLS and _POOLS[cls].key == key:
             return _POOLS[cls]
         close_pool(cls)
-        _POOLS[cls] = cls(cfg, key)
+        make: type[Pool] = cls
+        if cls is Pool and cfg.pool.name is not None:
+            from unirl_core.pool.tenants import NamedPool
+
+            make = NamedPool
+        _POOLS[cls] = make(cfg, key)
         return _POOLS[cls]
 
 

@@ -24,6 +24,7 @@ cluster's token before it reaches any actor; ``connect_error`` turns that refusa
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -31,7 +32,7 @@ import time
 
 from unirl_core.errors import ConfigError, PoolActorDied, field_error
 from unirl_core.pool import actors
-from unirl_core.pool.cluster import NAMESPACE, Pool
+from unirl_core.pool.cluster import NAMESPACE, Pool, close_pool
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class PoolRegistry:
         return {"pool": self.pool_name, "runs": len(self.runs), "created": self.created}
 
     def detach(self, run: str) -> None:
+        """Forget run ``run`` (its driver dropped its tenants)."""
         self.runs.pop(run, None)
         self.last_active = time.monotonic()
 
@@ -184,15 +186,23 @@ class PoolRegistry:
         return out
 
     def _watch(self) -> None:
+        """The pool is idle when no host holds a tenant and no run has attached for ``idle_timeout_s``; a run whose
+        tenants are all gone (detached, or dropped by the hosts after its driver died) for that long is forgotten."""
+        gone: dict[str, float] = {}  # run -> since when it holds no tenant
         while True:
             time.sleep(WATCH_S)
             if not self.hosts:
                 continue
-            live = self._tenants()
-            self.runs = {r: t for r, t in self.runs.items() if r in live}
-            if live:
-                self.last_active = time.monotonic()
-            elif time.monotonic() - self.last_active > self.idle_timeout_s:
+            live, now = self._tenants(), time.monotonic()
+            for run in list(self.runs):
+                if run in live:
+                    gone.pop(run, None)
+                elif now - gone.setdefault(run, now) > self.idle_timeout_s:
+                    self.runs.pop(run, None)
+                    gone.pop(run, None)
+            if live or self.runs:
+                self.last_active = now
+            elif now - self.last_active > self.idle_timeout_s:
                 self._teardown()
 
     def _teardown(self) -> None:
@@ -248,6 +258,8 @@ class NamedPool(Pool):
         self.detached = True
         self.hosts: dict[str, object] = {}
         self.info = self.call_registry("attach", self.prefix, sorted(self.roles), what="attaching")
+        # detach at exit while Ray is still connected (its own exit hook, registered at ray.init, runs after this)
+        atexit.register(close_pool)
         log.info("run %s attached to pool %s (%d runs)", self.prefix, self.pool_name, self.info["runs"])
 
     # ----------------------------------------------------------------------------- the shared part
@@ -384,13 +396,15 @@ class NamedPool(Pool):
 
 
 def connect_error(address: str, error: BaseException) -> ConfigError | None:
-    """A ConfigError naming the fix when Ray refused this client's token (``ray.exceptions.AuthenticationError``
-    anywhere in ``error``'s chain); None for any other failure."""
+    """A ConfigError naming the fix when Ray refused this client's token (an ``AuthenticationError`` /
+    ``InvalidAuthToken`` anywhere in ``error``'s chain: Ray wraps it in a RuntimeError's text on some paths); None
+    for any other failure."""
     seen = error
     while seen is not None:
-        if type(seen).__name__ == "AuthenticationError":
+        text = f"{type(seen).__name__}: {seen}"
+        if "AuthenticationError" in text or "InvalidAuthToken" in text:
             return field_error(ConfigError, "pool.address", address, "a Ray cluster that accepts this client's "
-                               f"token (Ray token authentication refused it: {str(seen).splitlines()[0]})",
+                               "token (Ray token authentication refused it: InvalidAuthToken)",
                                "run with the cluster's token: RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH / "
                                "~/.ray/auth_token names")
         seen = seen.__cause__ or seen.__context__

@@ -76,6 +76,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray's memory monitor kills actors when the node is near full, whoever fills it (a shared machine); the
+    # runs here take a few hundred MB each
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     import ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -19,7 +19,7 @@ runs attach at once), records the attached runs and ends the pool after ``pool.i
 Each host drops a tenant idle that long (its driver died) itself.
 
 Access: the Ray cluster's token authentication (on by default in the pinned Ray) refuses a client without the
-cluster's token before it reaches any actor; ``connect_error`` turns that refusal into a message naming the fix.
+cluster's token before it reaches any actor; ``cluster.connect_error`` turns that refusal into a message naming the fix.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import threading
 import time
 
 from unirl_core.errors import ConfigError, PoolActorDied, field_error
-from unirl_core.pool import actors
+from unirl_core.pool import actors, cluster
 from unirl_core.pool.cluster import NAMESPACE, Pool, close_pool
 
 log = logging.getLogger(__name__)
@@ -395,17 +395,4 @@ class NamedPool(Pool):
             ray.shutdown()
 
 
-def connect_error(address: str, error: BaseException) -> ConfigError | None:
-    """A ConfigError naming the fix when Ray refused this client's token (an ``AuthenticationError`` /
-    ``InvalidAuthToken`` anywhere in ``error``'s chain: Ray wraps it in a RuntimeError's text on some paths); None
-    for any other failure."""
-    seen = error
-    while seen is not None:
-        text = f"{type(seen).__name__}: {seen}"
-        if "AuthenticationError" in text or "InvalidAuthToken" in text:
-            return field_error(ConfigError, "pool.address", address, "a Ray cluster that accepts this client's "
-                               "token (Ray token authentication refused it: InvalidAuthToken)",
-                               "run with the cluster's token: RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH / "
-                               "~/.ray/auth_token names")
-        seen = seen.__cause__ or seen.__context__
-    return None
+cluster.NAMED_POOL.append(NamedPool)  # Pool.get builds it for a run that names a pool

@@ -51,3 +51,22 @@ tiny_hourly = LaunchPlan.get_or_create(
     schedule=FixedRate(duration=timedelta(hours=1)),
 )
 """A smoke schedule for a new cluster: the tiny CPU recipe, hourly."""
+
+SHARED_LORA_POOL = "sd35m-lora"
+"""The named pool the shared-pool schedules attach to (``pool.name``): SD3.5-medium LoRA runs, one tenant each."""
+SHARED_LORA_POOL_ADDRESS = "ray://sd35m-lora-pool-head-svc.default.svc.cluster.local:10001"
+"""Its Ray cluster: a KubeRay RayCluster named ``sd35m-lora-pool`` (head service ``<name>-head-svc``); override
+``pool.address`` in ``overrides`` for another."""
+
+nightly_lora_shared_pool = LaunchPlan.get_or_create(
+    grpo,
+    name="nightly_sd35m_pickscore_shared_pool",
+    fixed_inputs={"recipe": "sd35m-pickscore", "resume": "latest"},
+    default_inputs={"overrides": ["loop.total_steps=100000", "name=sd35m-pickscore-shared", "pool.execution=pool",
+                                  f"pool.name={SHARED_LORA_POOL}", f"pool.address={SHARED_LORA_POOL_ADDRESS}",
+                                  "pool.publish=object_store"], "max_steps": 200},
+    schedule=CronSchedule(schedule="30 2 * * *"),  # every day at 02:30 UTC
+)
+"""The nightly LoRA session as a tenant of the warm named pool ``sd35m-lora`` (``unirl_core/pool/tenants.py``):
+its first step builds only its adapter in running processes; other LoRA runs of the base (``workflows/sweep.py``)
+share the pool. Its inputs (the overrides) name the pool that served it."""

@@ -130,3 +130,14 @@ def test_a_named_role_image_overrides_its_role_and_the_image_specs_stay_the_defa
     assert images["tasks.reward.reward_task"].startswith("unirl-reward:")
     assert images["tasks.train.train_task"].startswith("unirl-train:")
     assert images["workflows.grpo.grpo_chunk"].startswith("unirl-train:")
+
+
+def test_the_sweep_and_the_shared_pool_launch_plan_are_packaged(package):
+    """``workflows/sweep.py`` (its @dynamic of ``grpo`` subworkflows) and the LaunchPlan that attaches the nightly
+    LoRA run to the named pool compile with the rest."""
+    assert "workflows.sweep.sweep#2" in package and "workflows.sweep.sweep_runs#1" in package
+    lps = {k.split("#")[0]: v for k, v in package.items() if k.endswith("#3")}
+    lp = lps["nightly_sd35m_pickscore_shared_pool"]["spec"]
+    overrides = [lit["scalar"]["primitive"]["stringValue"]
+                 for lit in lp["defaultInputs"]["parameters"]["overrides"]["default"]["collection"]["literals"]]
+    assert "pool.name=sd35m-lora" in overrides

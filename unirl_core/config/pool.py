@@ -132,6 +132,14 @@ class PoolConfig:
     """How long setup waits for ``address`` to accept a connection."""
     call_timeout_s: float = 7200.0
     """Upper bound of one actor call (a rollout, a train step); past it the phase raises a TransientError."""
+    name: str | None = None
+    """A named, long-lived pool (``unirl_core/pool/tenants.py``) that runs of LoRA recipes attach to: its actors
+    and placement group are detached, named ``<name>-<role>``, and outlive the driver; each run is a tenant with its
+    own adapter, optimizer, engine state and reward scorers in those processes. Created by the first run that names
+    it (with that run's ``pool.*`` resources), ended by ``idle_timeout_s``. None: a pool of the run's own."""
+    idle_timeout_s: float = 900.0
+    """A named pool (``name``) drops a run's tenants idle this long (a driver that died), and tears itself down (its
+    actors and placement group) once no run has been attached for this long."""
     worker_setup_hook: str | None = None
     """``"module:function"`` called with no arguments in every actor process before it builds anything (e.g. to
     register a custom model builder or scorer the actors must see); the module must be importable there (installed
@@ -153,7 +161,7 @@ class PoolConfig:
             raise field_error(ConfigError, "pool.publish", self.publish, "'collective' or 'object_store'",
                               "use 'collective' (NCCL / gloo broadcast trainer -> engines)")
         for name in ("placement_timeout_s", "connect_timeout_s", "call_timeout_s", "sync_bucket_mb",
-                     "sync_timeout_s"):
+                     "sync_timeout_s", "idle_timeout_s"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 unit = "MiB" if name.endswith("_mb") else "seconds"
@@ -162,6 +170,9 @@ class PoolConfig:
         if hook is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", str(hook)):
             raise field_error(ConfigError, "pool.worker_setup_hook", hook, "'module:function' (a dotted module path, "
                               "a colon, a function name)", "e.g. 'my_project.pool_setup:register'")
+        if self.name is not None and not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?", str(self.name)):
+            raise field_error(ConfigError, "pool.name", self.name, "a lowercase DNS-style label (a-z, 0-9, '-', at "
+                              "most 48 characters)", "e.g. 'sd35m-lora'")
         if self.address is not None and not self.address.strip():
             raise field_error(ConfigError, "pool.address", self.address, "None or host:port",
                               "leave it unset to start a local head")
@@ -181,6 +192,27 @@ def check_pool_features(cfg) -> None:
     ]
     refuse([(name, "set", is_set, "unset with pool.execution='pool'", f"{why}; remove it or use execution 'pods'")
             for name, is_set, why in refused])
+
+
+def check_named(cfg) -> None:
+    """What a run attaching to a named pool (``pool.name``) needs (``cfg``: the RunConfig): a LoRA run (its tenant
+    holds an adapter and its optimizer; a full fine-tune keeps a pool of its own), one trainer rank (a rank's
+    torch.distributed group is its process's, which tenants share) and the object-store publish (a collective
+    group per tenant in one process is not built)."""
+    if cfg.pool.execution != "pool" or cfg.pool.name is None:
+        return
+    p, finetune = cfg.pool, cfg.section.model.finetune
+    why = "with pool.name (a named pool hosts LoRA runs as tenants)"
+    refuse([
+        ("pool.name", p.name, finetune != "lora", f"unset with {cfg.family}.model.finetune={finetune!r}",
+         f"a full fine-tune keeps a pool of its own: unset pool.name, or set {cfg.family}.model.finetune=lora"),
+        ("pool.trainer_ranks", p.trainer_ranks, p.trainer_ranks != 1, "1 " + why,
+         "sharded trainers of several runs in one process are not built; unset pool.name to shard"),
+        ("pool.placement", p.placement, p.placement == "shared", "'colocate' or 'separate' " + why,
+         "use placement 'colocate'"),
+        ("pool.publish", p.publish, p.publish != "object_store", "'object_store' " + why,
+         "set pool.publish=object_store (one publish group per tenant in a shared process is not built)"),
+    ])
 
 
 def check_shared(cfg) -> None:

@@ -23,7 +23,7 @@ from unirl_core.advantage.dynamic_sampling import FilterGroupsConfig
 from unirl_core.config.eval import EvalConfig, check_eval_config
 from unirl_core.models.diffusion import DiffusionModelConfig
 from unirl_core.models.lm import LMConfig
-from unirl_core.config.pool import PoolConfig, check_dedicated, check_pool_features, check_shared
+from unirl_core.config.pool import PoolConfig, check_dedicated, check_named, check_pool_features, check_shared
 from unirl_core.report.mlflow_log import MlflowConfig
 from unirl_core.report.wandb_log import WandbConfig
 from unirl_core.reward.config import RewardConfig
@@ -421,6 +421,7 @@ class RunConfig:
         self._check_combinations()
         check_pool_features(self)
         check_shared(self)
+        check_named(self)
         check_dedicated(self)
 
     @property

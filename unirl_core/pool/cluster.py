@@ -83,6 +83,22 @@ def probe_address(address: str, timeout_s: float) -> None:
                           "local head") from None
 
 
+def connect_error(address: str, error: BaseException) -> ConfigError | None:
+    """A ConfigError naming the fix when Ray refused this client's token (an ``AuthenticationError`` /
+    ``InvalidAuthToken`` anywhere in ``error``'s chain: Ray wraps it in a RuntimeError's text on some paths); None
+    for any other failure."""
+    seen = error
+    while seen is not None:
+        text = f"{type(seen).__name__}: {seen}"
+        if "AuthenticationError" in text or "InvalidAuthToken" in text:
+            return field_error(ConfigError, "pool.address", address, "a Ray cluster that accepts this client's "
+                               "token (Ray token authentication refused it: InvalidAuthToken)",
+                               "run with the cluster's token: RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH / "
+                               "~/.ray/auth_token names")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """Read when ``ray`` is imported: "0" makes a head bind 127.0.0.1 only. Otherwise Ray resolves 127.0.0.1 to the
 machine's routable address and its GCS and raylet listen on every interface (token auth still guards them)."""
@@ -100,7 +116,13 @@ def _connect(pcfg: PoolConfig) -> bool:
 
         probe_address(pcfg.address, pcfg.connect_timeout_s)
         if not ray.is_initialized():
-            ray.init(address=pcfg.address, log_to_driver=False)
+            try:
+                ray.init(address=pcfg.address, log_to_driver=False)
+            except ConnectionError as e:
+                refused = connect_error(pcfg.address, e)
+                if refused is not None:
+                    raise refused from e
+                raise
             return False
         connected = ray.get_runtime_context().gcs_address
         if pcfg.address.removeprefix("ray://") != connected:
@@ -373,18 +395,27 @@ class Pool:
     @classmethod
     def get(cls, cfg) -> Pool:
         """The process's pool of this class (a compose run's is another) for ``cfg``: the config the actors were
-        built from; another config closes the previous pool first."""
+        built from; another config closes the previous pool first. A run naming a pool (``pool.name``) gets its
+        view of that long-lived pool (``tenants.NamedPool``: its tenants on the shared actors)."""
         key = config_key(cfg)
         if cls in _POOLS and not _ray_connected():
             del _POOLS[cls]  # Ray was shut down under it: its actors are gone
         if cls in _POOLS and _POOLS[cls].key == key:
             return _POOLS[cls]
         close_pool(cls)
-        _POOLS[cls] = cls(cfg, key)
+        make: type[Pool] = cls
+        if cls is Pool and cfg.pool.name is not None:
+            if not NAMED_POOL:
+                raise RuntimeError("pool.name: import unirl_core.pool.tenants (pool.phases does) before Pool.get")
+            make = NAMED_POOL[0]
+        _POOLS[cls] = make(cfg, key)
         return _POOLS[cls]
 
 
 _POOLS: dict[type[Pool], Pool] = {}
+NAMED_POOL: list[type[Pool]] = []
+"""The Pool of a run that names a pool (``pool.name``): ``tenants.NamedPool``, registered when that module is
+imported (``pool/phases.py`` imports it), so this module does not import it back."""
 
 
 def close_pool(cls: type[Pool] = Pool) -> None:

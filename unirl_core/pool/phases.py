@@ -19,6 +19,7 @@ from unirl_core.runtime import build
 from unirl_core.pool import actors, group
 from unirl_core.pool.cluster import REWARD, Pool, engine_name
 from unirl_core.pool.shared import SHARED
+from unirl_core.pool import tenants  # noqa: F401 - registers the named pool with Pool.get
 from unirl_core.types import SampleBatch
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,126 @@
+"""A named pool shared by runs (``pool.name``) vs a pool per run: tiny LoRA runs, each its own driver process.
+
+One local Ray head (this process starts it); every run is a separate driver process attached to it
+(``pool.address``), as scheduled retraining and sweep runs are. Roles reserve a quarter CPU each (one torch thread),
+so several pools fit the head.
+
+- **first step**: a run's first step (driver side: from ``run_local``'s start to step 1's metrics; imports and the
+  Ray connection excluded, the same on both sides) when it starts a pool of its own (``cold``: actors start, import
+  torch and the model code, build) vs when it attaches to a named pool that another run has warmed (``warm``: its
+  tenants are built in processes already running). Median over ``--repeats``.
+- **aggregate throughput**: ``--runs`` runs at once, every one in the named pool vs each with its own pool; total
+  steps of all runs over the wall time from the first driver's start to the last one's end (driver start-up
+  included on both sides).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_shared_pool.py [--recipe tiny-grpo] [--runs 2] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import report  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+LORA = {"tiny-grpo": "lm.model.finetune=lora", "tiny-flow-grpo": "diffusion.model.finetune=lora"}
+SMALL = {"tiny-grpo": ["data.prompts_per_step=2", "data.samples_per_prompt=4", "train.micro_batch_size=8",
+                       "lm.engine.forward_batch_size=8"],
+         "tiny-flow-grpo": ["data.prompts_per_step=2", "data.samples_per_prompt=4", "train.micro_batch_size=4",
+                            "diffusion.engine.forward_batch_size=4", "diffusion.sampling.num_steps=4"]}
+
+DRIVER = r"""
+import json, sys, time
+from unirl_core.config import load_recipe
+from unirl_core.loop.local import run_local
+from unirl_core.pool import cluster
+cfg = load_recipe(sys.argv[1], sys.argv[2:])
+marks = []
+t0 = time.perf_counter()
+hist = run_local(cfg, on_step=lambda m, b: marks.append(time.perf_counter() - t0))
+print("RESULT " + json.dumps({"first_step_s": marks[0], "run_s": marks[-1], "steps": len(hist)}), flush=True)
+cluster.close_pool()  # a pool of its own on an attached cluster is detached: free it (the named pool: detach)
+"""
+
+
+def driver(recipe: str, root: Path, name: str, steps: int, gcs: str, pool: str | None) -> subprocess.Popen:
+    overrides = [*SMALL[recipe], LORA[recipe], f"loop.total_steps={steps}", f"checkpoint.root={root}",
+                 f"name={name}", "pool.execution=pool", "pool.publish=object_store", "pool.engine.num_cpus=0.25",
+                 "pool.trainer.num_cpus=0.25", f"pool.address={gcs}", *([f"pool.name={pool}"] if pool else [])]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", DRIVER, recipe, *overrides], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(err[-3000:])
+    return json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipe", default="tiny-grpo", choices=sorted(LORA))
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray's memory monitor kills actors when the node is near full, whoever fills it (a shared machine); the
+    # runs here take a few hundred MB each
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    gcs = ray.get_runtime_context().gcs_address
+    root = Path(tempfile.mkdtemp(prefix="bench-shared-pool-"))
+    r = args.recipe
+
+    result(driver(r, root, "warmup", 1, gcs, "bench"))  # the named pool's processes start (and stay)
+    cold, warm = [], []
+    for i in range(args.repeats):  # alternated: drift on a shared machine hits both sides
+        cold.append(result(driver(r, root, f"cold-{i}", 1, gcs, None))["first_step_s"])
+        warm.append(result(driver(r, root, f"warm-{i}", 1, gcs, "bench"))["first_step_s"])
+
+    def together(pool: str | None, tag: str) -> tuple[float, list[dict]]:
+        t0 = time.perf_counter()
+        procs = [driver(r, root, f"{tag}-{i}", args.steps, gcs, pool) for i in range(args.runs)]
+        got = [result(p) for p in procs]
+        return time.perf_counter() - t0, got
+
+    own_s, own = together(None, "own")
+    shared_s, shared = together("bench", "shared")
+    total = args.runs * args.steps
+    data = {"recipe": r, "runs": args.runs, "steps": args.steps, "repeats": args.repeats,
+            "first_step_cold_s": cold, "first_step_warm_s": warm,
+            "first_step_cold_median_s": statistics.median(cold), "first_step_warm_median_s": statistics.median(warm),
+            "first_step_ratio_cold_over_warm": statistics.median(cold) / statistics.median(warm),
+            "aggregate_own_pools_steps_per_s": total / own_s, "aggregate_shared_pool_steps_per_s": total / shared_s,
+            "aggregate_ratio_shared_over_own": own_s / shared_s,
+            "own_runs": own, "shared_runs": shared}
+    rows = [["first step, own pool (cold)", f"{data['first_step_cold_median_s']:.2f} s", "1.00"],
+            ["first step, warm named pool", f"{data['first_step_warm_median_s']:.2f} s",
+             f"{data['first_step_warm_median_s'] / data['first_step_cold_median_s']:.2f}"],
+            [f"{args.runs} runs x {args.steps} steps, a pool each", f"{total / own_s:.3f} steps/s", "1.00"],
+            [f"{args.runs} runs x {args.steps} steps, one named pool", f"{total / shared_s:.3f} steps/s",
+             f"{own_s / shared_s:.2f}"]]
+    notes = ("CPU, 2 cores shared with other work, a local Ray head of 2 CPUs, each role a quarter CPU and one torch "
+             f"thread; {r} with LoRA, every run its own driver process. First step: driver-side, from run_local's "
+             "start (Ray connected, imports done) to step 1's metrics, median of "
+             f"{args.repeats}. Aggregate: all runs' steps over the wall time of the set, driver start-up included.")
+    report("shared_pool", f"Named pool shared by runs vs a pool per run ({r}, CPU)",
+           ["case", "value", "ratio to the pool-per-run side"], rows, data, notes, cell=r)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""A named pool (``pool.name``) on a real local Ray cluster: LoRA runs of several driver processes attach to one
+warm set of actors, each bitwise equal to the same run alone, one SIGKILLed driver leaves the others finishing and
+its versions intact, a client without the cluster's token is refused, and the pool ends itself when idle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import safetensors.torch
+import torch
+
+from tests.flyte.conftest import SMALL
+from tests.integration.pool_support import local_ray_fixture, ray, time_limit_fixture
+from unirl_core.checkpoint import CheckpointStore
+from unirl_core.checkpoint.store import load_manifest
+from unirl_core.config import load_recipe
+from unirl_core.errors import ConfigError
+from unirl_core.loop.local import run_local
+from unirl_core.pool import cluster
+from unirl_core.pool.cluster import NAMESPACE
+
+pytestmark = pytest.mark.integration
+
+time_limit = time_limit_fixture(180)
+local_ray = local_ray_fixture()
+
+LORA = {"tiny-grpo": "lm.model.finetune=lora", "tiny-flow-grpo": "diffusion.model.finetune=lora"}
+
+DRIVER = r"""
+import json, sys
+from unirl_core.config import load_recipe
+from unirl_core.loop.local import run_local
+from unirl_core.pool import cluster
+hist = run_local(load_recipe(sys.argv[1], sys.argv[3:]))
+pool = cluster.current_pool()
+pids = {role: pool.call(role, "pid", what="test") for role in sorted(pool.roles)}
+with open(sys.argv[2], "w") as f:
+    json.dump({"history": hist, "pids": pids, "pool": type(pool).__name__, "attached": pool.info["runs"]}, f)
+"""
+
+
+def _overrides(recipe: str, root, name: str, steps: int, *extra: str) -> list[str]:
+    return [*SMALL[recipe], LORA[recipe], f"loop.total_steps={steps}", f"checkpoint.root={root}", f"name={name}",
+            *extra]
+
+
+def _named(pool: str, *extra: str) -> list[str]:
+    # a quarter CPU per role (one torch thread each): several pools fit the module's 2-CPU head
+    return ["pool.execution=pool", f"pool.name={pool}", "pool.publish=object_store", "pool.engine.num_cpus=0.25",
+            "pool.trainer.num_cpus=0.25", f"pool.address={ray.get_runtime_context().gcs_address}", *extra]
+
+
+ROLES = ("registry", "engine-0", "trainer", "reward-0")
+
+
+def _remove(pool: str) -> None:
+    """End a test's pool (its hosts, registry and placement group)."""
+    from ray.util import remove_placement_group
+
+    registry = ray.get_actor(f"{pool}-registry", namespace=NAMESPACE)
+    remove_placement_group(ray.get(registry.placement_group.remote([], "PACK", 1.0)))
+    for role in ROLES:
+        try:
+            ray.kill(ray.get_actor(f"{pool}-{role}", namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            pass
+
+
+def _driver(recipe: str, root, name: str, steps: int, out, *extra: str, env=None) -> subprocess.Popen:
+    args = [sys.executable, "-c", DRIVER, recipe, str(out), *_overrides(recipe, root, name, steps, *extra)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish(proc: subprocess.Popen, out) -> dict:
+    _, err = proc.communicate(timeout=150)
+    assert proc.returncode == 0, err[-4000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def _weights(root, run: str, step: int) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(f"{root}/{run}/step-{step:08d}/model.safetensors")
+
+
+def _same_run(shared: list[dict], alone: list[dict], root_shared, root_alone, name: str) -> None:
+    """Rewards, ratios and every version's weights bitwise equal."""
+    for key in ("reward/mean", "train/ratio_mean", "train/logp_absdiff_max", "train/loss"):
+        assert [h[key] for h in shared] == [h[key] for h in alone], (name, key)
+    kept = [r.step for r in CheckpointStore(str(root_shared), name).versions()]
+    assert kept == [r.step for r in CheckpointStore(str(root_alone), name).versions()] and kept[-1] == len(alone)
+    for step in kept:
+        a, b = _weights(root_shared, name, step), _weights(root_alone, name, step)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (name, step)
+
+
+def _verify_versions(root, name: str) -> list[int]:
+    """Every complete version's files match their manifest; returns their steps."""
+    store = CheckpointStore(str(root), name)
+    steps = []
+    for ref in store.versions():
+        manifest = load_manifest(ref)
+        for file in manifest.files:
+            with open(f"{root}/{name}/step-{ref.step:08d}/{file}", "rb") as f:
+                manifest.verify(file, f.read(), ref.uri)
+        steps.append(ref.step)
+    return steps
+
+
+def _runs(n: int) -> list[tuple[str, str]]:
+    """``n`` runs alternating LM and diffusion, each its own seed."""
+    return [(recipe, f"{'lm' if recipe == 'tiny-grpo' else 'dif'}-{i}")
+            for i, recipe in zip(range(n), ["tiny-grpo", "tiny-flow-grpo"] * n)]
+
+
+def _alone(tmp_path, runs: list[tuple[str, str]], steps: int) -> dict[str, list[dict]]:
+    return {name: run_local(load_recipe(recipe, _overrides(recipe, tmp_path / "alone", name, steps,
+                                                           f"loop.seed={i}")))
+            for i, (recipe, name) in enumerate(runs)}
+
+
+def test_four_drivers_share_one_pool_each_bitwise_as_alone(tmp_path):
+    # two LM and two diffusion LoRA runs (two runs sharing: the SIGKILL test below)
+    n, steps, pool = 4, 3, "share4"
+    runs = _runs(n)
+    t0 = time.perf_counter()
+    procs = [(_driver(recipe, tmp_path / "shared", name, steps, tmp_path / f"{name}.json", f"loop.seed={i}",
+                      *_named(pool)), tmp_path / f"{name}.json") for i, (recipe, name) in enumerate(runs)]
+    shared = {name: _finish(p, out) for (_, name), (p, out) in zip(runs, procs)}
+    t1 = time.perf_counter()
+    alone = _alone(tmp_path, runs, steps)
+    print(f"{n} runs sharing pool {pool}: {t1 - t0:.1f} s; alone in-process {time.perf_counter() - t1:.1f} s")
+    for name, got in shared.items():
+        assert got["pool"] == "NamedPool"
+        _same_run(got["history"], alone[name], tmp_path / "shared", tmp_path / "alone", name)
+    # one process per role served every run
+    assert len({json.dumps(got["pids"], sort_keys=True) for got in shared.values()}) == 1
+    registry = ray.get_actor(f"{pool}-registry", namespace=NAMESPACE)
+    assert ray.get(registry.attached.remote()) == []  # every run detached at its exit
+    _remove(pool)
+
+
+def test_a_killed_driver_leaves_the_others_finishing_and_its_versions_intact(tmp_path):
+    pool = "killone"
+    victim_root = tmp_path / "shared"
+    victim = _driver("tiny-grpo", victim_root, "victim", 40, tmp_path / "victim.json", "loop.seed=7", *_named(pool))
+    others = [(_driver(recipe, victim_root, name, 4, tmp_path / f"{name}.json", f"loop.seed={i}", *_named(pool)),
+               tmp_path / f"{name}.json") for i, (recipe, name) in enumerate(_runs(2))]
+    store = CheckpointStore(str(victim_root), "victim")
+    deadline = time.monotonic() + 120
+    while (store.latest() is None or store.latest().step < 2) and time.monotonic() < deadline:
+        assert victim.poll() is None, victim.stderr.read()[-3000:]
+        time.sleep(0.2)
+    os.kill(victim.pid, signal.SIGKILL)  # mid-run: its tenants may be mid-call
+    victim.wait(timeout=30)
+    shared = {name: _finish(p, out) for (_, name), (p, out) in zip(_runs(2), others)}
+    alone = _alone(tmp_path, _runs(2), 4)
+    for name, got in shared.items():
+        _same_run(got["history"], alone[name], victim_root, tmp_path / "alone", name)
+    # the killed run's versions are complete and verify; LATEST names one of them
+    time.sleep(1.0)  # a background write that was under way finishes in its tenant
+    steps = _verify_versions(victim_root, "victim")
+    latest = store.latest()
+    assert latest is not None and latest.step >= 2 and latest.step in steps
+    _remove(pool)
+
+
+def test_a_client_with_a_wrong_token_is_refused(tmp_path):
+    env = {**os.environ, "RAY_AUTH_TOKEN": "0" * 32}
+    proc = _driver("tiny-grpo", tmp_path, "intruder", 1, tmp_path / "out.json", *_named("guarded"), env=env)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "pool.address" in err and "token" in err and "RAY_AUTH_TOKEN" in err, err[-3000:]
+    assert not (tmp_path / "out.json").exists()
+    with pytest.raises(ValueError):  # it created nothing
+        ray.get_actor("guarded-registry", namespace=NAMESPACE)
+
+
+def test_an_idle_named_pool_removes_itself(tmp_path):
+    cfg = load_recipe("tiny-grpo", _overrides("tiny-grpo", tmp_path, "brief", 1, *_named("brief",
+                                                                                          "pool.idle_timeout_s=8")))
+    run_local(cfg)
+    assert ray.get_actor("brief-engine-0", namespace=NAMESPACE) is not None
+    cluster.close_pool()  # the run detaches: its tenants are dropped, the pool stays for 8 s
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor("brief-registry", namespace=NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.5)
+    for role in ROLES:
+        with pytest.raises(ValueError):
+            ray.get_actor(f"brief-{role}", namespace=NAMESPACE)
+    from ray.util.placement_group import placement_group_table
+
+    states = [pg["state"] for pg in placement_group_table().values() if pg["name"] == "brief-pg"]
+    assert states and set(states) == {"REMOVED"}
+
+
+def test_a_full_fine_tune_cannot_name_a_pool():
+    with pytest.raises(ConfigError, match=r"pool.name.*finetune='full'.*keeps a pool of its own"):
+        load_recipe("tiny-grpo", ["pool.execution=pool", "pool.name=p", "pool.publish=object_store"])
+    with pytest.raises(ConfigError, match="pool.publish"):
+        load_recipe("tiny-grpo", ["pool.execution=pool", "pool.name=p", LORA["tiny-grpo"]])

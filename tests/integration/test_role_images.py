@@ -73,7 +73,8 @@ class RoleVenvs:
 
     def _pip(self, path: Path, role: str) -> None:
         python = str(path / "bin" / "python")
-        cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c",
+        # --no-compile: no .pyc written at install (the imports compile what they load)
+        cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile", "-c",
                str(REPO / "constraints.txt"), *SPECS[role].packages]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
         assert proc.returncode == 0, f"pip install of {SPECS[role].name}'s packages failed:\n{proc.stderr[-4000:]}"

@@ -163,6 +163,8 @@ class InProcessExecutor:
             return False
         if self.writer.pending(ckpt):
             return True
+        if held is self.resident:  # written since, and waited for by someone else (a publish of a finished write)
+            self._note_written()
         files = held["files"]
         return files is not None and load_manifest(ckpt, storage_options=cfg.checkpoint.storage_options).files == files
 
@@ -182,6 +184,11 @@ class InProcessExecutor:
         except CheckpointError:
             self.resident.clear()  # the trainer's state is no version of the store
             raise
+        self._note_written()
+
+    def _note_written(self) -> None:
+        """The resident record gets the checksums its version was written with, once the writer's wait saw the
+        write succeed (``finish_writes``, or the writer's own publish of a write that had finished)."""
         done = self.writer.last_written()
         if done is not None and self.resident.get("files", {}) is None:
             ref, files = done

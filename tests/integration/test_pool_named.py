@@ -64,16 +64,12 @@ def _remove(pool: str) -> None:
     from ray.util import remove_placement_group
 
     registry = ray.get_actor(f"{pool}-registry", namespace=NAMESPACE)
-    remove_placement_group(ray.get(registry.placement_group.remote([], "PACK", 1.0)))  # ends the hosts in it
-    ray.kill(registry, no_restart=True)
-    deadline = time.monotonic() + 60
-    while any(f"{pool}-{role}" in _named() for role in ROLES):  # the names are free for the next test's pool
-        assert time.monotonic() < deadline, f"pool {pool}: actors {_named()} still named 60 s after removal"
-        time.sleep(0.2)
-
-
-def _named() -> set[str]:
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
+    remove_placement_group(ray.get(registry.placement_group.remote([], "PACK", 1.0)))
+    for role in ROLES:
+        try:
+            ray.kill(ray.get_actor(f"{pool}-{role}", namespace=NAMESPACE), no_restart=True)
+        except (ValueError, AssertionError):  # gone, or (Ray's assertion) its class left with its driver's job:
+            pass  # the placement group's removal above ends it
 
 
 def _driver(recipe: str, root, name: str, steps: int, out, *extra: str, env=None) -> subprocess.Popen:

@@ -210,13 +210,13 @@ class PoolRegistry:
         from ray.util import remove_placement_group
 
         log.warning("pool %s: no run attached for %s s; removing it", self.pool_name, self.idle_timeout_s)
-        if self.pg is not None:
-            remove_placement_group(self.pg)  # ends the hosts it holds
-        for host in self.hosts:  # and any that outlived it
+        for host in self.hosts:
             try:
                 ray.kill(ray.get_actor(f"{self.pool_name}-{host}", namespace=NAMESPACE), no_restart=True)
-            except Exception as e:  # noqa: BLE001  gone already, or its class left with the job that defined it
-                log.info("pool %s: host %s not killed by name (%s)", self.pool_name, host, e)
+            except ValueError:
+                pass
+        if self.pg is not None:
+            remove_placement_group(self.pg)
         os._exit(0)  # a detached actor ends itself; its name is free for the next pool of this name
 
 

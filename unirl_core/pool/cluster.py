@@ -215,6 +215,11 @@ class Pool:
                               f"{node_max:g} on one node", f"lower pool.*.{attr}, use pool.placement='separate' to "
                               "spread the actors over nodes, or attach to a larger cluster (pool.address)")
 
+    @property
+    def strategy(self) -> str:
+        """The placement group's strategy: one node for colocated roles, spread allowed for separate ones."""
+        return "PACK" if self.pcfg.placement == "separate" else "STRICT_PACK"
+
     def _placement_group(self):
         import ray
         from ray.util import get_placement_group, placement_group, remove_placement_group
@@ -227,8 +232,7 @@ class Pool:
                 pass
         bundles = self._bundles()
         self._check_fits(bundles)
-        strategy = "PACK" if self.pcfg.placement == "separate" else "STRICT_PACK"
-        pg = placement_group(bundles, strategy=strategy, name=name, lifetime="detached" if self.detached else None)
+        pg = placement_group(bundles, strategy=self.strategy, name=name, lifetime="detached" if self.detached else None)
         ready, _ = ray.wait([pg.ready()], timeout=self.pcfg.placement_timeout_s)
         if not ready:
             remove_placement_group(pg)

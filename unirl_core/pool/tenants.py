@@ -286,8 +286,7 @@ class NamedPool(Pool):
 
         bundles = self._bundles()
         self._check_fits(bundles)
-        strategy = "PACK" if self.pcfg.placement == "separate" else "STRICT_PACK"
-        pg = self.call_registry("placement_group", bundles, strategy, self.pcfg.placement_timeout_s,
+        pg = self.call_registry("placement_group", bundles, self.strategy, self.pcfg.placement_timeout_s,
                                 what="reserving the placement group")
         if pg is None:
             raise field_error(ConfigError, "pool.placement_timeout_s", self.pcfg.placement_timeout_s,

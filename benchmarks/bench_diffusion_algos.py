@@ -13,6 +13,9 @@ algorithm, on its own copy of the same weights, one update per batch, all 10 ste
 - ``flow_grpo_no_cfg``: Flow-GRPO on a rollout without CFG (guidance 1): B rows per trained step.
 - ``nft``: a no-grad pass computing v_old under the EMA weights (``train.ema_decay``), then per noise level one
   conditional forward of B rows (NFT trains without CFG) on re-noised clean samples.
+- ``elbo_pg``: ELBO policy gradient at the ``sd35m-elbo-pg`` recipe's settings (PEPG, adaptive weighting, 9 of the
+  10 levels, one eps each, KL 1e-4 to the LoRA-off reference) on an ODE rollout without CFG: a no-grad pass of
+  ELBO_old, then per pair one conditional forward of B rows and a reference forward, on the re-noised final sample.
 
 Flow-GRPO is the baseline measured in the same run; times are medians of interleaved rounds after a warmup step
 each, with the median of per-round ratios (algo / flow_grpo). Peak = max allocated during one step minus what was
@@ -46,6 +49,7 @@ from bench_diffusion_rollout import build, sync
 from bench_flow_grpo_step import peak_of
 from common import count_flops, fmt_mfu, matmul_peak_tflops, mfu_fields, report, without_recompute
 
+from unirl_core.algorithms.elbo_pg import ELBOPGConfig
 from unirl_core.algorithms.flow_dppo import FlowDPPOConfig
 from unirl_core.algorithms.flow_grpo import FlowGRPOConfig
 from unirl_core.algorithms.grpo_guard import GRPOGuardConfig
@@ -59,7 +63,7 @@ LR, G = 3e-4, 4.5
 
 
 WINDOW = [0, 1, 2, 3]  # MixGRPO: a 4-step SDE window at its first position (ODE elsewhere, only the window trained)
-BATCHES = {"mixgrpo_window4": "window", "flow_grpo_no_cfg": "no_cfg"}  # rows that train another rollout batch
+BATCHES = {"mixgrpo_window4": "window", "flow_grpo_no_cfg": "no_cfg", "elbo_pg": "ode"}  # rows that train another rollout batch
 
 
 def algorithms(b: int) -> dict[str, tuple[object, TrainConfig]]:
@@ -76,6 +80,10 @@ def algorithms(b: int) -> dict[str, tuple[object, TrainConfig]]:
                       TrainConfig(**base, old_logp_source="replay")),
         "nft": (DiffusionNFTConfig(replay_batch_size=b, old_policy="ema"),
                 TrainConfig(**base, old_logp_source="replay", ema_decay=0.9)),
+        # the sd35m-elbo-pg recipe's algorithm block
+        "elbo_pg": (ELBOPGConfig(objective="pepg", weighting="adaptive", timestep_fraction=0.99, noise_draws=1,
+                                 advantage_scale=0.1, kl_beta=1e-4, replay_batch_size=b),
+                    TrainConfig(**base, old_logp_source="replay")),
     }
 
 
@@ -100,7 +108,9 @@ def main() -> None:
                                        width=height, noise_level=0.7)
     batches = {"all": micro_batch(rollout, args.preset, b, sampling),
                "window": micro_batch(rollout, args.preset, b, sampling, sde_steps=WINDOW),
-               "no_cfg": micro_batch(rollout, args.preset, b, replace(sampling, guidance_scale=1.0))}
+               "no_cfg": micro_batch(rollout, args.preset, b, replace(sampling, guidance_scale=1.0)),
+               # ELBO-PG's rollout: the ODE (no SDE step), no CFG
+               "ode": micro_batch(rollout, args.preset, b, replace(sampling, guidance_scale=1.0), sde_steps=[])}
     chosen = algorithms(b)
     if args.only:
         keep = {"flow_grpo", *args.only.split(",")}
@@ -142,8 +152,10 @@ def main() -> None:
         med = statistics.median(times[name])
         pair = statistics.median(x / y for x, y in zip(times[name], base))
         m = mfu_fields(flops[name], med, peak_tflops)
-        rows.append([name, f"{med:.3f}", f"{pair:.3f}", f"{peaks[name]:.2f}",
-                     f"{firsts[name].get('trained_steps', float('nan')):.0f}", f"{flops[name] / 1e12:.3g}",
+        algo_cfg = chosen[name][0]  # ELBO-PG trains estimator pairs (levels x draws), not steps
+        trained = firsts[name].get("trained_steps", algo_cfg.pairs_per_sample(10)
+                                   if isinstance(algo_cfg, ELBOPGConfig) else float("nan"))
+        rows.append([name, f"{med:.3f}", f"{pair:.3f}", f"{peaks[name]:.2f}", f"{trained:.0f}", f"{flops[name] / 1e12:.3g}",
                      fmt_mfu(m["mfu"])])
         data.append({"algorithm": name, "step_s": med, "median_pair_ratio_vs_flow_grpo": pair,
                      "peak_gib": peaks[name], "times": times[name], "first_update_metrics": firsts[name], **m})
@@ -159,7 +171,8 @@ def main() -> None:
             "model TFLOP", "MFU"],
            rows, {"micro_batch": b, "height": height, "repeats": args.repeats, "results": data},
            notes=f"TrainBackend.step per algorithm on its own copy of the same LoRA r32 weights, the same micro-batch "
-                 f"(CFG {G} SDE trajectories), one update, no KL; median of {args.repeats} interleaved rounds after a "
+                 f"(CFG {G} SDE trajectories; elbo_pg: an ODE rollout without CFG, its trained column counts level x eps "
+                 "pairs), one update, no KL (elbo_pg: its recipe's 1e-4 to the LoRA-off reference); median of {args.repeats} interleaved rounds after a "
                  "warmup step each. flow_dppo and nft include their no-grad pi_old pass (step means / v_old under "
                  "EMA); nft trains the conditional velocity only (B rows per forward instead of CFG's 2B). "
                  f"mixgrpo_window4: Flow-GRPO on a rollout whose SDE window is steps {WINDOW} (ODE elsewhere), "

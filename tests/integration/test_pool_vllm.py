@@ -24,6 +24,7 @@ import torch
 from tests.integration.pool_support import local_ray_fixture, time_limit_fixture
 from unirl_core.loop.executors import in_process
 from unirl_core.checkpoint import CheckpointStore
+from unirl_core.checkpoint.store import load_weights
 from unirl_core.config import load_recipe
 from unirl_core.errors import EngineError, PoolActorDied
 from unirl_core.loop.local import run_local
@@ -183,6 +184,36 @@ def test_flyte_workflow_in_pool_mode_with_the_vllm_actor(runs):
         assert _same_weights(_weights(root / "local", k), _weights(root / "flyte", k)), k
     report = root / "flyte" / "tiny-grpo-vllm" / "report" / f"step-{STEPS:08d}" / "metrics.json"
     assert json.loads(report.read_text())["metrics"]["reward/mean"] == local[-1]["reward/mean"]
+    cluster.close_pool()
+
+
+@pytest.mark.time_limit(300)  # one server start and a new pool's actors
+def test_delta_versions_reach_the_server_as_deltas(runs):
+    """``checkpoint.weights_encoding: delta``: each weights-only version is published to the vLLM engine actor as
+    its delta (the bundle XOR-ed in place, the server's workers XOR the delta file into their kept host copy, both
+    checked against the version's digest); the server's first version from the store and the full state at the
+    end arrive in full. Rollouts, updates and versions are bitwise the in-process run's (full weights)."""
+    root, local, _, _ = runs
+    served: list[dict] = []
+
+    def on_step(metrics, batch):
+        served.append(cluster.current_pool().call(ENGINE, "server_info", what="test"))
+
+    delta = [*POOL, "checkpoint.weights_encoding=delta", "checkpoint.every_n_steps=10"]
+    pooled = run_local(_cfg(root / "delta", *delta), on_step=on_step)
+    print(f"delta: engines fed a delta {[h.get('pool/engines_fed_delta') for h in pooled]}, server "
+          f"{[(s['last_sync_delta'], s['last_sync_bytes']) for s in served]}")
+    for key in ("reward/mean", "rollout/response_tokens_mean", "train/loss", "train/tis_mean"):
+        assert [h[key] for h in pooled] == [h[key] for h in local], key
+    versions = {ref.step: ref for ref in CheckpointStore(str(root / "delta"), "tiny-grpo-vllm").versions()}
+    for k in range(1, STEPS + 1):  # each read walks its delta chain
+        assert _same_weights(_weights(root / "local", k), load_weights(versions[k])), k
+    assert [int(s["served_version"]) for s in served] == list(range(1, STEPS + 1))
+    assert [h["pool/engines_serving"] for h in pooled] == [1.0] * STEPS
+    # v1: the server's first version through the store's ref (in full, kept as the next base); v2: the delta alone,
+    # far fewer bytes; v3, the run's last, is a full state (an anchor): in full again
+    assert [s["last_sync_delta"] for s in served] == [0.0, 1.0, 0.0]
+    assert served[1]["last_sync_bytes"] < served[0]["last_sync_bytes"] / 4
     cluster.close_pool()
 
 

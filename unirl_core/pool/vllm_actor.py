@@ -132,9 +132,12 @@ class VLLMEngineActor(EngineActor):
         return EngineError(f"pool actor {self.name!r} of run {self.cfg.name!r}: {what} failed ({note}): {error}")
 
     def server_info(self) -> dict[str, float]:
-        """The server's pid (its process group) and the version label it reports now (``GET /weight_info``)."""
+        """The server's pid (its process group), the version label it reports now (``GET /weight_info``) and how its
+        last version arrived (``last_sync_delta`` 1.0: as a delta; ``last_sync_bytes``: what was read for it)."""
         slot = self._engine("server_info")
-        return {"pid": float(slot.engine.server.pid), "served_version": float(slot.engine.served_version())}
+        sync = slot.engine.last_sync or {}
+        return {"pid": float(slot.engine.server.pid), "served_version": float(slot.engine.served_version()),
+                "last_sync_delta": float(sync.get("kind") == "delta"), "last_sync_bytes": float(sync.get("bytes", 0))}
 
     def shutdown(self) -> None:
         """Stop the server (the pool calls this before it kills the actor)."""
@@ -151,9 +154,31 @@ class VLLMEngineActor(EngineActor):
             return None
         return self.served if label == self.served[1] else None
 
-    def apply_delta(self, ckpt: CheckpointRef) -> None:
-        """Not for a vLLM engine actor: its server reloads whole versions (the caller publishes ``ckpt`` in full)."""
-        return None
+    def apply_delta(self, ckpt: CheckpointRef) -> dict[str, float] | None:
+        """A delta version (``checkpoint.weights_encoding: delta``) into the bundle (``EngineActor.apply_delta``)
+        and the server: the engine is handed the store's ref, so each worker XORs the version's delta file into
+        the host copy it kept of the base and checks the result against the version's digest; a server not at the
+        delta's base (its first version from the store, a replaced server) reloads the version in full from the
+        store and keeps it as the next base (``vllm/engine.py``, ``vllm/worker_ext.py``). None (the caller
+        publishes ``ckpt`` in full) when the bundle is not at the base, or for a server fed adapters
+        (``weight_sync: lora``: an adapter is swapped whole)."""
+        what = f"publish v{ckpt.policy_version} (delta)"
+        slot = self._engine(what)
+        if slot.engine.config.weight_sync == "lora":
+            return None
+        out = super().apply_delta(ckpt)
+        if out is None:
+            return None
+        self.served = None  # the bundle holds ckpt; the server does once it reloaded
+        try:
+            slot.engine.update_weights(ckpt, ckpt.policy_version)
+        except EngineError as e:
+            raise self._error(e, what) from e
+        slot.served_uri = ckpt.uri
+        slot.prune_staging()
+        self.served = _version(ckpt)
+        sync = slot.engine.last_sync
+        return {**out, "server_delta": float(sync["kind"] == "delta"), "server_bytes": float(sync["bytes"])}
 
     def load_weights(self, weights: dict, ckpt: CheckpointRef) -> float:
         """In-pool publication of version ``ckpt`` (the trainer's state dict): into the bundle, then staged and

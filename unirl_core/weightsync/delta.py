@@ -21,6 +21,7 @@ keep the version's digest, which is what a later delta's header names as its bas
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -33,7 +34,8 @@ from unirl_core.errors import field_error
 from unirl_core.weightsync.wire import TensorSpec, WeightSyncError
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_DIGEST_CHUNK = 1 << 22  # elements per int64 reduction: |bits| < 2^31, weights <= 251, so a chunk's sum < 2^61
+_DIGEST_PERIOD = 251  # position weights 1..251, repeating
+_DIGEST_CHUNK = _DIGEST_PERIOD << 14  # ~4M elements per int64 reduction: |bits| < 2^31, weight <= 251: sum < 2^61
 _DIGEST_MOD = (1 << 61) - 1
 _INDEX_LIMIT = 1 << 31  # int32 positions
 MODES = ("idx", "mask", "dense")
@@ -53,13 +55,27 @@ def tensor_digest(t: Tensor) -> list[int]:
     b = bits(t)
     if b.element_size() == 8:
         b = b.view(torch.int32)
-    plain = weighted = 0
+    weights = _position_weights(b.device)  # a chunk starts at a multiple of the period: the same weights each time
+    sums = []
     for lo in range(0, b.numel(), _DIGEST_CHUNK):
         x = b[lo:lo + _DIGEST_CHUNK].to(torch.int64)
-        w = torch.arange(lo, lo + x.numel(), device=x.device, dtype=torch.int64).remainder_(251).add_(1)
-        plain += int(x.sum())
-        weighted += int(x.mul_(w).sum())
+        sums.append(torch.stack([x.sum(), x.mul_(weights[:x.numel()]).sum()]))
+    if not sums:
+        return [0, 0]
+    plain, weighted = _exact_totals(sums)
     return [plain % _DIGEST_MOD, weighted % _DIGEST_MOD]
+
+
+def _exact_totals(sums: list[Tensor]) -> tuple[int, int]:
+    """The chunks' int64 sums added in Python (exact: a whole tensor's sum may pass 2^63)."""
+    rows = torch.stack(sums).tolist()  # one device sync per tensor
+    return sum(r[0] for r in rows), sum(r[1] for r in rows)
+
+
+@functools.lru_cache(maxsize=4)
+def _position_weights(device: torch.device) -> Tensor:
+    """1, 2, ..., 251, 1, 2, ... for one chunk (a constant, built once per device)."""
+    return torch.arange(_DIGEST_CHUNK, device=device, dtype=torch.int64) % _DIGEST_PERIOD + 1
 
 
 def version_digest(names: list[str], digests: list[list[int]]) -> str:

@@ -155,6 +155,8 @@ class SentBase:
     device: torch.device
     tensors: dict[str, Tensor] = field(default_factory=dict)
     held: tuple[int, str] | None = None
+    digests: dict[str, list[int]] = field(default_factory=dict)
+    """Each buffer's digest: a tensor with no changed element keeps its digest (a frozen or slow tensor costs no pass)."""
 
     def update(self, names: list[str], specs: list[TensorSpec],
                fetch: Callable[[int], Tensor]) -> tuple[list[list] | None, list[Tensor], list[list[int]]]:
@@ -167,7 +169,7 @@ class SentBase:
             for n, s in zip(names, specs))
         self.held = None  # from the first copy on the buffers hold no complete version
         if not usable:
-            self.tensors = {}
+            self.tensors, self.digests = {}, {}
         modes: list[list] | None = [] if usable else None
         pieces: list[Tensor] = []
         digests = []
@@ -180,8 +182,12 @@ class SentBase:
                         got = [self.tensors[name].view(-1)]  # are fresh tensors, untouched by the copy below)
                     modes.append([mode, k])
                     pieces.extend(got)
-                    self.tensors[name].copy_(new)
+                    if k:
+                        self.tensors[name].copy_(new)
+                        self.digests.pop(name, None)
                 else:
                     self.tensors[name] = new.clone(memory_format=torch.contiguous_format)
-                digests.append(tensor_digest(self.tensors[name]))
+                if name not in self.digests:
+                    self.digests[name] = tensor_digest(self.tensors[name])
+                digests.append(self.digests[name])
         return modes, pieces, digests

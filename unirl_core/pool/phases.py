@@ -142,7 +142,8 @@ def _publish_shared(pool: Pool, ckpt: CheckpointRef, t0: float) -> dict[str, flo
     trainer holds it; nothing moves. A restarted actor holds nothing: its next rollout restores the version."""
     held = bool(pool.call(SHARED, "holds", ckpt, what=f"publish v{ckpt.policy_version}"))
     return {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0, "pool/publish_shared": 1.0,
-            "pool/publish_bytes": 0.0, "pool/publish_delta": 0.0, "pool/engines_serving": float(held), "pool/publish_s": time.perf_counter() - t0}
+            "pool/publish_bytes": 0.0, "pool/publish_delta": 0.0, "pool/engines_serving": float(held),
+            "pool/publish_s": time.perf_counter() - t0}
 
 
 def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:

@@ -156,7 +156,7 @@ class SentBase:
     tensors: dict[str, Tensor] = field(default_factory=dict)
     held: tuple[int, str] | None = None
     digests: dict[str, list[int]] = field(default_factory=dict)
-    """Each buffer's digest: a tensor with no changed element keeps its digest (a frozen or slow tensor costs no pass)."""
+    """Each buffer's digest: a tensor with no changed element keeps it (a frozen or slow tensor costs no pass)."""
 
     def update(self, names: list[str], specs: list[TensorSpec],
                fetch: Callable[[int], Tensor]) -> tuple[list[list] | None, list[Tensor], list[list[int]]]:

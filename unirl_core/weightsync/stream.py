@@ -9,8 +9,8 @@ checkpoint-named tensors onto them. ``StreamReceiver`` joins the same sync group
 
 Checks, before any bucket travels: the names and shapes sent are exactly those of the served checkpoint (plus
 the tied LM head a trainer's module also names). A delta offered by the sender (``WeightSender(deltas=True)``) is
-declined: this receiver votes that it lacks the base, so the full weights travel. A consumer that fails (or stops early) still receives the
-remaining buckets, so the sender is never left hanging, and votes "failed" at the end: the sender raises
+declined: this receiver votes that it lacks the base, so the full weights travel. A consumer that fails (or stops
+early) still receives the remaining buckets, so the sender is never left hanging, and votes "failed" at the end: the sender raises
 ``WeightSyncError`` instead of treating the version as published.
 
 Imports torch and this package's light modules only: it runs inside vLLM's own interpreter.

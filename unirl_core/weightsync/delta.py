@@ -50,15 +50,18 @@ def bits(t: Tensor) -> Tensor:
 
 
 def tensor_digest(t: Tensor) -> list[int]:
-    """[sum of the bit patterns, sum weighted by position] mod 2^61 - 1: any single changed element, and any two
-    swapped ones, change it. On ``t``'s device, in chunks (bounded scratch memory), exact (no overflow)."""
+    """[sum of the 32-bit words, sum weighted by position] mod 2^61 - 1 over ``t``'s bytes: any single changed
+    element, and any two swapped words, change it. On ``t``'s device, in chunks (bounded scratch memory), exact (no
+    overflow). Narrow dtypes are read as 32-bit words when their bytes allow (half the passes' elements for bf16)."""
     b = bits(t)
-    if b.element_size() == 8:
+    if b.element_size() == 8 or (b.element_size() < 4 and b.numel() * b.element_size() % 4 == 0):
         b = b.view(torch.int32)
     weights = _position_weights(b.device)  # a chunk starts at a multiple of the period: the same weights each time
-    sums = []
+    scratch = torch.empty(min(b.numel(), _DIGEST_CHUNK), dtype=torch.int64, device=b.device)  # reused: no page
+    sums = []                                                                                # faults per chunk
     for lo in range(0, b.numel(), _DIGEST_CHUNK):
-        x = b[lo:lo + _DIGEST_CHUNK].to(torch.int64)
+        x = scratch[:min(_DIGEST_CHUNK, b.numel() - lo)]
+        x.copy_(b[lo:lo + _DIGEST_CHUNK])
         sums.append(torch.stack([x.sum(), x.mul_(weights[:x.numel()]).sum()]))
     if not sums:
         return [0, 0]
@@ -121,9 +124,10 @@ def encode(new: Tensor, old: Tensor) -> tuple[str, int, list[Tensor]]:
     mode = choose_mode(nb.numel(), k, nb.element_size())
     if mode == "dense":
         return mode, k, [new.detach().reshape(-1)]
-    values = nb[changed].view(new.dtype)
-    where = changed.nonzero().view(-1).to(torch.int32) if mode == "idx" else pack_mask(changed)
-    return mode, k, [where, values]
+    if mode == "idx":
+        pos = changed.nonzero().view(-1)
+        return mode, k, [pos.to(torch.int32), nb.index_select(0, pos).view(new.dtype)]
+    return mode, k, [pack_mask(changed), nb[changed].view(new.dtype)]
 
 
 def apply(name: str, target: Tensor, mode: str, k: int, pieces: list[Tensor]) -> None:

@@ -14,8 +14,8 @@ bitmap from there until nearly every element changed. New values rather than XOR
 weights are two names of one tensor applies both names' pieces and stays right (an XOR would cancel itself).
 Everything is torch ops on the device (no compression: no zstd on a GPU).
 
-A digest per tensor (``tensor_digest``: a plain and a position-weighted sum of the bit patterns, exact integer
-arithmetic without overflow) travels in the header; receivers recompute it on what they hold after a sync and
+A digest per tensor (``tensor_digest``: a plain and a position-weighted sum of its bytes read as 32-bit words,
+exact integer arithmetic without overflow; a checksum against accidents, not an adversary) travels in the header; receivers recompute it on what they hold after a sync and
 keep the version's digest, which is what a later delta's header names as its base.
 """
 

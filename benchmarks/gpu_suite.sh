@@ -14,6 +14,8 @@
 #   RESULTS=out bash benchmarks/gpu_suite.sh rollout-cfg  # SD3.5-M rollout with cfg_batch joint vs split (~3 min)
 #   RESULTS=out bash benchmarks/gpu_suite.sh flowstep   # Flow-GRPO step vs the reference loop, cfg_batch joint + split
 #   RESULTS=out bash benchmarks/gpu_suite.sh delta      # full vs delta weights-only versions, Qwen3-0.6B full FT shape
+#   RESULTS=out bash benchmarks/gpu_suite.sh two-gpu    # #57 on 2 GPUs: full vs delta publish over NCCL
+#                                                       # (bench_delta_wire, then gpu_pool_loop pool-separate)
 #
 # Needs torch with CUDA, diffusers, transformers, peft (and trl for the TRL side, ray for the pool) importable.
 # LIMIT (seconds, default 540) bounds each part. Two-GPU hosts: NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -100,6 +102,23 @@ case "$PART" in
         --device cuda --root "$root" --shape $spec "$@"
     done
     rm -rf "$root" ;;
+  two-gpu)
+    # #57: trainer on GPU 0, engine on GPU 1, a version published every step over NCCL, full vs delta on the wire.
+    # bench_delta_wire (bytes, publish time, delta-fed == full-fed engine bitwise) at Qwen3-0.6B full FT and the
+    # SD3.5-M LoRA adapter; then the pool loop's separate placement, full vs delta versions (cells two-gpu-full /
+    # two-gpu-delta of pool_loop: per-step pool/publish_bytes, pool/publish_delta, pool/publish_send_s, rewards).
+    for spec in "qwen3-0.6b --steps 6" "sd35m-lora --steps 6 --batch 1"; do
+      # shellcheck disable=SC2086  # spec: the shape and its arguments
+      CUDA_VISIBLE_DEVICES=0,1 bench "wire-${spec%% *}" "delta_wire" python3 benchmarks/bench_delta_wire.py \
+        --device cuda --shape $spec "$@"
+    done
+    root="$(mktemp -d)"
+    for enc in full delta; do  # the same full-state cadence on both sides (a delta version needs every_n_steps > 1)
+      CUDA_VISIBLE_DEVICES=0,1 bench "pool-$enc" "pool_loop" python3 benchmarks/gpu_pool_loop.py --keep \
+        --root "$root" --preset qwen3-0.6b sd35m-lora --modes pool-separate --cell "two-gpu-$enc" \
+        --override checkpoint.every_n_steps=5 --override "checkpoint.weights_encoding=$enc"
+    done
+    (cd "$root" && find . -name '*.json' | tar czf "$RESULTS/pool_two_gpu.tgz" -T -) 2>/dev/null; rm -rf "$root" ;;
   flowstep)
     CUDA_VISIBLE_DEVICES=0 bench flowstep "flow_grpo_step" python3 benchmarks/bench_flow_grpo_step.py "$@" ;;
   step-cost)
@@ -109,6 +128,6 @@ case "$PART" in
       --preset sd35m-lora sd35m-full qwen3-0.6b "$@"
     rm -rf "$root" ;;
   *)
-    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost|graphs|graphs-math|flowstep|rollout-cfg|delta [args]" >&2; exit 2 ;;
+    echo "usage: RESULTS=<dir> bash benchmarks/gpu_suite.sh algos|singles|pool|step-cost|graphs|graphs-math|flowstep|rollout-cfg|delta|two-gpu [args]" >&2; exit 2 ;;
 esac
 ls -la "$RESULTS"

@@ -51,10 +51,11 @@ VOLATILE = ("time/", "/time_", "idle_frac", "_seconds", "_s", "/seconds", "throu
             "pending_write")
 
 
-PATH_METRICS = ("rollout/with_trainer", "rollout/trainer_restored", "rollout/decode_width")
-"""Metrics that say how a step ran (the trainer's module sampled, it restored a version, the decode width), not what
-it computed: a record from before they existed lacks them, and their appearance is not a difference (their values
-are still compared where the record has them)."""
+PATH_METRICS = ("rollout/with_trainer", "rollout/trainer_restored", "rollout/decode_width",
+                "pool/publish_delta")
+"""Metrics that say how a step ran (the trainer's module sampled, it restored a version, the decode width, the
+publish went as a delta), not what it computed: a record from before they existed lacks them, and their appearance
+is not a difference (their values are still compared where the record has them)."""
 
 
 def all_cases() -> list[str]:

@@ -323,15 +323,17 @@ def test_flyte_workflow_in_pool_mode_two_engines_separate(tmp_path):
 
 
 @pytest.mark.time_limit(240)
-def test_engines_fed_deltas_sample_bitwise_as_engines_fed_full_weights(tmp_path):
+@pytest.mark.parametrize("publish", ["object_store", "collective"])
+def test_engines_fed_deltas_sample_bitwise_as_engines_fed_full_weights(tmp_path, publish):
     """``checkpoint.weights_encoding: delta`` (bf16 weights, fp32 masters, a full state every 3 steps): an engine
-    serving a delta's base takes the delta alone from the store, checked against the version's digest; the
-    rewards (its rollouts) and every version's weights are bitwise the full-version pool run's."""
+    serving a delta's base takes the delta alone - from the store (object-store publish; checked against the
+    version's digest) or on the wire from the trainer (collective publish; checked against the header's digests);
+    the rewards (its rollouts) and every version's weights are bitwise the full-version pool run's."""
     from unirl_core.checkpoint import load_manifest, load_weights
     from unirl_core.checkpoint.delta import bits
 
     steps = 5
-    common = [*POOL, "pool.publish=object_store", "lm.model.dtype=bfloat16", "train.master_weights=fp32",
+    common = [*POOL, f"pool.publish={publish}", "lm.model.dtype=bfloat16", "train.master_weights=fp32",
               "train.lr=1e-3", "checkpoint.every_n_steps=3", "checkpoint.keep_last=10"]
     full = run_local(_cfg("tiny-grpo", tmp_path / "full", steps, *common))
     delta = run_local(_cfg("tiny-grpo", tmp_path / "delta", steps, *common, "checkpoint.weights_encoding=delta"))
@@ -343,6 +345,17 @@ def test_engines_fed_deltas_sample_bitwise_as_engines_fed_full_weights(tmp_path)
     for a, b in zip(stores["full"].versions(), stores["delta"].versions(), strict=True):
         wa, wb = load_weights(a), load_weights(b)
         assert wa.keys() == wb.keys() and all(torch.equal(bits(wa[k]), bits(wb[k])) for k in wa)
-    # versions 2 and 4 are deltas of 1 and 3, which the engine serves when they are published
-    assert [h.get("pool/engines_fed_delta", 0.0) for h in delta] == [0.0, 1.0, 0.0, 1.0, 0.0]
     assert all(h["pool/engines_serving"] == 1.0 for h in delta)
+    if publish == "object_store":
+        # versions 2 and 4 are deltas of 1 and 3, which the engine serves when they are published
+        assert [h.get("pool/engines_fed_delta", 0.0) for h in delta] == [0.0, 1.0, 0.0, 1.0, 0.0]
+        return
+    # on the wire every version after the first is a delta of the one before (the store's anchors do not matter);
+    # the store's delta files are not read; the first publish goes in full (the engine loaded v0 from the store)
+    assert [h["pool/publish_delta"] for h in delta] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [h["pool/publish_delta"] for h in full] == [0.0] * steps
+    assert all("pool/engines_fed_delta" not in h for h in delta)
+    assert delta[0]["pool/publish_bytes"] == full[0]["pool/publish_bytes"]
+    assert all(d["pool/publish_bytes"] < f["pool/publish_bytes"] for d, f in zip(delta[1:], full[1:]))
+    print("publish bytes full", [h["pool/publish_bytes"] for h in full], "delta",
+          [h["pool/publish_bytes"] for h in delta])

@@ -26,7 +26,7 @@ TRAIN = textwrap.dedent("""
     from unirl_core.weightsync.sync import (WeightSender, WeightSyncConfig, WeightSyncError, follow_send,
                                               gather_for_sync, sync_sources)
 
-    out, sync_port = sys.argv[1], int(sys.argv[2])
+    out, sync_port, deltas = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -37,12 +37,15 @@ TRAIN = textwrap.dedent("""
     state = sync_sources(module, "full")
     sharded = sum(type(t).__name__ == "DTensor" for t in state.values())
     cfg = WeightSyncConfig(master_port=sync_port, num_engines=1, bucket_mb=0.05, direct_mb=0.02, timeout_s=60)
-    plan = dict(bucket_bytes=cfg.bucket_bytes, direct_bytes=cfg.direct_bytes)
+    plan = dict(bucket_bytes=cfg.bucket_bytes, direct_bytes=cfg.direct_bytes, deltas=deltas)
     result = {"sharded": sharded, "tensors": len(state)}
     if rank == 0:
-        sender = WeightSender(cfg)
+        sender = WeightSender(cfg, deltas=deltas)
         stats = sender.send(state, 1, cast=torch.bfloat16, train_group=True)
         result["buckets"], result["bytes"] = stats.num_buckets, stats.bytes
+        if deltas:  # the same weights again: a delta of nothing changed
+            again = sender.send(state, 2, cast=torch.bfloat16, train_group=True)
+            result["again"] = (again.delta, again.bytes)
         try:
             sender.send(state, 2, train_group=True)  # fp32 to a bf16 engine: refused
         except WeightSyncError as e:
@@ -50,6 +53,8 @@ TRAIN = textwrap.dedent("""
         sender.close()
     else:
         follow_send(state, cast=torch.bfloat16, verdict=torch.zeros(1, dtype=torch.int32), **plan)
+        if deltas:
+            follow_send(state, cast=torch.bfloat16, verdict=torch.zeros(1, dtype=torch.int32), **plan)
         follow_send(state, verdict=torch.zeros(1, dtype=torch.int32), **plan)
         result["follower_done"] = True
     full = gather_for_sync(module, "full")  # the reference: the whole state on rank 0's CPU
@@ -92,7 +97,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sharded_trainer_publishes_bucket_by_bucket(tmp_path):
+@pytest.mark.parametrize("deltas", [False, True])
+def test_sharded_trainer_publishes_bucket_by_bucket(tmp_path, deltas):
+    """``deltas``: the sender keeps what it sent (rank 1 follows its gather-everything-first order) and sends the
+    unchanged weights again as an empty delta."""
     (tmp_path / "train.py").write_text(TRAIN)
     (tmp_path / "engine.py").write_text(ENGINE)
     sync_port, master_port = _free_port(), _free_port()
@@ -102,16 +110,19 @@ def test_sharded_trainer_publishes_bucket_by_bucket(tmp_path):
     for rank in range(2):
         env = dict(base, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(master_port))
-        procs.append(subprocess.Popen([sys.executable, str(tmp_path / "train.py"), str(tmp_path), str(sync_port)],
-                                      env=env, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, str(tmp_path / "train.py"), str(tmp_path), str(sync_port),
+                                       str(int(deltas))], env=env, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-3000:]
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     engine = torch.load(tmp_path / "engine.pt")
     assert r0["sharded"] > 0 and r0["sharded"] == r1["sharded"] and r1["follower_done"]
-    assert r0["buckets"] > 3  # several buckets, each gathered when it is packed
-    assert engine["versions"] == [1]
+    if not deltas:
+        assert r0["buckets"] > 3  # several buckets, each gathered when it is packed
+    assert engine["versions"] == ([1, 2] if deltas else [1])
+    if deltas:
+        assert r0["again"] == (True, 0)
     full, got = r0["full"], engine["state"]
     assert full.keys() == got.keys() and all(torch.equal(full[k], got[k]) for k in full)
     assert r0["bytes"] == sum(v.numel() * 2 for v in full.values())

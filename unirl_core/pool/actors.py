@@ -191,8 +191,11 @@ class EngineActor(_Actor):
         self.sync_token = token
 
     def receive_weights(self, ckpt: CheckpointRef) -> dict[str, float]:
-        """Receive version ``ckpt`` from the trainer's broadcast, in place into the bundle's module."""
-        self.served = None  # from the first bucket on the module holds no version until the sync completes
+        """Receive version ``ckpt`` from the trainer's broadcast, in place into the bundle's module: a delta on the
+        version the receiver took last, when the module still holds exactly that one."""
+        if self.served is None or self.served != getattr(self, "_received", None):
+            self._peer.forget()  # loaded from the store (or the object store) since: not the receiver's base
+        self.served = self._received = None  # from the first bucket on the module holds no version until checked
         build.forget_held_weights(self.policy.module)
         try:
             stats = self._peer.receive()
@@ -204,8 +207,9 @@ class EngineActor(_Actor):
             raise field_error(WeightSyncError, f"{self.name}: publish of {ckpt.uri}", None if stats is None
                               else stats.version, f"policy version {ckpt.policy_version}",
                               "the trainer broadcast another version; the engine loads it from the store")
-        self.served = _version(ckpt)
-        return {"seconds": stats.seconds, "bytes": float(stats.bytes), "version": float(stats.version)}
+        self.served = self._received = _version(ckpt)
+        return {"seconds": stats.seconds, "bytes": float(stats.bytes), "version": float(stats.version),
+                "delta": float(stats.delta)}
 
     def rollout(self, ckpt: CheckpointRef, step: int, shard: int, num_shards: int,
                 emit: Emit) -> tuple[SampleBatch, dict[str, float]]:
@@ -422,9 +426,11 @@ class TrainerActor(_Actor):
         self.close_sync()
         module = self.backend.policy.module
         sync = self._sync_config(addr, port, num_engines)
+        # delta versions (checkpoint.weights_encoding): the publish sends deltas too, against the previous publish
+        deltas = build.store(self.cfg).encoding.deltas
         if self.rank == 0:
-            self._peer = WeightSender(sync, device=_device(module))
-        self._plan = {"bucket_bytes": sync.bucket_bytes, "direct_bytes": sync.direct_bytes}
+            self._peer = WeightSender(sync, device=_device(module), deltas=deltas)
+        self._plan = {"bucket_bytes": sync.bucket_bytes, "direct_bytes": sync.direct_bytes, "deltas": deltas}
         self._cast = {n: getattr(torch, d) for n, d in dtypes.items()}
         self.sync_token = token
 
@@ -440,14 +446,15 @@ class TrainerActor(_Actor):
         if self.rank > 0:  # takes part in rank 0's gathers of each sharded tensor, in its order
             verdict = torch.zeros(1, dtype=torch.int32, device=self.backend.dist.device)
             follow_send(sources, cast=self._cast, verdict=verdict, **self._plan)
-            return {"seconds": 0.0, "bytes": 0.0, "buckets": 0.0}
+            return {"seconds": 0.0, "bytes": 0.0, "header_bytes": 0.0, "buckets": 0.0, "delta": 0.0}
         try:
             stats = self._peer.send(sources, ckpt.policy_version, scope=_scope(self.cfg), cast=self._cast,
                                     train_group=self.backend.world_size > 1)
         except Exception:
             self.close_sync()
             raise
-        return {"seconds": stats.seconds, "bytes": float(stats.bytes), "buckets": float(stats.num_buckets)}
+        return {"seconds": stats.seconds, "bytes": float(stats.bytes), "header_bytes": float(stats.header_bytes),
+                "buckets": float(stats.num_buckets), "delta": float(stats.delta)}
 
     def weights(self, ckpt: CheckpointRef) -> list:
         """``[ObjectRef]`` of the state dict of version ``ckpt`` (``model_state_dict``), or ``[]`` when the

@@ -142,7 +142,8 @@ def _publish_shared(pool: Pool, ckpt: CheckpointRef, t0: float) -> dict[str, flo
     trainer holds it; nothing moves. A restarted actor holds nothing: its next rollout restores the version."""
     held = bool(pool.call(SHARED, "holds", ckpt, what=f"publish v{ckpt.policy_version}"))
     return {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0, "pool/publish_shared": 1.0,
-            "pool/publish_bytes": 0.0, "pool/engines_serving": float(held), "pool/publish_s": time.perf_counter() - t0}
+            "pool/publish_bytes": 0.0, "pool/publish_delta": 0.0, "pool/engines_serving": float(held),
+            "pool/publish_s": time.perf_counter() - t0}
 
 
 def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
@@ -152,7 +153,11 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
     trainer and the engines (NCCL on GPUs, gloo on CPU; opened on first use and again after an actor was
     re-created); ``object_store`` (and engines that share the trainer's GPU, where NCCL refuses two ranks)
     passes the state dict through Ray's object store. Engines that all serve ``ckpt`` already are skipped
-    (nothing is published twice). A dead actor or a trainer holding another version is not an error here:
+    (nothing is published twice). Delta versions (``checkpoint.weights_encoding: delta``): a collective publish
+    sends the version as a delta on the wire against the previous publish when every engine holds that one
+    bitwise (``pool/publish_delta``), full otherwise; the store's delta file is read (``_deltas``) only when the
+    version does not go over the collective (object-store publish, a colocated GPU, a trainer that does not hold
+    it). A dead actor or a trainer holding another version is not an error here:
     the version is in the store, and an engine that missed it loads it from there before its next rollout.
     An engine whose tensors do not fit the trainer's refuses the broadcast: ``WeightSyncError`` naming the
     tensor, raised."""
@@ -162,25 +167,27 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
         return _publish_shared(pool, ckpt, t0)
     want = (ckpt.uri, ckpt.policy_version)
     engines = [engine_name(i) for i in range(cfg.pool.num_engines)]
-    out = {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0}
+    out = {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0, "pool/publish_delta": 0.0}
     served: dict[str, tuple] | None = None
     try:
         served = {name: tuple(pool.call(name, "served_version", what="publish") or ()) for name in engines}
         stale = [name for name in engines if served[name] != want]
-        if stale and build.store(cfg).encoding.deltas:
+        held = bool(stale) and group.holds(pool, ckpt)
+        # the wire carries its own delta (against what the engines hold, from the trainer's memory): no store read
+        collective = held and cfg.pool.publish == "collective" and _collective_fits(pool, engines)
+        if stale and not collective and build.store(cfg).encoding.deltas:
             fed = _deltas(pool, stale, ckpt)
             out["pool/engines_fed_delta"] = float(len(fed))
             served.update(dict.fromkeys(fed, want))
             stale = [name for name in stale if name not in fed]
-        if stale and group.holds(pool, ckpt):
-            if cfg.pool.publish == "collective" and _collective_fits(pool, engines):
-                out.update(_broadcast(pool, engines, ckpt))
-                served = dict.fromkeys(engines, want)  # each receive checked the version it got
-            else:
-                pushed = _through_object_store(pool, stale, ckpt)
-                out.update(pushed)
-                if pushed:
-                    served.update(dict.fromkeys(stale, want))
+        if collective:
+            out.update(_broadcast(pool, engines, ckpt))
+            served = dict.fromkeys(engines, want)  # each receive checked the version it got
+        elif stale and held:
+            pushed = _through_object_store(pool, stale, ckpt)
+            out.update(pushed)
+            if pushed:
+                served.update(dict.fromkeys(stale, want))
     except PoolActorDied as e:
         log.warning("pool: in-pool publication of %s skipped (%s); engines load it from the store", ckpt.uri, e)
         served = {name: tuple(pool.call(name, "served_version", what="publish") or ()) for name in engines}
@@ -261,7 +268,7 @@ def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str,
     received = received[len(trainers) - 1:]
     return {"pool/engines_pushed": float(len(received)), "pool/publish_collective": 1.0,
             "pool/publish_group_opened": opened, "pool/publish_bytes": sent["bytes"],
-            "pool/publish_send_s": sent["seconds"]}
+            "pool/publish_delta": sent["delta"], "pool/publish_send_s": sent["seconds"]}
 
 
 def _through_object_store(pool: Pool, stale: list[str], ckpt: CheckpointRef) -> dict[str, float]:

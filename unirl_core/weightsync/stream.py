@@ -8,8 +8,9 @@ checkpoint-named tensors onto them. ``StreamReceiver`` joins the same sync group
 ``(checkpoint name, tensor)`` pairs, bucket by bucket, so the loader runs while the buckets arrive.
 
 Checks, before any bucket travels: the names and shapes sent are exactly those of the served checkpoint (plus
-the tied LM head a trainer's module also names). A consumer that fails (or stops early) still receives the
-remaining buckets, so the sender is never left hanging, and votes "failed" at the end: the sender raises
+the tied LM head a trainer's module also names). A delta offered by the sender (``WeightSender(deltas=True)``) is
+declined: this receiver votes that it lacks the base, so the full weights travel. A consumer that fails (or stops
+early) still receives the remaining buckets, so the sender is never left hanging, and votes "failed" at the end: the sender raises
 ``WeightSyncError`` instead of treating the version as published.
 
 Imports torch and this package's light modules only: it runs inside vLLM's own interpreter.
@@ -82,7 +83,7 @@ class StreamReceiver:
                                                                                     self.optional))
         if accepted is None:
             return None
-        header, specs, t0 = accepted
+        header, specs, t0, _ = accepted  # never a delta: the server's loader takes whole tensors (votes "lacks base")
         buckets = plan_buckets(specs, int(header["bucket_bytes"]), header.get("direct_bytes"))
         received = {"bytes": 0}
         group_failed: list[BaseException] = []

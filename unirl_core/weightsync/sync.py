@@ -7,12 +7,17 @@ is **not** the default one: the train ranks keep their torchrun/FSDP group, the 
 One sync, on the wire (all broadcasts from rank 0 of the sync group):
 1. header length (int64 ``[1]``), then the header: JSON as a uint8 tensor ``[n]`` - protocol, kind
    (``weights`` / ``close``), policy version, scope, bucket size and ``[name, shape, dtype]`` per tensor;
-2. an all-reduce of one int32 per rank: receivers vote 1 when the header does not fit their module
-   (name / shape / dtype), so every side stops cleanly before any bucket travels;
+2. an all-reduce of two int32 per rank: receivers vote 1 when the header does not fit their module
+   (name / shape / dtype), so every side stops cleanly before any bucket travels, and 1 when the header offers a
+   delta against a version they do not hold bitwise (then the full weights travel instead);
 3. the tensors, packed into flat per-dtype buffers of at most ``bucket_mb`` (``plan_buckets``: a tensor
    larger than a bucket travels alone), one broadcast per bucket; receivers copy views of each bucket
    into their parameters in place, by name;
 4. a final all-reduce: ``send`` returns only once every engine holds the new version.
+
+A sender built with ``deltas=True`` keeps the last version it sent and offers the next one as a delta against it
+(``delta.py``: per tensor the changed positions, or a bitmap of them, and their new bit patterns); its header
+carries every tensor's digest, which receivers check after applying a delta or receiving full weights.
 
 Both sides derive the bucket layout from the header with the same pure function, so buckets carry no
 metadata of their own.
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from unirl_core.errors import ConfigError, check_ints, field_error
+from unirl_core.weightsync import delta as wire_delta
 from unirl_core.weightsync.wire import (  # noqa: F401  (the wire format, re-exported: importers use this module)
     _DTYPES, _LORA_TAG, PROTOCOL, Bucket, Cast, SyncScope, TensorSpec, WeightSyncError, WeightSyncTimeout, check_names,
     check_specs, decode_header, encode_header, plan_buckets, spec_of, specs_of_header, sync_names, weights_header)
@@ -161,10 +167,17 @@ def _wire_plan(state: Mapping[str, Tensor], cast: Cast, bucket_bytes: int,
 
 
 def follow_send(state: Mapping[str, Tensor], *, cast: Cast = None, bucket_bytes: int, direct_bytes: int,
-                verdict: Tensor) -> None:
+                verdict: Tensor, deltas: bool = False) -> None:
     """A train rank other than 0 of a sharded trainer during ``WeightSender.send(..., train_group=True)``:
     receives rank 0's verdict on the header (``verdict``: an int32 ``[1]`` on the train group's device), then
-    takes part in every ``full_tensor`` gather in the sender's order and drops the result."""
+    takes part in every ``full_tensor`` gather in the sender's order and drops the result. ``deltas``: the sender
+    keeps its base (``WeightSender(deltas=True)``): it gathers every tensor once, in state order, before its header."""
+    if deltas:
+        for t in state.values():
+            if _is_sharded(t):
+                _full(t)
+        dist.broadcast(verdict, src=0)
+        return
     dist.broadcast(verdict, src=0)
     if int(verdict.item()):
         return
@@ -186,7 +199,12 @@ class SyncStats:
     num_tensors: int
     num_buckets: int
     bytes: int
+    """Bytes of the buckets (the tensors, or a delta's pieces)."""
     seconds: float
+    header_bytes: int = 0
+    """Bytes of the header (its length and its JSON) this sync broadcast."""
+    delta: bool = False
+    """The version travelled as a delta against the one every receiver held."""
 
 
 def resolve_backend(backend: SyncBackend, device: torch.device) -> str:
@@ -252,17 +270,23 @@ class _SyncGroup:
         self._wait(self.pg.broadcast([t], opts), what)
 
     def vote(self, reject: bool) -> int:
-        """Sum over ranks of ``reject`` (how many ranks refuse the header)."""
-        t = torch.tensor([int(reject)], dtype=torch.int32, device=self.device)
+        """Sum over ranks of ``reject`` (how many ranks refuse)."""
+        return self.votes(reject)[0]
+
+    def votes(self, *flags: bool) -> list[int]:
+        """Sum over ranks of each flag, in one all-reduce."""
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         self._wait(self.pg.allreduce([t], opts), "vote")
-        return int(t.item())
+        return [int(x) for x in t.tolist()]
 
-    def send_header(self, header: dict) -> None:
+    def send_header(self, header: dict) -> int:
+        """Broadcast ``header``; returns the bytes that travelled (its length and its JSON)."""
         payload = encode_header(header).to(self.device)
         self.broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device), "header_len")
         self.broadcast(payload, "header")
+        return 8 + payload.numel()
 
     def recv_header(self) -> dict:
         n = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -301,9 +325,12 @@ def _sync_device(device: str | torch.device) -> torch.device:
 class WeightSender:
     """Trainer side (rank 0 of the train job): hosts the rendezvous, broadcasts weights after a step."""
 
-    def __init__(self, cfg: WeightSyncConfig, *, device: str | torch.device = "cpu") -> None:
+    def __init__(self, cfg: WeightSyncConfig, *, device: str | torch.device = "cpu", deltas: bool = False) -> None:
+        """``deltas``: keep the last version sent (one copy of the weights in their wire dtypes, on ``device``) and
+        send each next version as a delta against it when every receiver holds it bitwise, full otherwise."""
         self.cfg = cfg
         self.group = _SyncGroup(cfg, 0, _sync_device(device))
+        self.base = wire_delta.SentBase(self.group.device) if deltas else None
 
     def send(self, state: Mapping[str, Tensor], version: int, *, scope: SyncScope = "full",
              cast: Cast = None, bucket_mb: float | None = None, train_group: bool = False) -> SyncStats:
@@ -316,20 +343,38 @@ class WeightSender:
         same state, cast and bucket sizes; the engines' verdict on the header goes to them over the default
         group, and each DTensor is gathered there collectively.
         Raises ``WeightSyncError`` when an engine rejects the header; no bucket has travelled then.
+        With ``deltas`` every tensor is gathered and kept first, and the version travels from that copy: as a delta
+        when every receiver holds the previous one bitwise (their votes), else in full.
         """
         t0 = time.perf_counter()
         bucket_bytes = self.cfg.bucket_bytes if bucket_mb is None else max(1, int(bucket_mb * 2**20))
         direct = self.cfg.direct_bytes
         names, specs, buckets = _wire_plan(state, cast, bucket_bytes, direct)
-        self.group.send_header(weights_header(specs, version=version, scope=scope, bucket_bytes=bucket_bytes,
-                                              direct_bytes=direct))
-        rejects = self.group.vote(False)
+        header = weights_header(specs, version=version, scope=scope, bucket_bytes=bucket_bytes, direct_bytes=direct)
+        pieces: list[Tensor] = []
+        if self.base is not None:
+            base_held = self.base.held
+            modes, pieces, digests = self.base.update(
+                names, specs, lambda i: _full(state[names[i]]).detach().to(_DTYPES[specs[i].dtype]))
+            header["digests"] = digests
+            self.base.held = (int(version), wire_delta.version_digest(names, digests))
+            header["version_digest"] = self.base.held[1]
+            if modes is not None and base_held is not None:
+                header["delta"] = {"base_version": base_held[0], "base_digest": base_held[1], "modes": modes}
+            state, cast = self.base.tensors, None  # a full send reads the copy
+        header_bytes = self.group.send_header(header)
+        rejects, lacking = self.group.votes(False, False)
         if train_group:
             dist.broadcast(torch.tensor([int(rejects > 0)], dtype=torch.int32, device=self.group.device), src=0)
         if rejects:
             raise field_error(WeightSyncError, "weight_sync.version", version,
                               "every engine to accept the header", f"{rejects} engine(s) refused it; "
                               "their logs name the tensor (model config, LoRA targets or dtype differ)")
+        as_delta = "delta" in header and lacking == 0
+        if as_delta:
+            pspecs = delta_specs(specs, header["delta"]["modes"])
+            buckets = plan_buckets(pspecs, bucket_bytes, direct)
+            names, state, specs = [p.name for p in pspecs], dict(zip((p.name for p in pspecs), pieces)), pspecs
         total = 0
         with torch.no_grad():
             for b in buckets:
@@ -342,10 +387,10 @@ class WeightSender:
             raise field_error(WeightSyncError, "weight_sync.load", version, "every engine to load the version",
                               f"{failed} engine(s) failed to load it (their logs and errors name why); it is not "
                               "published to them")
-        stats = SyncStats(version=version, num_tensors=len(specs), num_buckets=len(buckets), bytes=total,
-                          seconds=time.perf_counter() - t0)
-        log.info("weight sync v%d: %d tensors, %d buckets, %.1f MB in %.3f s", version, stats.num_tensors,
-                 stats.num_buckets, total / 1e6, stats.seconds)
+        stats = SyncStats(version=version, num_tensors=len(header["tensors"]), num_buckets=len(buckets), bytes=total,
+                          seconds=time.perf_counter() - t0, header_bytes=header_bytes, delta=as_delta)
+        log.info("weight sync v%d%s: %d tensors, %d buckets, %.1f MB in %.3f s", version,
+                 " (delta)" if as_delta else "", stats.num_tensors, stats.num_buckets, total / 1e6, stats.seconds)
         return stats
 
     def _bucket(self, b: Bucket, names: list[str], state: Mapping[str, Tensor], specs: list[TensorSpec]) -> Tensor:
@@ -379,16 +424,26 @@ class WeightSender:
         self.close()
 
 
-def accept_header(group: _SyncGroup, check) -> tuple[dict, list[TensorSpec], float] | None:
+def delta_specs(specs: list[TensorSpec], modes: list[list]) -> list[TensorSpec]:
+    """The wire tensors of a delta (``header["delta"]["modes"]``: [mode, changed count] per tensor)."""
+    if len(modes) != len(specs) or any(m[0] not in wire_delta.MODES for m in modes):
+        raise field_error(WeightSyncError, "weight_sync.header.delta.modes", modes[:3],
+                          f"one of {wire_delta.MODES} per tensor ({len(specs)})", "both ends must run this protocol")
+    return [p for s, (mode, k) in zip(specs, modes) for p in wire_delta.piece_specs(s, mode, int(k))]
+
+
+def accept_header(group: _SyncGroup, check, holds_base=None) -> tuple[dict, list[TensorSpec], float, bool] | None:
     """A receiver's side of steps 1-2 of a sync: the header, ``check(header, specs)`` (raising
-    ``WeightSyncError``), the vote. Returns (header, specs, the perf_counter after the header) or None when the
-    sender closed the stream; a foreign or refused header votes "refuse" (the sender fails instead of hanging)."""
+    ``WeightSyncError``), the votes. Returns (header, specs, the perf_counter after the header, whether the buckets
+    are a delta) or None when the sender closed the stream; a foreign or refused header votes "refuse" (the sender
+    fails instead of hanging). ``holds_base(header)``: whether this receiver holds the delta's base bitwise (None:
+    never; the sender then sends full weights)."""
     try:
         header = group.recv_header()
     except WeightSyncTimeout:
         raise
     except WeightSyncError:
-        group.vote(True)
+        group.votes(True, True)
         raise
     t0 = time.perf_counter()
     if header.get("kind") == "close":
@@ -397,12 +452,15 @@ def accept_header(group: _SyncGroup, check) -> tuple[dict, list[TensorSpec], flo
     try:
         check(header, specs)
     except WeightSyncError:
-        group.vote(True)
+        group.votes(True, True)
         raise
-    if group.vote(False):
+    offered = "delta" in header
+    lacks = offered and (holds_base is None or not holds_base(header))
+    rejects, lacking = group.votes(False, lacks)
+    if rejects:
         raise field_error(WeightSyncError, "weight_sync.version", header["version"],
                           "every engine to accept the header", "another engine refused it (see its log)")
-    return header, specs, t0
+    return header, specs, t0, offered and lacking == 0
 
 
 class WeightReceiver:
@@ -417,39 +475,90 @@ class WeightReceiver:
         self.targets = sync_names(module, scope)
         self.version: int | None = None
         """Policy version of the weights the module now holds (None before the first sync)."""
+        self.held: tuple[int, str] | None = None
+        """(version, version digest) the module holds bitwise, as a delta's header names its base."""
         self.group = _SyncGroup(cfg, rank, _sync_device(device))
 
+    def forget(self) -> None:
+        """The module's weights were changed by something else than this receiver: it holds no version a delta
+        could apply to (its next sync is full)."""
+        self.held = None
+
     def receive(self) -> SyncStats | None:
-        """Block for the next sync; copy it into the module in place. None when the sender closed."""
+        """Block for the next sync; copy it (or apply its delta) into the module in place. None when the sender
+        closed. A delta that does not reproduce the sender's digests raises ``WeightSyncError`` naming the tensor
+        (after the sender heard of it: the final vote); the module then holds no version."""
         def check(header: dict, specs: list[TensorSpec]) -> None:
             if header.get("scope") != self.scope:
                 raise field_error(WeightSyncError, "weight_sync.scope", header.get("scope"), repr(self.scope),
                                   "sender and receiver must agree on full weights vs a LoRA adapter")
             check_specs(specs, self.targets)
 
-        accepted = accept_header(self.group, check)
+        def holds_base(header: dict) -> bool:
+            d = header["delta"]
+            return self.held == (d["base_version"], d["base_digest"])
+
+        accepted = accept_header(self.group, check, holds_base)
         if accepted is None:
             return None
-        header, specs, t0 = accepted
-        buckets = plan_buckets(specs, int(header["bucket_bytes"]), header.get("direct_bytes"))
-        total = 0
+        header, specs, t0, as_delta = accepted
+        self.held, self.version = None, None  # from the first bucket on the module holds no complete version
+        wire = delta_specs(specs, header["delta"]["modes"]) if as_delta else specs
+        buckets = plan_buckets(wire, int(header["bucket_bytes"]), header.get("direct_bytes"))
+        failure: WeightSyncError | None = None
         with torch.no_grad():
-            for b in buckets:
-                direct = _direct_view(self.targets[specs[b.entries[0][0]].name], b, self.group.device)
-                buf = direct if direct is not None else torch.empty(b.numel, dtype=_DTYPES[b.dtype],
-                                                                    device=self.group.device)
-                self.group.broadcast(buf, f"bucket[{b.dtype}]")
-                if direct is None:
-                    for i, off, n in b.entries:
-                        s = specs[i]
-                        self.targets[s.name].copy_(buf[off:off + n].view(s.shape))
-                total += buf.numel() * buf.element_size()
-        if self.group.device.type == "cuda":
-            torch.cuda.synchronize(self.group.device)
-        self.group.vote(False)
+            total, pieces = self._receive_buckets(wire, buckets, keep=as_delta)
+            if self.group.device.type == "cuda":
+                torch.cuda.synchronize(self.group.device)
+            try:
+                if as_delta:
+                    self._apply_delta(specs, header["delta"]["modes"], pieces)
+                if "digests" in header:
+                    self._check_digests(specs, header["digests"])
+            except WeightSyncError as e:
+                failure = e
+        self.group.vote(failure is not None)
+        if failure is not None:
+            raise failure
         self.version = int(header["version"])
+        if "version_digest" in header:
+            self.held = (self.version, header["version_digest"])
         return SyncStats(version=self.version, num_tensors=len(specs), num_buckets=len(buckets), bytes=total,
-                         seconds=time.perf_counter() - t0)
+                         seconds=time.perf_counter() - t0, delta=as_delta)
+
+    def _receive_buckets(self, wire: list[TensorSpec], buckets, *, keep: bool) -> tuple[int, dict[str, Tensor]]:
+        """Receive every bucket: full weights are copied into the targets by name (a bucket of one target with the
+        wire layout is received straight into it); a delta's pieces (``keep``) are returned by wire name."""
+        total, pieces = 0, {}
+        for b in buckets:
+            first = wire[b.entries[0][0]].name
+            direct = None if keep else _direct_view(self.targets[first], b, self.group.device)
+            buf = direct if direct is not None else torch.empty(b.numel, dtype=_DTYPES[b.dtype],
+                                                                device=self.group.device)
+            self.group.broadcast(buf, f"bucket[{b.dtype}]")
+            if direct is None:
+                for i, off, n in b.entries:
+                    s = wire[i]
+                    if keep:
+                        pieces[s.name] = buf[off:off + n]
+                    else:
+                        self.targets[s.name].copy_(buf[off:off + n].view(s.shape))
+            total += buf.numel() * buf.element_size()
+        return total, pieces
+
+    def _apply_delta(self, specs: list[TensorSpec], modes: list[list], pieces: dict[str, Tensor]) -> None:
+        for s, (mode, k) in zip(specs, modes):
+            got = [pieces[p.name] for p in wire_delta.piece_specs(s, mode, int(k))]
+            wire_delta.apply(s.name, self.targets[s.name], mode, int(k), got)
+
+    def _check_digests(self, specs: list[TensorSpec], digests: list[list[int]]) -> None:
+        for s, want in zip(specs, digests, strict=True):
+            got = wire_delta.tensor_digest(self.targets[s.name])
+            if got != list(want):
+                raise field_error(WeightSyncError, f"weight_sync.tensors[{s.name!r}].digest", got,
+                                  f"{list(want)} (the sender's)", "the engine's copy of the base version differs "
+                                  "from the trainer's (its weights were changed outside the sync?) or the delta was "
+                                  "damaged; it holds no version now, the next sync sends full weights")
 
     def close(self) -> None:
         if self.group.pg is not None:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from unirl_core.errors import EngineError, field_error
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: the header vote carries two flags (refuse, lacks the delta's base)
 SyncScope = Literal["full", "lora", "trainable"]
 """``full``: every state-dict entry; ``lora``: the adapter, keys without peft's adapter name; ``trainable``: the
 parameters with ``requires_grad``, by module name (the pool's scope: what ``TrainBackend.model_state_dict`` holds)."""

@@ -11,8 +11,13 @@ so several pools fit the head.
 - **aggregate throughput**: ``--runs`` runs at once, every one in the named pool vs each with its own pool; total
   steps of all runs over the wall time from the first driver's start to the last one's end (driver start-up
   included on both sides).
+- **host memory**: ``--tenants`` runs (own names and seeds) attached to a fresh named pool the way a driver attaches
+  (``NamedPool``, each role's tenant built in its host), read from each host (``TenantHost.memory``) with 1 tenant
+  and with all: parameter and buffer bytes counted once per distinct storage (the frozen base tensors are shared,
+  ``pool/frozen.py``) vs the sum of each tenant's own count (what the tenants hold without sharing), and the host
+  process's RSS.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_shared_pool.py [--recipe tiny-grpo] [--runs 2] [--steps 6]
+    OMP_NUM_THREADS=1 python benchmarks/bench_shared_pool.py [--recipe tiny-grpo] [--runs 2] [--steps 6] [--tenants 4]
 """
 
 from __future__ import annotations
@@ -68,12 +73,39 @@ def result(proc: subprocess.Popen) -> dict:
     return json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
 
 
+def host_memory(recipe: str, root: Path, gcs: str, tenants: int) -> dict[str, dict[str, dict[str, int]]]:
+    """role -> {"1": memory with one tenant, "<n>": with ``tenants``} of a fresh named pool's hosts."""
+    import ray
+
+    from unirl_core.config import load_recipe
+    from unirl_core.config.loader import config_key
+    from unirl_core.pool.tenants import NamedPool
+
+    views, out = [], {}
+    for i in range(tenants):
+        overrides = [*SMALL[recipe], LORA[recipe], f"checkpoint.root={root}", f"name=mem-{i}", f"loop.seed={i}",
+                     "pool.execution=pool", "pool.publish=object_store", "pool.engine.num_cpus=0.25",
+                     "pool.trainer.num_cpus=0.25", f"pool.address={gcs}", "pool.name=bench-memory"]
+        cfg = load_recipe(recipe, overrides)
+        view = NamedPool(cfg, config_key(cfg))
+        views.append(view)
+        for role in view.roles:
+            view.actor(role)  # the run's tenant is built in the role's host
+        if i + 1 in (1, tenants):
+            for role in view.roles:
+                out.setdefault(role, {})[str(i + 1)] = ray.get(view.hosts[role].memory.remote(), timeout=300)
+    for view in views:
+        view.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", default="tiny-grpo", choices=sorted(LORA))
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tenants", type=int, default=4)
     args = ap.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # Ray's memory monitor kills actors when the node is near full, whoever fills it (a shared machine); the
@@ -100,6 +132,7 @@ def main() -> None:
 
     own_s, own = together(None, "own")
     shared_s, shared = together("bench", "shared")
+    memory = host_memory(r, root, gcs, args.tenants)
     total = args.runs * args.steps
     data = {"recipe": r, "runs": args.runs, "steps": args.steps, "repeats": args.repeats,
             "first_step_cold_s": cold, "first_step_warm_s": warm,
@@ -107,17 +140,38 @@ def main() -> None:
             "first_step_ratio_cold_over_warm": statistics.median(cold) / statistics.median(warm),
             "aggregate_own_pools_steps_per_s": total / own_s, "aggregate_shared_pool_steps_per_s": total / shared_s,
             "aggregate_ratio_shared_over_own": own_s / shared_s,
-            "own_runs": own, "shared_runs": shared}
+            "own_runs": own, "shared_runs": shared, "tenants": args.tenants, "host_memory": memory}
     rows = [["first step, own pool (cold)", f"{data['first_step_cold_median_s']:.2f} s", "1.00"],
             ["first step, warm named pool", f"{data['first_step_warm_median_s']:.2f} s",
              f"{data['first_step_warm_median_s'] / data['first_step_cold_median_s']:.2f}"],
             [f"{args.runs} runs x {args.steps} steps, a pool each", f"{total / own_s:.3f} steps/s", "1.00"],
             [f"{args.runs} runs x {args.steps} steps, one named pool", f"{total / shared_s:.3f} steps/s",
              f"{own_s / shared_s:.2f}"]]
+    n = str(args.tenants)
+    for role in ("engine-0", "trainer"):
+        one, many = memory[role]["1"], memory[role][n]
+        data[f"{role}_param_mb_1_tenant"] = one["param_bytes"] / 1e6
+        data[f"{role}_param_mb_{n}_tenants_shared"] = many["param_bytes"] / 1e6
+        data[f"{role}_param_mb_{n}_tenants_unshared"] = many["param_bytes_unshared"] / 1e6
+        data[f"{role}_param_ratio_shared_over_unshared"] = many["param_bytes"] / many["param_bytes_unshared"]
+        data[f"{role}_rss_mb_1_tenant"] = one["rss_bytes"] / 1e6
+        data[f"{role}_rss_mb_{n}_tenants"] = many["rss_bytes"] / 1e6
+        rows += [[f"{role} host, {n} tenants: parameter bytes, one copy each (not shared)",
+                  f"{many['param_bytes_unshared'] / 1e6:.2f} MB", "1.00"],
+                 [f"{role} host, {n} tenants: parameter bytes, frozen base shared (1 tenant: "
+                  f"{one['param_bytes'] / 1e6:.2f} MB)", f"{many['param_bytes'] / 1e6:.2f} MB",
+                  f"{many['param_bytes'] / many['param_bytes_unshared']:.2f}"],
+                 [f"{role} host RSS, 1 -> {n} tenants", f"{one['rss_bytes'] / 1e6:.0f} -> "
+                  f"{many['rss_bytes'] / 1e6:.0f} MB", ""]]
     notes = ("CPU, 2 cores shared with other work, a local Ray head of 2 CPUs, each role a quarter CPU and one torch "
              f"thread; {r} with LoRA, every run its own driver process. First step: driver-side, from run_local's "
              "start (Ray connected, imports done) to step 1's metrics, median of "
-             f"{args.repeats}. Aggregate: all runs' steps over the wall time of the set, driver start-up included.")
+             f"{args.repeats}. Aggregate: all runs' steps over the wall time of the set, driver start-up included. Host "
+             f"memory: {args.tenants} tenants attached to a fresh named pool; parameter bytes counted once per "
+             "distinct storage (params and buffers of every tenant's modules), the unshared side is the sum of each "
+             "tenant's own count (what the host holds when each tenant builds its own base); RSS of the host process "
+             "(the tenants' optimizer state, allocator and Python objects included; an idle tenant has no optimizer "
+             "state yet).")
     report("shared_pool", f"Named pool shared by runs vs a pool per run ({r}, CPU)",
            ["case", "value", "ratio to the pool-per-run side"], rows, data, notes, cell=r)
 

@@ -106,12 +106,14 @@ class TenantHost:
 
     def memory(self) -> dict[str, int]:
         """What this host holds: tenants, frozen tensors two tenants or more share, the bytes of the distinct
-        storages of every tenant's parameters and buffers, and the process's resident set size."""
+        storages of all tenants' parameters and buffers (``param_bytes``), the sum of each tenant's own count
+        (``param_bytes_unshared``: what the tenants would hold without sharing), the process's resident set size."""
         with self.lock:
             objs = list(self.tenants.values())
-        modules = [m for obj in objs for m in obj.frozen_modules().values()]
+        per_tenant = [list(obj.frozen_modules().values()) for obj in objs]
         return {"tenants": len(objs), "shared_tensors": self.frozen.shared_count(),
-                "param_bytes": held_bytes(modules), "rss_bytes": rss_bytes()}
+                "param_bytes": held_bytes([m for mods in per_tenant for m in mods]),
+                "param_bytes_unshared": sum(held_bytes(mods) for mods in per_tenant), "rss_bytes": rss_bytes()}
 
     def tenant_names(self) -> list[str]:
         with self.lock:

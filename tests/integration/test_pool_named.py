@@ -273,6 +273,9 @@ def test_the_sweep_workflow_under_flytekit_runs_each_variant_in_the_named_pool_b
             a, b = _weights(tmp_path / "shared", name, step), _weights(tmp_path / "alone", name, step)
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (name, step)
         assert len(alone) == steps
+    # the comparison is not vacuous: the second variant's adapter moved (its rollouts had rewards to learn from)
+    first, last = _weights(tmp_path / "shared", names[1], 0), _weights(tmp_path / "shared", names[1], steps)
+    assert any(not torch.equal(first[k], last[k]) for k in first)
     cluster.close_pool()
     _remove(pool)
     # what a cluster pod of the sweep compiles: one grpo subworkflow node per variant, named after the pool

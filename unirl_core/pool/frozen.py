@@ -18,6 +18,8 @@ The actors say what they hold through ``frozen_modules()`` (``pool/actors.py``):
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import resource
 import weakref
@@ -139,3 +141,14 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_freed() -> None:
+    """Hand the heap memory freed since (a new tenant's own copies of the tensors it now shares) back to the OS:
+    glibc keeps freed blocks below its adaptive mmap threshold (tens of MB) in the process. No-op elsewhere."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

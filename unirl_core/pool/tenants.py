@@ -5,9 +5,10 @@ per run in each.
 ``reward-0``) is one detached host process named ``<pool.name>-<role>`` in the pool's detached placement group,
 created by the first run that names the pool; a run's ``Pool.actor(role)`` is a handle to its own tenant there: an
 ``EngineActor`` / ``TrainerActor`` / ``RewardActor`` built from the run's config, keyed by the run's prefix
-(``<run>-<config digest>``). So each run keeps its own module (adapter), optimizer state, version bookkeeping and
-scorers, and its checkpoints stay under its own ``checkpoint.root`` / ``name``; the processes, their imports, the
-CUDA / thread setup and the placement are shared and warm.
+(``<run>-<config digest>``). So each run keeps its own adapter, optimizer state, version bookkeeping and scorers,
+and its checkpoints stay under its own ``checkpoint.root`` / ``name``; the processes, their imports, the CUDA /
+thread setup and the placement are shared and warm, and so is one resident copy of the frozen base: a new tenant's
+frozen tensors are rebound to the bitwise-equal ones a tenant already holds (``pool/frozen.py``).
 
 Scheduling: a host runs its tenants' calls on one thread, first come first served (Ray's actor queue); a
 synchronous run has one call in flight per role, so N runs sharing the pool alternate phase by phase (round-robin
@@ -33,7 +34,7 @@ import time
 from unirl_core.errors import ConfigError, PoolActorDied, field_error
 from unirl_core.pool import actors, cluster
 from unirl_core.pool.cluster import NAMESPACE, Pool, close_pool
-from unirl_core.pool.frozen import FrozenShare, held_bytes, rss_bytes
+from unirl_core.pool.frozen import FrozenShare, held_bytes, release_freed, rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class TenantHost:
                 return False
         obj = cls(cfg, self.role, threads)
         stats = self.frozen.share(obj.frozen_modules())
+        release_freed()
         with self.lock:
             self.tenants.setdefault(tenant, obj)
             self.last_call[tenant] = time.monotonic()

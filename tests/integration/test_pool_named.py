@@ -34,14 +34,17 @@ LORA = {"tiny-grpo": "lm.model.finetune=lora", "tiny-flow-grpo": "diffusion.mode
 
 DRIVER = r"""
 import json, sys
+import ray
 from unirl_core.config import load_recipe
 from unirl_core.loop.local import run_local
 from unirl_core.pool import cluster
 hist = run_local(load_recipe(sys.argv[1], sys.argv[3:]))
 pool = cluster.current_pool()
 pids = {role: pool.call(role, "pid", what="test") for role in sorted(pool.roles)}
+memory = {role: ray.get(host.memory.remote()) for role, host in pool.hosts.items()}
 with open(sys.argv[2], "w") as f:
-    json.dump({"history": hist, "pids": pids, "pool": type(pool).__name__, "attached": pool.info["runs"]}, f)
+    json.dump({"history": hist, "pids": pids, "pool": type(pool).__name__, "attached": pool.info["runs"],
+               "memory": memory}, f)
 """
 
 
@@ -140,6 +143,10 @@ def test_four_drivers_share_one_pool_each_bitwise_as_alone(tmp_path):
         _same_run(got["history"], alone[name], tmp_path / "shared", tmp_path / "alone", name)
     # one process per role served every run
     assert len({json.dumps(got["pids"], sort_keys=True) for got in shared.values()}) == 1
+    # the runs overlapped: each run's trainer and engine tenants hold tensors rebound between tenants (one resident
+    # base per family), and the runs are still bitwise as alone (above)
+    for got in shared.values():
+        assert got["memory"]["trainer"]["shared_tensors"] > 0 and got["memory"]["engine-0"]["shared_tensors"] > 0
     registry = ray.get_actor(f"{pool}-registry", namespace=NAMESPACE)
     assert ray.get(registry.attached.remote()) == []  # every run detached at its exit
     _remove(pool)
@@ -258,8 +265,9 @@ def test_the_sweep_workflow_under_flytekit_runs_each_variant_in_the_named_pool_b
     pids = {role: current.call(role, "pid", what="test") for role in sorted(current.roles)}
     hosts = {role: ray.get_actor(f"{pool}-{role}", namespace=NAMESPACE) for role in current.roles}
     assert {role: ray.get(h.pid.remote()) for role, h in hosts.items()} == pids  # the tenants live in the hosts
-    memory = ray.get(hosts["trainer"].memory.remote())
-    assert memory["tenants"] == 1  # the first run detached when the second attached; the process stayed
+    # local execution runs the variants one after the other: the first detached when the second attached (no
+    # overlap, so no base to share); the processes stayed
+    assert ray.get(hosts["trainer"].memory.remote())["tenants"] == 1
     for i, (name, variant) in enumerate(zip(names, variants)):
         for ref in CheckpointStore(str(tmp_path / "shared"), name).versions():
             saved = load_version_json(ref, CONFIG)

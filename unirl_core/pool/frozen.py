@@ -118,7 +118,8 @@ class FrozenShare:
                               "own: unset pool.name)")
 
     def shared_count(self) -> int:
-        """Tensors two tenants or more reference now."""
+        """Live tensors a later tenant's slots were rebound to (shared when they were; the first holder may have
+        been dropped since)."""
         return sum(ref() is not None for _, ref, _ in self._shared.values())
 
 

@@ -107,7 +107,7 @@ class TenantHost:
             self._done(tenant)
 
     def memory(self) -> dict[str, int]:
-        """What this host holds: tenants, frozen tensors two tenants or more share, the bytes of the distinct
+        """What this host holds: tenants, frozen tensors a tenant was rebound to, the bytes of the distinct
         storages of all tenants' parameters and buffers (``param_bytes``), the sum of each tenant's own count
         (``param_bytes_unshared``: what the tenants would hold without sharing), the process's resident set size."""
         with self.lock:

@@ -34,14 +34,17 @@ LORA = {"tiny-grpo": "lm.model.finetune=lora", "tiny-flow-grpo": "diffusion.mode
 
 DRIVER = r"""
 import json, sys
+import ray
 from unirl_core.config import load_recipe
 from unirl_core.loop.local import run_local
 from unirl_core.pool import cluster
 hist = run_local(load_recipe(sys.argv[1], sys.argv[3:]))
 pool = cluster.current_pool()
 pids = {role: pool.call(role, "pid", what="test") for role in sorted(pool.roles)}
+memory = {role: ray.get(host.memory.remote()) for role, host in pool.hosts.items()}
 with open(sys.argv[2], "w") as f:
-    json.dump({"history": hist, "pids": pids, "pool": type(pool).__name__, "attached": pool.info["runs"]}, f)
+    json.dump({"history": hist, "pids": pids, "pool": type(pool).__name__, "attached": pool.info["runs"],
+               "memory": memory}, f)
 """
 
 
@@ -140,6 +143,10 @@ def test_four_drivers_share_one_pool_each_bitwise_as_alone(tmp_path):
         _same_run(got["history"], alone[name], tmp_path / "shared", tmp_path / "alone", name)
     # one process per role served every run
     assert len({json.dumps(got["pids"], sort_keys=True) for got in shared.values()}) == 1
+    # the runs overlapped: each run's trainer and engine tenants hold tensors rebound between tenants (one resident
+    # base per family), and the runs are still bitwise as alone (above)
+    for got in shared.values():
+        assert got["memory"]["trainer"]["shared_tensors"] > 0 and got["memory"]["engine-0"]["shared_tensors"] > 0
     registry = ray.get_actor(f"{pool}-registry", namespace=NAMESPACE)
     assert ray.get(registry.attached.remote()) == []  # every run detached at its exit
     _remove(pool)
@@ -208,3 +215,77 @@ def test_a_full_fine_tune_cannot_name_a_pool():
         load_recipe("tiny-grpo", ["pool.execution=pool", "pool.name=p", "pool.publish=object_store"])
     with pytest.raises(ConfigError, match="pool.publish"):
         load_recipe("tiny-grpo", ["pool.execution=pool", "pool.name=p", LORA["tiny-grpo"]])
+
+
+def _compile_sweep_runs(recipe: str, overrides: list[str], variants: list[list[str]], pool: str, address: str):
+    """``sweep_runs`` compiled as a cluster pod compiles it (TASK_EXECUTION mode): its DynamicJobSpec."""
+    from flytekit.configuration import ImageConfig, SerializationSettings
+    from flytekit.core.context_manager import ExecutionState, FlyteContextManager
+    from flytekit.core.type_engine import TypeEngine
+
+    from workflows.sweep import sweep_runs
+
+    settings = SerializationSettings(project="p", domain="d", version="v1",
+                                     image_config=ImageConfig.auto_default_image())
+    sweep_runs._wf = None  # flytekit caches a compiled dynamic body on the task object
+    ctx = FlyteContextManager.current_context()
+    with FlyteContextManager.with_context(ctx.with_serialization_settings(settings)) as ctx:
+        es = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
+        with FlyteContextManager.with_context(ctx.with_execution_state(es)) as ctx:
+            inputs = TypeEngine.dict_to_literal_map(
+                ctx, {"recipe": recipe, "overrides": overrides, "variants": variants, "pool_name": pool,
+                      "pool_address": address, "max_steps": 0},
+                type_hints={"recipe": str, "overrides": list[str], "variants": list[list[str]], "pool_name": str,
+                            "pool_address": str, "max_steps": int})
+            spec = sweep_runs.dispatch_execute(ctx, inputs)
+    sweep_runs._wf = None
+    return spec
+
+
+@pytest.mark.time_limit(240)
+def test_the_sweep_workflow_under_flytekit_runs_each_variant_in_the_named_pool_bitwise_as_alone(tmp_path):
+    """``workflows/sweep.py`` executed by flytekit (local execution, the grpo subworkflows' phase tasks thin clients
+    of the pool): two LoRA variants attach to one named pool, each run's versions bitwise the same run alone; each
+    version's saved config names the pool, the pool's one host per role served both (its tenants built in turn),
+    and a cluster pod's compiled sweep names each run's node ``pool-<name>-<i>``."""
+    from unirl_core.checkpoint.store import CONFIG, load_version_json
+    from unirl_core.pool.tenants import NamedPool
+    from workflows.sweep import sweep
+
+    recipe, pool, steps = "tiny-grpo", "sweep", 2
+    gcs = ray.get_runtime_context().gcs_address
+    common = [*SMALL[recipe], LORA[recipe], f"loop.total_steps={steps}", f"checkpoint.root={tmp_path / 'shared'}",
+              "pool.engine.num_cpus=0.25", "pool.trainer.num_cpus=0.25"]
+    variants = [["loop.seed=0"], ["loop.seed=1", "train.lr=3e-4"]]
+    out = sweep(recipe=recipe, overrides=common, variants=variants, pool_name=pool, pool_address=gcs)
+    names = [f"{pool}-{i}" for i in range(len(variants))]
+    assert [(r.run, r.step) for r in out] == [(n, steps) for n in names]
+    current = cluster.current_pool()  # the last run's view, still attached
+    assert isinstance(current, NamedPool) and current.pool_name == pool
+    pids = {role: current.call(role, "pid", what="test") for role in sorted(current.roles)}
+    hosts = {role: ray.get_actor(f"{pool}-{role}", namespace=NAMESPACE) for role in current.roles}
+    assert {role: ray.get(h.pid.remote()) for role, h in hosts.items()} == pids  # the tenants live in the hosts
+    # local execution runs the variants one after the other: the first detached when the second attached (no
+    # overlap, so no base to share); the processes stayed
+    assert ray.get(hosts["trainer"].memory.remote())["tenants"] == 1
+    for i, (name, variant) in enumerate(zip(names, variants)):
+        for ref in CheckpointStore(str(tmp_path / "shared"), name).versions():
+            saved = load_version_json(ref, CONFIG)
+            assert (saved["pool"]["name"], saved["pool"]["address"]) == (pool, gcs), (name, ref.step)
+        alone = run_local(load_recipe(recipe, [*SMALL[recipe], LORA[recipe], f"loop.total_steps={steps}",
+                                               f"checkpoint.root={tmp_path / 'alone'}", f"name={name}", *variant]))
+        kept = [r.step for r in CheckpointStore(str(tmp_path / "shared"), name).versions()]
+        assert kept == [r.step for r in CheckpointStore(str(tmp_path / "alone"), name).versions()]
+        assert kept[-1] == steps
+        for step in kept:
+            a, b = _weights(tmp_path / "shared", name, step), _weights(tmp_path / "alone", name, step)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (name, step)
+        assert len(alone) == steps
+    # the comparison is not vacuous: the second variant's adapter moved (its rollouts had rewards to learn from)
+    first, last = _weights(tmp_path / "shared", names[1], 0), _weights(tmp_path / "shared", names[1], steps)
+    assert any(not torch.equal(first[k], last[k]) for k in first)
+    cluster.close_pool()
+    _remove(pool)
+    # what a cluster pod of the sweep compiles: one grpo subworkflow node per variant, named after the pool
+    spec = _compile_sweep_runs(recipe, common, variants, pool, gcs)
+    assert [n.id for n in spec.nodes] == [f"pool-{pool}-{i}" for i in range(len(variants))]

@@ -212,6 +212,9 @@ def check_named(cfg) -> None:
          "use placement 'colocate'"),
         ("pool.publish", p.publish, p.publish != "object_store", "'object_store' " + why,
          "set pool.publish=object_store (one publish group per tenant in a shared process is not built)"),
+        ("train.weights_scope", cfg.train.weights_scope, cfg.train.weights_scope != "trainable", "'trainable' " + why,
+         "set train.weights_scope=trainable: a full-state version loads into the base tensors the pool's tenants "
+         "share"),
     ])
 
 

@@ -128,6 +128,17 @@ def _device(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
+def policy_modules(policy) -> dict[str, torch.nn.Module]:
+    """The torch modules a bundle holds, by name: its trainable ``module`` and, for a diffusion pipeline, the other
+    components (VAE, text encoders). A LoRA bundle's KL reference is its module with the adapter off (no copy)."""
+    out = {"module": policy.module}
+    components = getattr(getattr(policy, "pipeline", None), "components", None) or {}
+    for name, comp in components.items():
+        if isinstance(comp, torch.nn.Module) and comp is not policy.module:
+            out[name] = comp
+    return out
+
+
 class EngineActor(_Actor):
     """The rollout bundle and the trainside engine; holds one set of weights, labelled by version."""
 
@@ -140,6 +151,10 @@ class EngineActor(_Actor):
 
     def served_version(self) -> Version | None:
         return self.served
+
+    def frozen_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules whose frozen tensors a named pool's host shares between tenants (``pool/frozen.py``)."""
+        return policy_modules(self.policy)
 
     def load_weights(self, weights: dict[str, torch.Tensor], ckpt: CheckpointRef) -> float:
         """In-pool publication: the trainer's trainable (or full) state dict of version ``ckpt``; returns the
@@ -259,6 +274,11 @@ class TrainerActor(_Actor):
         self.state: Version | None = None  # the version the resident state equals, None before a restore
         self.extra: dict[str, object] = {}
         self._writer = VersionWriter()  # train_background: the version written on a thread, as run_local does
+
+    def frozen_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules whose frozen tensors a named pool's host shares between tenants (``pool/frozen.py``): the
+        backend's bundle (none before a trainer group built it; a named pool has one rank)."""
+        return {} if self.backend is None else policy_modules(self.backend.policy)
 
     def current_group(self) -> str | None:
         """The token of the trainer group this rank joined (None before ``join_group``)."""
@@ -483,6 +503,11 @@ class RewardActor(_Actor):
     def __init__(self, cfg: RunConfig, name: str, threads: int) -> None:
         super().__init__(cfg, name, threads)
         self.service = build.reward_service(cfg)
+
+    def frozen_modules(self) -> dict[str, torch.nn.Module]:
+        """None to share: ``build.reward_service`` keeps one service per reward config in the process, so tenants
+        of one reward config already score with one set of scorer models (built on first use, after attach)."""
+        return {}
 
     def score(self, batch: SampleBatch) -> tuple[list[Scores], dict[str, float]]:
         """Score ``batch``; only what scoring wrote travels back (``apply_scores`` puts it on the caller's copy),

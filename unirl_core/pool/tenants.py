@@ -5,9 +5,10 @@ per run in each.
 ``reward-0``) is one detached host process named ``<pool.name>-<role>`` in the pool's detached placement group,
 created by the first run that names the pool; a run's ``Pool.actor(role)`` is a handle to its own tenant there: an
 ``EngineActor`` / ``TrainerActor`` / ``RewardActor`` built from the run's config, keyed by the run's prefix
-(``<run>-<config digest>``). So each run keeps its own module (adapter), optimizer state, version bookkeeping and
-scorers, and its checkpoints stay under its own ``checkpoint.root`` / ``name``; the processes, their imports, the
-CUDA / thread setup and the placement are shared and warm.
+(``<run>-<config digest>``). So each run keeps its own adapter, optimizer state, version bookkeeping and scorers,
+and its checkpoints stay under its own ``checkpoint.root`` / ``name``; the processes, their imports, the CUDA /
+thread setup and the placement are shared and warm, and so is one resident copy of the frozen base: a new tenant's
+frozen tensors are rebound to the bitwise-equal ones a tenant already holds (``pool/frozen.py``).
 
 Scheduling: a host runs its tenants' calls on one thread, first come first served (Ray's actor queue); a
 synchronous run has one call in flight per role, so N runs sharing the pool alternate phase by phase (round-robin
@@ -33,6 +34,7 @@ import time
 from unirl_core.errors import ConfigError, PoolActorDied, field_error
 from unirl_core.pool import actors, cluster
 from unirl_core.pool.cluster import NAMESPACE, Pool, close_pool
+from unirl_core.pool.frozen import FrozenShare, held_bytes, release_freed, rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +52,24 @@ class TenantHost:
         self.last_call: dict[str, float] = {}
         self.busy: dict[str, int] = {}
         self.lock = threading.Lock()
+        self.frozen = FrozenShare()  # one resident copy of the tenants' equal frozen tensors
         threading.Thread(target=self._watch, name="tenant-idle", daemon=True).start()
 
     def attach(self, tenant: str, cls: type, cfg, threads: int) -> bool:
-        """Build run ``tenant``'s instance of ``cls`` from its config (once); True when it was built now."""
+        """Build run ``tenant``'s instance of ``cls`` from its config (once), its frozen tensors rebound to the
+        bitwise-equal ones other tenants hold (``FrozenShare``); True when it was built now."""
         with self.lock:
             if tenant in self.tenants:
                 return False
         obj = cls(cfg, self.role, threads)
+        stats = self.frozen.share(obj.frozen_modules())
+        release_freed()
         with self.lock:
             self.tenants.setdefault(tenant, obj)
             self.last_call[tenant] = time.monotonic()
-        log.info("pool %s: %s attached run %s (%d tenants)", self.pool_name, self.role, tenant, len(self.tenants))
+        log.info("pool %s: %s attached run %s (%d tenants; %d of its %d frozen tensors shared, %.1f MB)",
+                 self.pool_name, self.role, tenant, len(self.tenants), stats.shared, stats.frozen,
+                 stats.shared_bytes / 1e6)
         return True
 
     def _tenant(self, tenant: str):
@@ -81,16 +89,33 @@ class TenantHost:
             self.last_call[tenant] = time.monotonic()
 
     def call(self, tenant: str, method: str, *args):
-        """``method(*args)`` of run ``tenant``'s instance, in the default group (one at a time, in arrival order)."""
+        """``method(*args)`` of run ``tenant``'s instance, in the default group (one at a time, in arrival order);
+        raises when it wrote into a frozen tensor other tenants share (``FrozenShare.check``)."""
+        out = self._invoke(tenant, method, args)
+        self.frozen.check(f"{self.pool_name}-{self.role}: {method} of run {tenant!r}")
+        return out
+
+    def query(self, tenant: str, method: str, *args):
+        """``method(*args)`` in the query group (``actors.QUERIES``: bookkeeping beside a running call)."""
+        return self._invoke(tenant, method, args)
+
+    def _invoke(self, tenant: str, method: str, args: tuple):
         obj = self._tenant(tenant)
         try:
             return getattr(obj, method)(*args)
         finally:
             self._done(tenant)
 
-    def query(self, tenant: str, method: str, *args):
-        """``call`` in the query group (``actors.QUERIES``: bookkeeping beside a running call)."""
-        return self.call(tenant, method, *args)
+    def memory(self) -> dict[str, int]:
+        """What this host holds: tenants, frozen tensors a tenant was rebound to, the bytes of the distinct
+        storages of all tenants' parameters and buffers (``param_bytes``), the sum of each tenant's own count
+        (``param_bytes_unshared``: what the tenants would hold without sharing), the process's resident set size."""
+        with self.lock:
+            objs = list(self.tenants.values())
+        per_tenant = [list(obj.frozen_modules().values()) for obj in objs]
+        return {"tenants": len(objs), "shared_tensors": self.frozen.shared_count(),
+                "param_bytes": held_bytes([m for mods in per_tenant for m in mods]),
+                "param_bytes_unshared": sum(held_bytes(mods) for mods in per_tenant), "rss_bytes": rss_bytes()}
 
     def tenant_names(self) -> list[str]:
         with self.lock:

@@ -408,6 +408,12 @@ class TrainBackend(CheckpointableState):
         # Module order on every rank: safetensors returns keys in a per-process hash order, and under FSDP
         # each tensor is a scatter collective that all ranks must issue in the same sequence.
         ordered = {n: weights[n] for n in names_in_order(self.policy.module) if n in weights}
+        if not self.sharded:
+            # the saved names only: torch's set_model_state_dict loads every other tensor into itself, an in-place
+            # write into the frozen base that a named pool's tenants share (``pool/frozen.py`` refuses any)
+            with torch.no_grad():
+                self.policy.module.load_state_dict(ordered, strict=False)
+            return
         set_model_state_dict(self.policy.module, ordered,
                              options=StateDictOptions(full_state_dict=True, strict=False))
 

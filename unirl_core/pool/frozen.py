@@ -1,0 +1,155 @@
+"""One resident copy of the frozen base weights for the tenants of a named pool's host process.
+
+LoRA runs of one base model hold the same frozen tensors (every non-LoRA parameter with ``requires_grad=False``,
+and the buffers): a host with N tenants would hold N copies. ``FrozenShare.share`` rebinds each frozen tensor of a
+newly attached tenant's modules to the bitwise-equal tensor of the same name that a tenant already attached holds
+(same kind, shape, dtype, device and bytes, compared, never assumed), so the tenants' modules reference one tensor
+object: one copy in memory, and values that cannot differ between tenants. A tensor that differs (another base, a
+fine-tuned buffer) stays the tenant's own. The adapter (names with ``lora_``), the optimizer state and the RNG
+streams are per tenant; nothing rebinds them.
+
+Nothing may write into a shared tensor: a named pool refuses a full fine-tune and a full-state ``weights_scope``
+(``config/pool.py``, ``check_named``), and ``FrozenShare.check`` runs after every tenant call, raising when a
+shared tensor's version counter moved (an in-place write: ``copy_``, ``load_state_dict``, an optimizer step).
+A write through ``.data`` bypasses the counter; nothing in the library writes a frozen tensor that way.
+
+The actors say what they hold through ``frozen_modules()`` (``pool/actors.py``): name -> ``nn.Module``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import resource
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from unirl_core.errors import InvariantError, field_error
+
+Key = tuple[str, str, str]
+"""(module name, tensor name inside it, kind: ``param`` | ``buffer``)."""
+
+
+@dataclass(frozen=True)
+class ShareStats:
+    """What one ``share`` call did: frozen tensors seen, how many now reference another tenant's, their bytes."""
+
+    frozen: int
+    shared: int
+    shared_bytes: int
+
+
+def frozen_slots(modules: Mapping[str, nn.Module]) -> Iterator[tuple[Key, nn.Module, str, torch.Tensor]]:
+    """Every frozen tensor slot of ``modules``: (key, owning sub-module, attribute name, tensor). A tied tensor
+    appears once per name that reaches it (each slot is rebound)."""
+    for mod_name, module in modules.items():
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for kind, slots in (("param", sub._parameters), ("buffer", sub._buffers)):
+                for leaf, t in slots.items():
+                    name = f"{prefix}.{leaf}" if prefix else leaf
+                    if t is None or "lora_" in name or t.requires_grad or not _plain(t):
+                        continue
+                    yield (mod_name, name, kind), sub, leaf, t
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor of this process (not a DTensor shard, meta or sparse tensor)."""
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and t.device.type != "meta")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` have the same shape, dtype and device and equal bytes (NaNs compare by bits)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+class FrozenShare:
+    """The frozen tensors of one host's tenants, by key; ``share`` rebinds a new tenant's to them."""
+
+    def __init__(self) -> None:
+        # key -> the tensor tenants reference; weak: a tensor no tenant holds any more is freed
+        self._tensors: weakref.WeakValueDictionary[Key, torch.Tensor] = weakref.WeakValueDictionary()
+        # id -> (key, the tensor two tenants or more reference, its version counter when first shared)
+        self._shared: dict[int, tuple[Key, weakref.ref, int]] = {}
+
+    def share(self, modules: Mapping[str, nn.Module]) -> ShareStats:
+        """Rebind every frozen tensor of a new tenant's ``modules`` that has a bitwise-equal counterpart of the
+        same key among the tenants already shared; register the others for later tenants."""
+        frozen = shared = shared_bytes = 0
+        with torch.no_grad():
+            for key, sub, leaf, t in list(frozen_slots(modules)):
+                frozen += 1
+                held = self._tensors.get(key)
+                if held is None:
+                    self._tensors[key] = t
+                    continue
+                if held is t or not same_bits(held, t):
+                    continue
+                (sub._parameters if key[2] == "param" else sub._buffers)[leaf] = held
+                shared += 1
+                shared_bytes += t.numel() * t.element_size()
+                entry = self._shared.get(id(held))
+                if entry is None or entry[1]() is not held:  # an id is reused once its tensor is freed
+                    self._shared[id(held)] = (key, weakref.ref(held), held._version)
+        return ShareStats(frozen=frozen, shared=shared, shared_bytes=shared_bytes)
+
+    def check(self, where: str) -> None:
+        """Raise when a shared tensor was written in place since it was shared. A host runs one tenant call at a
+        time, so the call that just ran (``where``) is the one that wrote."""
+        written, gone = [], []
+        for ident, (key, ref, version) in self._shared.items():
+            t = ref()
+            if t is None:
+                gone.append(ident)
+            elif t._version != version:
+                written.append(".".join(key[:2]))
+        for ident in gone:
+            del self._shared[ident]
+        if written:
+            raise field_error(InvariantError, f"{where}: shared frozen tensors", written[:5],
+                              "no write into a base tensor the pool's other tenants also read",
+                              "train LoRA adapters only (a full fine-tune or a full-state load keeps a pool of its "
+                              "own: unset pool.name)")
+
+    def shared_count(self) -> int:
+        """Live tensors a later tenant's slots were rebound to (shared when they were; the first holder may have
+        been dropped since)."""
+        return sum(ref() is not None for _, ref, _ in self._shared.values())
+
+
+def held_bytes(modules: list[nn.Module]) -> int:
+    """Bytes of the distinct storages the parameters and buffers of ``modules`` reference (a tensor shared by
+    several modules counts once)."""
+    seen: dict[int, int] = {}
+    for module in modules:
+        for t in (*module.parameters(), *module.buffers()):
+            if _plain(t):
+                s = t.untyped_storage()
+                seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (Linux ``/proc``; elsewhere its high-water mark)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_freed() -> None:
+    """Hand the heap memory freed since (a new tenant's own copies of the tensors it now shares) back to the OS:
+    glibc keeps freed blocks below its adaptive mmap threshold (tens of MB) in the process. No-op elsewhere."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

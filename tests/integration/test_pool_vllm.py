@@ -210,10 +210,12 @@ def test_delta_versions_reach_the_server_as_deltas(runs):
         assert _same_weights(_weights(root / "local", k), load_weights(versions[k])), k
     assert [int(s["served_version"]) for s in served] == list(range(1, STEPS + 1))
     assert [h["pool/engines_serving"] for h in pooled] == [1.0] * STEPS
-    # v1: the server's first version through the store's ref (in full, kept as the next base); v2: the delta alone,
-    # far fewer bytes; v3, the run's last, is a full state (an anchor): in full again
+    # v1: the server's first version through the store's ref (in full, kept as the next base); v2: the delta alone;
+    # v3, the run's last, is a full state (an anchor): in full again. The delta file is smaller than the version,
+    # though not by much here: at this tiny recipe's lr most elements change each step (at a real recipe's lr
+    # ~2% do: docs/concepts.md)
     assert [s["last_sync_delta"] for s in served] == [0.0, 1.0, 0.0]
-    assert served[1]["last_sync_bytes"] < served[0]["last_sync_bytes"] / 4
+    assert served[1]["last_sync_bytes"] < served[0]["last_sync_bytes"] == served[2]["last_sync_bytes"]
     cluster.close_pool()
 
 

@@ -191,6 +191,9 @@ class VLLMEngineActor(EngineActor):
         engine_cfg = slot.engine.config
         if engine_cfg.weight_sync == "lora":  # the adapter from the bundle (the trainer's dict may carry a tied head)
             source = slot.publish_source(self.cfg, self.policy, ckpt)
+        elif build.store(self.cfg).encoding.deltas:  # written before publish: from the store's ref, so the workers
+            slot.engine.expect_deltas()              # keep it as the base the next version's delta applies to
+            source = ckpt
         else:  # the trainer's fp32 values, exactly what the store's version holds
             source = stage_state_dict(weights, want="full", staging=slot.staging, policy_version=ckpt.policy_version,
                                       base_model=str(engine_cfg.model), where=f"{ckpt.uri} (the trainer's copy)")

@@ -273,6 +273,11 @@ class VLLMEngine:
                     self.last_sync["bytes"], self.last_sync_s)
         return self.last_sync_s
 
+    def expect_deltas(self) -> None:
+        """The run writes delta versions (``checkpoint.weights_encoding: delta``): keep every version published from
+        a ref as the next delta's base from the first one on, instead of from the first delta version."""
+        self._sent_deltas = True
+
     def _plan(self, source: object, version: int) -> _Publish:
         """How version ``source`` reaches the server: a ref's digest (kept by the worker as the next delta's base
         once this engine has been sent a delta version: a run writing full versions never pays the host copy)

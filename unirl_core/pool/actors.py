@@ -439,15 +439,18 @@ class TrainerActor(_Actor):
         """(address, free port) where this trainer will host the publish group's rendezvous store."""
         return _free_endpoint()
 
-    def open_sync(self, token: str, addr: str, port: int, num_engines: int, dtypes: dict[str, str]) -> None:
+    def open_sync(self, token: str, addr: str, port: int, num_engines: int, dtypes: dict[str, str],
+                  wire_deltas: bool = True) -> None:
         """Host the publish group as rank 0; blocks until every engine has joined. ``dtypes``: the engines'
         tensor dtypes (``EngineActor.sync_dtypes``), the casts of every later broadcast. The other trainer ranks
-        are not in the publish group: they keep the casts and bucket plan to follow rank 0's gathers."""
+        are not in the publish group: they keep the casts and bucket plan to follow rank 0's gathers.
+        ``wire_deltas`` False: an engine of the group cannot take a delta on the wire (a vLLM server's worker),
+        so the sender keeps no copy of the last version and sends full weights."""
         self.close_sync()
         module = self.backend.policy.module
         sync = self._sync_config(addr, port, num_engines)
         # delta versions (checkpoint.weights_encoding): the publish sends deltas too, against the previous publish
-        deltas = build.store(self.cfg).encoding.deltas
+        deltas = wire_deltas and build.store(self.cfg).encoding.deltas
         if self.rank == 0:
             self._peer = WeightSender(sync, device=_device(module), deltas=deltas)
         self._plan = {"bucket_bytes": sync.bucket_bytes, "direct_bytes": sync.direct_bytes, "deltas": deltas}

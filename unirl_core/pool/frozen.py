@@ -91,7 +91,13 @@ class FrozenShare:
                     continue
                 if held is t or not same_bits(held, t):
                     continue
-                (sub._parameters if key[2] == "param" else sub._buffers)[leaf] = held
+                # an alias of ``held`` per tenant: the same storage and version counter (a write shows in ``check``),
+                # its own tensor object, so a tenant's own .data swap (a dtype / device cast) or requires_grad
+                # toggle stays its own
+                if key[2] == "param":
+                    sub._parameters[leaf] = nn.Parameter(held.detach(), requires_grad=False)
+                else:
+                    sub._buffers[leaf] = held.detach()
                 shared += 1
                 shared_bytes += t.numel() * t.element_size()
                 entry = self._shared.get(id(held))

@@ -254,7 +254,10 @@ def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str,
         firsts = [1 + sum(counts[:i]) for i in range(len(engines))]
         n = sum(counts)
         # the other trainer ranks follow rank 0's sends (their shards' gathers) with the same casts
-        calls = [(name, pool.remote(name, "open_sync", token, addr, port, n, dtypes)) for name in trainers]
+        # a vLLM engine actor's server worker (its second rank) takes full weights only: no wire deltas then
+        wire_deltas = all(c == 1 for c in counts)
+        calls = [(name, pool.remote(name, "open_sync", token, addr, port, n, dtypes, wire_deltas))
+                 for name in trainers]
         calls += [(name, pool.actor(name).join_sync.remote(token, addr, port, first, n))
                   for first, name in zip(firsts, engines)]
         _gather(pool, calls, "opening the publish group")

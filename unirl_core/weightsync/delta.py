@@ -14,14 +14,13 @@ bitmap from there until nearly every element changed. New values rather than XOR
 weights are two names of one tensor applies both names' pieces and stays right (an XOR would cancel itself).
 Everything is torch ops on the device (no compression: no zstd on a GPU).
 
-A digest per tensor (``tensor_digest``: a plain and a position-weighted sum of its bytes read as 32-bit words,
-exact integer arithmetic without overflow; a checksum against accidents, not an adversary) travels in the header; receivers recompute it on what they hold after a sync and
+A digest per tensor (``tensor_digest``: a plain and two position-weighted sums of its bytes read as 32-bit words,
+coprime position moduli, exact integer arithmetic without overflow; a checksum against accidents, not an adversary) travels in the header; receivers recompute it on what they hold after a sync and
 keep the version's digest, which is what a later delta's header names as its base.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -34,8 +33,9 @@ from unirl_core.errors import field_error
 from unirl_core.weightsync.wire import TensorSpec, WeightSyncError
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_DIGEST_PERIOD = 251  # position weights 1..251, repeating
-_DIGEST_CHUNK = _DIGEST_PERIOD << 14  # ~4M elements per int64 reduction: |bits| < 2^31, weight <= 251: sum < 2^61
+_DIGEST_MODULI = (65521, 65519)  # position weights p mod 65521 + 1 and p mod 65519 + 1: coprime, so the pair
+# repeats only every 65521 * 65519 (~2^32) words, more than any tensor holds (int32 positions)
+_DIGEST_CHUNK = 1 << 22  # elements per reduction (bounded int64 scratch): each term < 2^32, so a chunk's sum < 2^54
 _DIGEST_MOD = (1 << 61) - 1
 _INDEX_LIMIT = 1 << 31  # int32 positions
 MODES = ("idx", "mask", "dense")
@@ -50,35 +50,40 @@ def bits(t: Tensor) -> Tensor:
 
 
 def tensor_digest(t: Tensor) -> list[int]:
-    """[sum of the 32-bit words, sum weighted by position] mod 2^61 - 1 over ``t``'s bytes: any single changed
-    element, and any two swapped words, change it. On ``t``'s device, in chunks (bounded scratch memory), exact (no
-    overflow). Narrow dtypes are read as 32-bit words when their bytes allow (half the passes' elements for bf16)."""
+    """[sum of the 32-bit words, two position-weighted sums] mod 2^61 - 1 over ``t``'s bytes. Word p weighs
+    ``p mod 65521 + 1`` in one sum and ``p mod 65519 + 1`` in the other (coprime moduli: no two positions of a tensor
+    weigh the same in both), so any single changed element, any two swapped words and any +d / -d pair change it.
+    Exact: each word is split into 16-bit halves, so every product is below 2^32 and an int64 chunk sum cannot
+    overflow; the chunks are added in Python. On ``t``'s device, in chunks (bounded scratch memory). Narrow dtypes
+    are read as 32-bit words when their bytes allow (half the passes' elements for bf16); a view whose storage
+    offset is not word-aligned is copied first. A checksum against accidents, not an adversary."""
+    if t.dim() and t.is_contiguous() and (t.storage_offset() * t.element_size()) % 4:
+        t = t.clone()
     b = bits(t)
     if b.element_size() == 8 or (b.element_size() < 4 and b.numel() * b.element_size() % 4 == 0):
         b = b.view(torch.int32)
-    weights = _position_weights(b.device)  # a chunk starts at a multiple of the period: the same weights each time
-    scratch = torch.empty(min(b.numel(), _DIGEST_CHUNK), dtype=torch.int64, device=b.device)  # reused: no page
-    sums = []                                                                                # faults per chunk
-    for lo in range(0, b.numel(), _DIGEST_CHUNK):
-        x = scratch[:min(_DIGEST_CHUNK, b.numel() - lo)]
-        x.copy_(b[lo:lo + _DIGEST_CHUNK])
-        sums.append(torch.stack([x.sum(), x.mul_(weights[:x.numel()]).sum()]))
-    if not sums:
-        return [0, 0]
-    plain, weighted = _exact_totals(sums)
-    return [plain % _DIGEST_MOD, weighted % _DIGEST_MOD]
-
-
-def _exact_totals(sums: list[Tensor]) -> tuple[int, int]:
-    """The chunks' int64 sums added in Python (exact: a whole tensor's sum may pass 2^63)."""
+    n = b.numel()
+    if n == 0:
+        return [0, 0, 0]
+    size = min(n, _DIGEST_CHUNK)
+    x = torch.empty(size, dtype=torch.int64, device=b.device)  # scratch, reused: no page faults per chunk
+    half, w = torch.empty_like(x), torch.empty_like(x)
+    base = torch.arange(size, dtype=torch.int64, device=b.device)
+    sums = []
+    for lo in range(0, n, _DIGEST_CHUNK):
+        m = min(_DIGEST_CHUNK, n - lo)
+        xs, hs, ws = x[:m], half[:m], w[:m]
+        xs.copy_(b[lo:lo + m])
+        row = [xs.sum()]
+        for mod in _DIGEST_MODULI:
+            torch.add(base[:m], lo, out=ws).remainder_(mod).add_(1)
+            row.append(torch.bitwise_and(xs, 0xFFFF, out=hs).mul_(ws).sum())   # low halves, 0..65535
+            row.append(torch.bitwise_right_shift(xs, 16, out=hs).mul_(ws).sum())  # high halves, signed
+        sums.append(torch.stack(row))
     rows = torch.stack(sums).tolist()  # one device sync per tensor
-    return sum(r[0] for r in rows), sum(r[1] for r in rows)
-
-
-@functools.lru_cache(maxsize=4)
-def _position_weights(device: torch.device) -> Tensor:
-    """1, 2, ..., 251, 1, 2, ... for one chunk (a constant, built once per device)."""
-    return torch.arange(_DIGEST_CHUNK, device=device, dtype=torch.int64) % _DIGEST_PERIOD + 1
+    total = [sum(r[i] for r in rows) for i in range(5)]  # exact: Python ints
+    plain, lo1, hi1, lo2, hi2 = total
+    return [plain % _DIGEST_MOD, (hi1 * 65536 + lo1) % _DIGEST_MOD, (hi2 * 65536 + lo2) % _DIGEST_MOD]
 
 
 def version_digest(names: list[str], digests: list[list[int]]) -> str:

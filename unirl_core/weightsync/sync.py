@@ -517,6 +517,11 @@ class WeightReceiver:
                     self._check_digests(specs, header["digests"])
             except WeightSyncError as e:
                 failure = e
+            except Exception as e:  # voted too, so the sender fails at once instead of waiting out timeout_s
+                failure = field_error(WeightSyncError, "weight_sync.receive", f"{type(e).__name__}: {e}",
+                                      "a version applied and checked", "the engine holds no version now; the next "
+                                      "sync sends full weights")
+                failure.__cause__ = e
         self.group.vote(failure is not None)
         if failure is not None:
             raise failure

@@ -86,14 +86,15 @@ def test_trainer_tenants_share_the_frozen_base_not_the_adapter_and_train_apart(r
     a, b = host.tenants["run-0"], host.tenants["run-1"]
     ta, tb = _tensors(a), _tensors(b)
     assert ta.keys() == tb.keys() and len(ta) > 10
-    assert all(ta[k] is tb[k] for k in ta)  # one tensor object per frozen name: one storage
+    # one storage per frozen name, each tenant its own alias of it (a tenant's cast or requires_grad stays its own)
+    assert all(ta[k].data_ptr() == tb[k].data_ptr() and ta[k] is not tb[k] for k in ta)
     assert {t.data_ptr() for t in ta.values()} == {t.data_ptr() for t in tb.values()}
     aa, ab = _adapters(a), _adapters(b)
     assert aa.keys() == ab.keys() and aa
     assert all(aa[k].data_ptr() != ab[k].data_ptr() for k in aa)
     # every tensor the optimizer steps is the tenant's own and no shared one
-    shared = {id(t) for t in ta.values()}
-    assert not any(id(p) in shared for p in a.backend.params) and a.backend.params
+    shared = {t.data_ptr() for t in ta.values()}
+    assert not any(p.data_ptr() in shared for p in a.backend.params) and a.backend.params
 
     before_b, before_a = _output(b, recipe), _output(a, recipe)
     base_before = {k: t.clone() for k, t in tb.items()}
@@ -129,7 +130,7 @@ def test_engine_tenants_share_the_pipeline_components_and_halve_the_bytes_held()
     a, b = host.tenants["run-0"], host.tenants["run-1"]
     assert {"module", "vae", "text_encoder"} <= a.frozen_modules().keys()
     ta, tb = _tensors(a), _tensors(b)
-    assert {k[0] for k in ta} >= {"module", "vae", "text_encoder"} and all(ta[k] is tb[k] for k in ta)
+    assert {k[0] for k in ta} >= {"module", "vae", "text_encoder"} and all(ta[k].data_ptr() == tb[k].data_ptr() for k in ta)
     adapter = sum(p.numel() * p.element_size() for p in _adapters(b).values())
     assert two["tenants"] == 2 and two["shared_tensors"] > 0
     assert two["param_bytes"] == one["param_bytes"] + adapter  # the second tenant adds its adapter only
@@ -147,9 +148,36 @@ def test_a_tensor_that_differs_stays_the_tenants_own():
     share.share({"m": m1})
     stats = share.share({"m": m2})
     assert (stats.frozen, stats.shared) == (2, 1)
-    assert m2.weight is m1.weight and m2.bias is not m1.bias
+    assert m2.weight.data_ptr() == m1.weight.data_ptr() and m2.weight is not m1.weight
+    assert m2.bias.data_ptr() != m1.bias.data_ptr()
 
 
 def test_a_named_pool_refuses_a_full_state_weights_scope():
     with pytest.raises(ConfigError, match=r"train.weights_scope.*'full'.*trainable"):
         _cfg("tiny-grpo", "r", 0, "train.weights_scope=full")
+
+
+def _pair():
+    a = torch.nn.Linear(4, 4).requires_grad_(False)
+    b = torch.nn.Linear(4, 4).requires_grad_(False)
+    b.load_state_dict(a.state_dict())
+    share = FrozenShare()
+    share.share({"module": a})
+    assert share.share({"module": b}).shared == 2
+    return a, b, share
+
+
+def test_a_tenants_cast_or_requires_grad_toggle_stays_its_own():
+    """Tenants share storage, not tensor objects: ``b.half()`` (nn.Module._apply swaps ``param.data``) and a
+    ``requires_grad_`` on b leave a's tensors as they were; an in-place write through b is still caught."""
+    a, b, share = _pair()
+    b.weight.requires_grad_(True)
+    assert not a.weight.requires_grad
+    b.half()
+    share.check("b.half")
+    assert a.weight.dtype == torch.float32 and b.weight.dtype == torch.float16
+    a2, b2, share2 = _pair()
+    with torch.no_grad():
+        b2.bias.add_(1.0)
+    with pytest.raises(InvariantError, match="module.bias"):
+        share2.check("b2.bias.add_")

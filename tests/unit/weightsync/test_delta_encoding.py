@@ -143,3 +143,22 @@ def test_sent_base_encodes_only_once_it_holds_a_matching_version():
     other = [TensorSpec("a", (4,), "float32")]
     modes, _, _ = base.update(["a"], other, lambda i: v1[0])
     assert modes is None and list(base.tensors) == ["a"]  # other names: full again, the base rebuilt
+
+
+def test_the_digest_has_no_short_period():
+    """Positions weigh p mod 65521 + 1 and p mod 65519 + 1: two rows swapped 251 words apart (the period of the
+    first version's weights), and a +d / -d pair that far apart, change the digest."""
+    emb = torch.randn(600, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    swapped = emb.clone()
+    swapped[[3, 254]] = emb[[254, 3]]
+    assert not torch.equal(emb, swapped) and tensor_digest(emb) != tensor_digest(swapped)
+    a = torch.zeros(70000, dtype=torch.int32)
+    for j in (251, 65519, 65521):
+        b = a.clone()
+        b[0], b[j] = 5, -5
+        assert tensor_digest(a) != tensor_digest(b), j
+
+
+def test_the_digest_of_a_view_at_an_odd_offset_is_its_values_digest():
+    view = torch.arange(9, dtype=torch.bfloat16)[1:]
+    assert tensor_digest(view) == tensor_digest(view.clone())

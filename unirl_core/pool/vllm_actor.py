@@ -170,13 +170,7 @@ class VLLMEngineActor(EngineActor):
         if out is None:
             return None
         self.served = None  # the bundle holds ckpt; the server does once it reloaded
-        try:
-            slot.engine.update_weights(ckpt, ckpt.policy_version)
-        except EngineError as e:
-            raise self._error(e, what) from e
-        slot.served_uri = ckpt.uri
-        slot.prune_staging()
-        self.served = _version(ckpt)
+        self._serve(slot, ckpt, ckpt, what)
         sync = slot.engine.last_sync
         return {**out, "server_delta": float(sync["kind"] == "delta"), "server_bytes": float(sync["bytes"])}
 
@@ -197,6 +191,11 @@ class VLLMEngineActor(EngineActor):
         else:  # the trainer's fp32 values, exactly what the store's version holds
             source = stage_state_dict(weights, want="full", staging=slot.staging, policy_version=ckpt.policy_version,
                                       base_model=str(engine_cfg.model), where=f"{ckpt.uri} (the trainer's copy)")
+        self._serve(slot, source, ckpt, what)
+        return time.perf_counter() - t0
+
+    def _serve(self, slot: build.EngineSlot, source: object, ckpt: CheckpointRef, what: str) -> None:
+        """The server reloads ``source`` (a staged folder, an adapter or the store's ref) as version ``ckpt``."""
         try:
             slot.engine.update_weights(source, ckpt.policy_version)
         except EngineError as e:
@@ -204,7 +203,6 @@ class VLLMEngineActor(EngineActor):
         slot.served_uri = ckpt.uri
         slot.prune_staging()
         self.served = _version(ckpt)
-        return time.perf_counter() - t0
 
     def rollout(self, ckpt: CheckpointRef, step: int, shard: int, num_shards: int,
                 emit: Emit) -> tuple[SampleBatch, dict[str, float]]:

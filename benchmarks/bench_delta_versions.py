@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import pin_threads, report  # noqa: E402
+from benchmarks.common import pin_threads, report, row_medians  # noqa: E402
 
 SHAPES = {
     # Qwen3-0.6B (tied embedding, ~596M parameters)
@@ -228,8 +227,7 @@ def main() -> None:
     deltas = [r for r in rows_data if r["delta_applied_delta"]]  # the versions written and published as deltas
     if not deltas:
         raise SystemExit("no version was written as a delta: nothing to compare")
-    med = lambda key: statistics.median(r[key] for r in deltas)  # noqa: E731
-    ratio = lambda num, den: statistics.median(r[num] / r[den] for r in deltas)  # noqa: E731
+    med, ratio = row_medians(deltas)
     nparams = sum(p.numel() for p in model.parameters() if p.requires_grad)
     rows = [["bytes per version (MB)", f"{med('full_bytes') / 1e6:.3f}", f"{med('delta_bytes') / 1e6:.3f}",
              f"{ratio('full_bytes', 'delta_bytes'):.1f}x smaller"],

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from benchmarks.bench_delta_versions import (  # noqa: E402
     build_sd,
     sd_loss,
 )
-from benchmarks.common import pin_threads, report  # noqa: E402
+from benchmarks.common import pin_threads, report, row_medians  # noqa: E402
 
 KINDS = ("full", "delta")
 
@@ -188,8 +187,7 @@ def summarize(a, model, rows: list[dict]) -> None:
     deltas = [r for r in rows if r["delta_sent_delta"]]
     if not deltas:
         raise SystemExit("no version travelled as a delta: nothing to compare")
-    med = lambda key: statistics.median(r[key] for r in deltas)  # noqa: E731
-    ratio = lambda num, den: statistics.median(r[num] / r[den] for r in deltas)  # noqa: E731
+    med, ratio = row_medians(deltas)
     nparams = sum(p.numel() for p in model.parameters() if p.requires_grad)
     rows_out = [["bytes per version (MB)", f"{med('full_bytes') / 1e6:.4f}", f"{med('delta_bytes') / 1e6:.4f}",
                  f"{ratio('full_bytes', 'delta_bytes'):.1f}x fewer"],

@@ -62,6 +62,18 @@ def median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def row_medians(rows: list[dict]):
+    """``med(key)``: the median of ``key`` over ``rows``; ``ratio(num, den)``: the median of the per-row ratios
+    ``num / den`` (pairs measured in the same row, so the ratio is the same-run comparison)."""
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    def ratio(num: str, den: str) -> float:
+        return statistics.median(r[num] / r[den] for r in rows)
+
+    return med, ratio
+
+
 def format_table(header: list[str], rows: list[list]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     line = lambda r: "| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths)) + " |"  # noqa: E731

@@ -89,11 +89,12 @@ run dir = $DIR/run
 log file = $DIR/log/\$name.log
 admin socket = $DIR/run/\$name.asok
 mon data = $DIR/mon/\$cluster-\$id
-# The monitor refuses to start (exit 28, ENOSPC) when its filesystem has less than 5% free, a
-# percentage of the whole disk: a CI runner with 10 GiB free on a 250 GiB disk trips it. Its store is
-# a few MB and the objects live in memory, so only a truly full disk should stop it.
-mon data avail crit = 0
-mon data avail warn = 0
+# The monitor refuses to start (exit 28, ENOSPC) when its filesystem's free space, as a whole
+# percentage, is at or below this: a CI runner with 10 GiB free on a 250 GiB disk is at 4%, and one
+# with 1.8 GiB free is at 0% (the percentage is truncated), which 0 does not pass. Its store is a few
+# MB and the objects live in memory, so only a truly full disk should stop it: -1 turns the check off.
+mon data avail crit = -1
+mon data avail warn = -1
 osd data = $DIR/osd/\$cluster-\$id
 [client.rgw.a]
 rgw frontends = beast endpoint=127.0.0.1:$PORT

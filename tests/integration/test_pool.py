@@ -354,6 +354,7 @@ def test_engines_fed_deltas_sample_bitwise_as_engines_fed_full_weights(tmp_path,
     # the store's delta files are not read; the first publish goes in full (the engine loaded v0 from the store)
     assert [h["pool/publish_delta"] for h in delta] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert [h["pool/publish_delta"] for h in full] == [0.0] * steps
+    assert [h["pool/publish_resent_full"] for h in delta] == [0.0] * steps  # every delta reproduced the version
     assert all("pool/engines_fed_delta" not in h for h in delta)
     assert delta[0]["pool/publish_bytes"] == full[0]["pool/publish_bytes"]
     assert all(d["pool/publish_bytes"] < f["pool/publish_bytes"] for d, f in zip(delta[1:], full[1:]))

@@ -469,7 +469,8 @@ class TrainerActor(_Actor):
         if self.rank > 0:  # takes part in rank 0's gathers of each sharded tensor, in its order
             verdict = torch.zeros(1, dtype=torch.int32, device=self.backend.dist.device)
             follow_send(sources, cast=self._cast, verdict=verdict, **self._plan)
-            return {"seconds": 0.0, "bytes": 0.0, "header_bytes": 0.0, "buckets": 0.0, "delta": 0.0}
+            return {"seconds": 0.0, "bytes": 0.0, "header_bytes": 0.0, "buckets": 0.0, "delta": 0.0,
+                    "resent_full": 0.0}
         try:
             stats = self._peer.send(sources, ckpt.policy_version, scope=_scope(self.cfg), cast=self._cast,
                                     train_group=self.backend.world_size > 1)
@@ -477,7 +478,8 @@ class TrainerActor(_Actor):
             self.close_sync()
             raise
         return {"seconds": stats.seconds, "bytes": float(stats.bytes), "header_bytes": float(stats.header_bytes),
-                "buckets": float(stats.num_buckets), "delta": float(stats.delta)}
+                "buckets": float(stats.num_buckets), "delta": float(stats.delta),
+                "resent_full": float(stats.resent_full is not None)}
 
     def weights(self, ckpt: CheckpointRef) -> list:
         """``[ObjectRef]`` of the state dict of version ``ckpt`` (``model_state_dict``), or ``[]`` when the

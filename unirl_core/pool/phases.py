@@ -271,7 +271,8 @@ def _broadcast(pool: Pool, engines: list[str], ckpt: CheckpointRef) -> dict[str,
     received = received[len(trainers) - 1:]
     return {"pool/engines_pushed": float(len(received)), "pool/publish_collective": 1.0,
             "pool/publish_group_opened": opened, "pool/publish_bytes": sent["bytes"],
-            "pool/publish_delta": sent["delta"], "pool/publish_send_s": sent["seconds"]}
+            "pool/publish_delta": sent["delta"], "pool/publish_resent_full": sent["resent_full"],
+            "pool/publish_send_s": sent["seconds"]}
 
 
 def _through_object_store(pool: Pool, stale: list[str], ckpt: CheckpointRef) -> dict[str, float]:

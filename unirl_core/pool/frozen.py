@@ -77,6 +77,8 @@ class FrozenShare:
         self._tensors: weakref.WeakValueDictionary[Key, torch.Tensor] = weakref.WeakValueDictionary()
         # id -> (key, the tensor two tenants or more reference, its version counter when first shared)
         self._shared: dict[int, tuple[Key, weakref.ref, int]] = {}
+        # tensor name -> the call that wrote it (found by ``check``): every later check names that call again
+        self._written: dict[str, str] = {}
 
     def share(self, modules: Mapping[str, nn.Module]) -> ShareStats:
         """Rebind every frozen tensor of a new tenant's ``modules`` that has a bitwise-equal counterpart of the
@@ -107,21 +109,25 @@ class FrozenShare:
 
     def check(self, where: str) -> None:
         """Raise when a shared tensor was written in place since it was shared. A host runs one tenant call at a
-        time, so the call that just ran (``where``) is the one that wrote."""
-        written, gone = [], []
+        time and checks after each (a failed one too), so the call that just ran (``where``) is the one that wrote;
+        the tensor stays written for every tenant, so each later check fails again naming that first call."""
+        gone = []
         for ident, (key, ref, version) in self._shared.items():
             t = ref()
             if t is None:
                 gone.append(ident)
             elif t._version != version:
-                written.append(".".join(key[:2]))
+                self._written.setdefault(".".join(key[:2]), where)
         for ident in gone:
             del self._shared[ident]
-        if written:
-            raise field_error(InvariantError, f"{where}: shared frozen tensors", written[:5],
+        if self._written:
+            names = sorted(self._written)[:5]
+            writers = sorted({self._written[n] for n in names})
+            raise field_error(InvariantError, f"{'; '.join(writers)}: shared frozen tensors", names,
                               "no write into a base tensor the pool's other tenants also read",
                               "train LoRA adapters only (a full fine-tune or a full-state load keeps a pool of its "
-                              "own: unset pool.name)")
+                              "own: unset pool.name); the pool's tenants now read a changed base: end it and start "
+                              "the runs again")
 
     def shared_count(self) -> int:
         """Live tensors a later tenant's slots were rebound to (shared when they were; the first holder may have

@@ -90,9 +90,15 @@ class TenantHost:
 
     def call(self, tenant: str, method: str, *args):
         """``method(*args)`` of run ``tenant``'s instance, in the default group (one at a time, in arrival order);
-        raises when it wrote into a frozen tensor other tenants share (``FrozenShare.check``)."""
-        out = self._invoke(tenant, method, args)
-        self.frozen.check(f"{self.pool_name}-{self.role}: {method} of run {tenant!r}")
+        raises when it wrote into a frozen tensor other tenants share (``FrozenShare.check``), also when it failed
+        (the write is then named before the call's own error, which is chained to it)."""
+        where = f"{self.pool_name}-{self.role}: {method} of run {tenant!r}"
+        try:
+            out = self._invoke(tenant, method, args)
+        except BaseException:
+            self.frozen.check(where)
+            raise
+        self.frozen.check(where)
         return out
 
     def query(self, tenant: str, method: str, *args):

@@ -120,6 +120,26 @@ def test_a_write_into_a_shared_tensor_fails_the_call_naming_it():
     a.scribble = scribble
     with pytest.raises(InvariantError, match=rf"scribble of run 'run-0'.*{key[1]}"):
         host.call("run-0", "scribble")
+    # the base stays written: a later, innocent call fails too, naming the call that wrote it, not itself
+    a.innocent = lambda: None
+    with pytest.raises(InvariantError, match=rf"scribble of run 'run-0'.*{key[1]}") as later:
+        host.call("run-0", "innocent")
+    assert "innocent" not in str(later.value)
+
+
+def test_a_call_that_writes_then_fails_is_named_as_the_writer():
+    host = _host("trainer-0", TrainerActor, "tiny-grpo")
+    a = host.tenants["run-0"]
+    key, t = next(iter(_tensors(a).items()))
+
+    def scribble_then_fail():
+        with torch.no_grad():
+            t.add_(1)
+        raise RuntimeError("the call's own error")
+    a.scribble_then_fail = scribble_then_fail
+    with pytest.raises(InvariantError, match=rf"scribble_then_fail of run 'run-0'.*{key[1]}") as e:
+        host.call("run-0", "scribble_then_fail")
+    assert isinstance(e.value.__context__, RuntimeError)  # the call's own error, chained
 
 
 def test_engine_tenants_share_the_pipeline_components_and_halve_the_bytes_held():

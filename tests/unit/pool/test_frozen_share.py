@@ -109,7 +109,9 @@ def test_trainer_tenants_share_the_frozen_base_not_the_adapter_and_train_apart(r
     assert all(same_bits(tb[k], base_before[k]) for k in tb)
 
 
-def test_a_write_into_a_shared_tensor_fails_the_call_naming_it():
+def _scribbler(fail: bool):
+    """A trainer host whose tenant run-0 has a method ``scribble`` writing into its first shared tensor (then
+    raising, with ``fail``); returns the host, the tenant and the tensor's key."""
     host = _host("trainer-0", TrainerActor, "tiny-grpo")
     a = host.tenants["run-0"]
     key, t = next(iter(_tensors(a).items()))
@@ -117,7 +119,14 @@ def test_a_write_into_a_shared_tensor_fails_the_call_naming_it():
     def scribble():
         with torch.no_grad():
             t.add_(1)
+        if fail:
+            raise RuntimeError("the call's own error")
     a.scribble = scribble
+    return host, a, key
+
+
+def test_a_write_into_a_shared_tensor_fails_the_call_naming_it():
+    host, a, key = _scribbler(fail=False)
     with pytest.raises(InvariantError, match=rf"scribble of run 'run-0'.*{key[1]}"):
         host.call("run-0", "scribble")
     # the base stays written: a later, innocent call fails too, naming the call that wrote it, not itself
@@ -128,17 +137,9 @@ def test_a_write_into_a_shared_tensor_fails_the_call_naming_it():
 
 
 def test_a_call_that_writes_then_fails_is_named_as_the_writer():
-    host = _host("trainer-0", TrainerActor, "tiny-grpo")
-    a = host.tenants["run-0"]
-    key, t = next(iter(_tensors(a).items()))
-
-    def scribble_then_fail():
-        with torch.no_grad():
-            t.add_(1)
-        raise RuntimeError("the call's own error")
-    a.scribble_then_fail = scribble_then_fail
-    with pytest.raises(InvariantError, match=rf"scribble_then_fail of run 'run-0'.*{key[1]}") as e:
-        host.call("run-0", "scribble_then_fail")
+    host, _, key = _scribbler(fail=True)
+    with pytest.raises(InvariantError, match=rf"scribble of run 'run-0'.*{key[1]}") as e:
+        host.call("run-0", "scribble")
     assert isinstance(e.value.__context__, RuntimeError)  # the call's own error, chained
 
 

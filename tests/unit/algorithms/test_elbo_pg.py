@@ -230,6 +230,7 @@ SMALL = ["data.prompts_per_step=2", "data.samples_per_prompt=4", "diffusion.engi
          "report.tensorboard=false", "loop.total_steps=2"]
 
 
+@pytest.mark.slow  # two whole runs of the recipe: ~12 s of CPU (docs/testing.md tiers)
 def test_shapes_recipe_runs_through_the_loop_with_policy_or_ema_rollouts(tmp_path):
     from unirl_core.loop import phases
     from unirl_core.loop.local import run_local

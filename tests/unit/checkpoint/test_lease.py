@@ -39,6 +39,7 @@ def elsewhere(**kw) -> Holder:
     return Holder(host="another-host", pid=4242, started=time.time(), **kw)
 
 
+@pytest.mark.slow  # Python subprocesses: several seconds (docs/testing.md tiers)
 def test_a_second_process_is_refused_naming_the_holder_then_takes_the_released_lease(tmp_path):
     holder = child(tmp_path, "run", "hold", 4.0)
     wait_line(holder, "HELD")
@@ -68,6 +69,7 @@ def test_kill_9_of_the_holder_lets_the_next_writer_take_over_with_a_warning(tmp_
     lease.release()
 
 
+@pytest.mark.slow  # Python subprocesses: several seconds (docs/testing.md tiers)
 def test_wait_mode_waits_for_the_holder_to_finish(tmp_path):
     holder = child(tmp_path, "run", "hold", 2.0)
     wait_line(holder, "HELD")
@@ -109,6 +111,7 @@ def test_one_flyte_execution_is_one_writer_across_pods(tmp_path):
     other.acquire()
 
 
+@pytest.mark.slow  # Python subprocesses: several seconds (docs/testing.md tiers)
 def test_racing_processes_for_a_free_lease_elect_exactly_one(tmp_path):
     procs = [child(tmp_path, "run", "try") for _ in range(6)]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]

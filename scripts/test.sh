@@ -88,7 +88,7 @@ fi
 # The whole suite (CI): disjoint pytest sessions, each with an explicit -m, two at a time from a queue (a session
 # starts when one ends), so both cores stay busy, plus `images` beside them (pip building venvs: mostly waiting on
 # I/O). The services are set up in the background meanwhile and each session that needs one waits for it: the
-# vLLM venv (side), Chromium and Ceph S3 (other, pools). Their union is every test once:
+# vLLM venv (side), Chromium and Ceph S3 (other). Their union is every test once:
 #   climb   the climb tests (tests/integration/test_first_run_learns.py: one single-threaded run at a time, ~17-21
 #           min of one core);
 #   pools   the Ray pool integration tests (POOLS below: each module starts its own local Ray cluster);
@@ -112,35 +112,46 @@ QUEUE=(fast climb pools other side slow)
 SESSIONS=(images "${QUEUE[@]}")
 session_tmp=$(mktemp -d)
 
+# put <file> <value>: written whole or not at all (a reader polling for the file never sees it empty)
+put() { echo "$2" >"$1.tmp" && mv "$1.tmp" "$1"; }
+
 # setup <name> <command...>: in the background, its log in $session_tmp/setup-<name>.log, its status in .rc
+declare -A setup_pid
 setup() {
   local name="$1"; shift
   ( set +e; t0=$SECONDS; "$@" >"$session_tmp/setup-$name.log" 2>&1; rc=$?
-    echo "test.sh: setup $name done in $((SECONDS - t0)) s (rc $rc)"; echo $rc >"$session_tmp/setup-$name.rc" ) &
-  setup_pids+=("$!")
+    echo "test.sh: setup $name done in $((SECONDS - t0)) s (rc $rc)"; put "$session_tmp/setup-$name.rc" $rc ) &
+  setup_pid[$name]=$!
 }
 services() {  # Chromium, then Ceph S3 (both may apt-get: one after the other); the env for the sessions
   install_chromium || return
-  if [ -n "${UNIRL_S3_ENDPOINT:-}" ]; then  # the caller's endpoint
-    env | grep -E '^(UNIRL_S3_ENDPOINT|AWS_[A-Z_]+)=' | sed 's/^/export /' >"$session_tmp/s3.env"
+  if [ -n "${UNIRL_S3_ENDPOINT:-}" ]; then  # the caller's endpoint: the sessions inherit its env
+    : >"$session_tmp/s3.env"
   else
-    bash scripts/s3_server.sh start >/dev/null && touch "$session_tmp/s3.started" &&
-      bash scripts/s3_server.sh env >"$session_tmp/s3.env"
+    touch "$session_tmp/s3.started"  # before the start: an interrupted start is stopped too
+    bash scripts/s3_server.sh start >/dev/null && bash scripts/s3_server.sh env >"$session_tmp/s3.env"
   fi
 }
 cleanup() {
-  for p in "${setup_pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  local name
+  for name in "${!setup_pid[@]}"; do  # a setup still running (an interrupted run): it and its children
+    if [ ! -f "$session_tmp/setup-$name.rc" ]; then
+      pkill -TERM -P "${setup_pid[$name]}" 2>/dev/null || true; kill "${setup_pid[$name]}" 2>/dev/null || true
+    fi
+  done
   if [ -f "$session_tmp/s3.started" ]; then bash scripts/s3_server.sh stop || true; fi
   rm -rf "$session_tmp"
 }
-setup_pids=()
 trap cleanup EXIT
 setup vllm bash scripts/install_vllm.sh
 setup services services
 
-# wait_setup <name>: 0 once that setup succeeded, 1 when it failed
+# wait_setup <name>: 0 once that setup succeeded, 1 when it failed or ended without a status
 wait_setup() {
-  while [ ! -f "$session_tmp/setup-$1.rc" ]; do sleep 2; done
+  while [ ! -f "$session_tmp/setup-$1.rc" ]; do
+    if ! kill -0 "${setup_pid[$1]}" 2>/dev/null && [ ! -f "$session_tmp/setup-$1.rc" ]; then return 1; fi
+    sleep 2
+  done
   [ "$(cat "$session_tmp/setup-$1.rc")" = 0 ]
 }
 
@@ -151,7 +162,7 @@ session() {
     climb) args=(-m integration "$CLIMB") ;;
     images) args=(-m integration "$IMAGES") ;;
     side) args=(-m integration "${SIDE[@]}"); needs=(vllm) ;;
-    pools) args=(-m integration "${POOLS[@]}"); needs=(services) ;;
+    pools) args=(-m integration "${POOLS[@]}") ;;
     other) args=(-m integration --ignore="$CLIMB" --ignore="$IMAGES" "${SIDE[@]/#/--ignore=}" "${POOLS[@]/#/--ignore=}"
                  tests); needs=(services) ;;
     slow) args=(-m "slow and not integration" tests) ;;
@@ -160,19 +171,19 @@ session() {
   for n in "${needs[@]}"; do
     if ! wait_setup "$n"; then
       { echo "session $name: the $n setup failed; its log:"; tail -50 "$session_tmp/setup-$n.log"; } >"$session_tmp/$name.log"
-      echo 1 >"$session_tmp/$name.rc"; echo "test.sh: session $name not run (setup $n failed)"; return
+      put "$session_tmp/$name.rc" 1; echo "test.sh: session $name not run (setup $n failed)"; return
     fi
   done
   # shellcheck disable=SC1091
   if [[ " ${needs[*]} " == *" services "* ]]; then source "$session_tmp/s3.env"; fi
   .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$session_tmp/$name" --durations=30 "${args[@]}" \
     >"$session_tmp/$name.log" 2>&1
-  echo $? >"$session_tmp/$name.rc"
+  put "$session_tmp/$name.rc" $?
   echo "test.sh: session $name done in $(( (SECONDS - t0) / 60 )) min $(( (SECONDS - t0) % 60 )) s"
 }
 
 queued_running() {  # the queue's sessions now running (images and the setups are not counted)
-  jobs -rp | grep -vxF -e "$images_pid" "${setup_pids[@]/#/-e}" | wc -l
+  jobs -rp | grep -vxF -e "$images_pid" -e "${setup_pid[vllm]}" -e "${setup_pid[services]}" | wc -l
 }
 echo "test.sh: session images starts"
 session images &

@@ -38,10 +38,13 @@ import ray
 from unirl_core.config import load_recipe
 from unirl_core.loop.local import run_local
 from unirl_core.pool import cluster
-hist = run_local(load_recipe(sys.argv[1], sys.argv[3:]))
-if os.environ.get("BARRIER_DIR"):  # stay attached (a run detaches at exit) until every run of the test finished
-    barrier = pathlib.Path(os.environ["BARRIER_DIR"])
-    (barrier / pathlib.Path(sys.argv[2]).name).touch()
+barrier = pathlib.Path(os.environ["BARRIER_DIR"]) if os.environ.get("BARRIER_DIR") else None
+try:
+    hist = run_local(load_recipe(sys.argv[1], sys.argv[3:]))
+finally:  # a failed run arrives too (and exits with its error): the others do not wait for it
+    if barrier is not None:
+        (barrier / pathlib.Path(sys.argv[2]).name).touch()
+if barrier is not None:  # stay attached (a run detaches at exit) until every run of the test finished
     deadline = time.monotonic() + 120
     while len(list(barrier.iterdir())) < int(os.environ["BARRIER_N"]) and time.monotonic() < deadline:
         time.sleep(0.2)

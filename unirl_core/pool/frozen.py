@@ -23,7 +23,7 @@ import ctypes.util
 import os
 import resource
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -77,8 +77,9 @@ class FrozenShare:
         self._tensors: weakref.WeakValueDictionary[Key, torch.Tensor] = weakref.WeakValueDictionary()
         # id -> (key, the tensor two tenants or more reference, its version counter when first shared)
         self._shared: dict[int, tuple[Key, weakref.ref, int]] = {}
-        # tensor name -> the call that wrote it (found by ``check``): every later check names that call again
-        self._written: dict[str, str] = {}
+        # id -> (tensor name, the written tensor, the call that wrote it): found by ``check``, named again by each
+        # later check of a tenant that still holds the tensor, forgotten once no tenant does
+        self._written: dict[int, tuple[str, weakref.ref, str]] = {}
 
     def share(self, modules: Mapping[str, nn.Module]) -> ShareStats:
         """Rebind every frozen tensor of a new tenant's ``modules`` that has a bitwise-equal counterpart of the
@@ -107,27 +108,31 @@ class FrozenShare:
                     self._shared[id(held)] = (key, weakref.ref(held), held._version)
         return ShareStats(frozen=frozen, shared=shared, shared_bytes=shared_bytes)
 
-    def check(self, where: str) -> None:
+    def check(self, where: str, holds: Callable[[torch.Tensor], bool] | None = None) -> None:
         """Raise when a shared tensor was written in place since it was shared. A host runs one tenant call at a
-        time and checks after each (a failed one too), so the call that just ran (``where``) is the one that wrote;
-        the tensor stays written for every tenant, so each later check fails again naming that first call."""
-        gone = []
-        for ident, (key, ref, version) in self._shared.items():
+        time and checks after each (a failed one too), so the call that just ran (``where``) is the one that wrote.
+        The tensor stays written for every tenant holding it: a later check raises again, naming that first call,
+        when ``holds(tensor)`` (the calling tenant references it; None: any tenant), until no tenant holds it."""
+        fresh = []
+        for ident, (key, ref, version) in list(self._shared.items()):
             t = ref()
             if t is None:
-                gone.append(ident)
-            elif t._version != version:
-                self._written.setdefault(".".join(key[:2]), where)
-        for ident in gone:
-            del self._shared[ident]
-        if self._written:
-            names = sorted(self._written)[:5]
-            writers = sorted({self._written[n] for n in names})
+                del self._shared[ident]
+            elif t._version != version and ident not in self._written:
+                self._written[ident] = (".".join(key[:2]), ref, where)
+                fresh.append(ident)
+        for ident in [i for i, (_, ref, _) in self._written.items() if ref() is None]:
+            del self._written[ident]
+        hit = [self._written[i] for i in self._written
+               if i in fresh or holds is None or holds(self._written[i][1]())]
+        if hit:
+            names = sorted(name for name, _, _ in hit)[:5]
+            writers = sorted({writer for _, _, writer in hit})
             raise field_error(InvariantError, f"{'; '.join(writers)}: shared frozen tensors", names,
                               "no write into a base tensor the pool's other tenants also read",
                               "train LoRA adapters only (a full fine-tune or a full-state load keeps a pool of its "
-                              "own: unset pool.name); the pool's tenants now read a changed base: end it and start "
-                              "the runs again")
+                              "own: unset pool.name); the tenants holding it now read a changed base: end them and "
+                              "start the runs again")
 
     def shared_count(self) -> int:
         """Live tensors a later tenant's slots were rebound to (shared when they were; the first holder may have

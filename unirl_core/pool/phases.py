@@ -142,7 +142,8 @@ def _publish_shared(pool: Pool, ckpt: CheckpointRef, t0: float) -> dict[str, flo
     trainer holds it; nothing moves. A restarted actor holds nothing: its next rollout restores the version."""
     held = bool(pool.call(SHARED, "holds", ckpt, what=f"publish v{ckpt.policy_version}"))
     return {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0, "pool/publish_shared": 1.0,
-            "pool/publish_bytes": 0.0, "pool/publish_delta": 0.0, "pool/engines_serving": float(held),
+            "pool/publish_bytes": 0.0, "pool/publish_delta": 0.0, "pool/publish_resent_full": 0.0,
+            "pool/engines_serving": float(held),
             "pool/publish_s": time.perf_counter() - t0}
 
 
@@ -167,7 +168,8 @@ def publish_weights(cfg: RunConfig, ckpt: CheckpointRef) -> dict[str, float]:
         return _publish_shared(pool, ckpt, t0)
     want = (ckpt.uri, ckpt.policy_version)
     engines = [engine_name(i) for i in range(cfg.pool.num_engines)]
-    out = {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0, "pool/publish_delta": 0.0}
+    out = {"pool/engines_pushed": 0.0, "pool/publish_collective": 0.0, "pool/publish_delta": 0.0,
+           "pool/publish_resent_full": 0.0}
     served: dict[str, tuple] | None = None
     try:
         served = {name: tuple(pool.call(name, "served_version", what="publish") or ()) for name in engines}

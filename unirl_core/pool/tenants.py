@@ -96,10 +96,22 @@ class TenantHost:
         try:
             out = self._invoke(tenant, method, args)
         except BaseException:
-            self.frozen.check(where)
+            self.frozen.check(where, self._holds(tenant))
             raise
-        self.frozen.check(where)
+        self.frozen.check(where, self._holds(tenant))
         return out
+
+    def _holds(self, tenant: str):
+        """Whether run ``tenant``'s frozen modules reference a tensor's storage (asked only once a shared tensor
+        was written): a tenant of another base keeps running."""
+        def holds(t: torch.Tensor) -> bool:
+            obj = self.tenants.get(tenant)
+            if obj is None:
+                return False
+            ptr = t.untyped_storage().data_ptr()
+            return any(x.untyped_storage().data_ptr() == ptr for m in obj.frozen_modules().values()
+                       for x in (*m.parameters(), *m.buffers()))
+        return holds
 
     def query(self, tenant: str, method: str, *args):
         """``method(*args)`` in the query group (``actors.QUERIES``: bookkeeping beside a running call)."""

@@ -207,8 +207,8 @@ class SyncStats:
     """The version travelled as a delta against the one every receiver held."""
     resent_full: str | None = None
     """Set when the delta did not reproduce the version on some receiver and the same sync sent it again in full
-    (then ``delta`` is False and ``bytes`` counts both): the sender's count of receivers that failed, or a
-    receiver's own error (naming the tensor)."""
+    (then ``delta`` is False, ``bytes`` counts both rounds and ``num_buckets`` the full round's): the sender's count
+    of receivers that failed, or a receiver's own error (naming the tensor)."""
 
 
 def resolve_backend(backend: SyncBackend, device: torch.device) -> str:
@@ -386,7 +386,7 @@ class WeightSender:
         if failed and as_delta:
             # Every receiver saw the same count: the version travels again in full, from the kept copy, and each
             # receiver overwrites what it applied (its error names the tensor in its log).
-            resent = f"{failed} engine(s) did not reproduce the delta"
+            resent = f"{failed} engine(s) did not apply or reproduce the delta"
             log.warning("weight sync v%d: %s; sending it in full", version, resent)
             names, state, specs, buckets = full
             total += self._send_buckets(buckets, names, state, specs)
@@ -400,7 +400,8 @@ class WeightSender:
                           seconds=time.perf_counter() - t0, header_bytes=header_bytes, delta=as_delta,
                           resent_full=resent)
         log.info("weight sync v%d%s: %d tensors, %d buckets, %.1f MB in %.3f s", version,
-                 " (delta)" if as_delta else "", stats.num_tensors, stats.num_buckets, total / 1e6, stats.seconds)
+                 " (delta)" if as_delta else " (delta, then full)" if resent else "", stats.num_tensors,
+                 stats.num_buckets, total / 1e6, stats.seconds)
         return stats
 
     def _send_buckets(self, buckets, names: list[str], state: Mapping[str, Tensor], specs: list[TensorSpec]) -> int:

@@ -136,6 +136,22 @@ def test_a_write_into_a_shared_tensor_fails_the_call_naming_it():
     assert "innocent" not in str(later.value)
 
 
+def test_a_written_tensor_fails_only_the_tenants_holding_it_and_is_forgotten_with_them():
+    a, b, share = _pair()
+    other = torch.nn.Linear(2, 2).requires_grad_(False)  # another base: shares nothing with a and b
+    share.share({"module": other})
+    holds_ab = lambda t: t.untyped_storage().data_ptr() == a.bias.untyped_storage().data_ptr()  # noqa: E731
+    with torch.no_grad():
+        b.bias.add_(1.0)
+    with pytest.raises(InvariantError, match=r"b writes.*module.bias"):
+        share.check("b writes", holds_ab)
+    share.check("the other base's call", lambda t: False)  # a tenant not holding it runs on
+    with pytest.raises(InvariantError, match=r"b writes.*module.bias"):
+        share.check("a's next call", holds_ab)
+    del a, b  # both tenants dropped: the written tensor is gone, and with it the failure
+    share.check("a new tenant's call")
+
+
 def test_a_call_that_writes_then_fails_is_named_as_the_writer():
     host, _, key = _scribbler(fail=True)
     with pytest.raises(InvariantError, match=rf"scribble of run 'run-0'.*{key[1]}") as e:

@@ -58,6 +58,39 @@ install_chromium() {  # headless Chromium for the run-report browser test (Debia
   fi
 }
 
+session_tmp=$(mktemp -d)  # setup and session logs, status files, the S3 env; removed at exit
+# put <file> <value>: written whole or not at all (a reader polling for the file never sees it empty)
+put() { echo "$2" >"$1.tmp" && mv "$1.tmp" "$1"; }
+
+# setup <name> <command...>: in the background, its log in $session_tmp/setup-<name>.log, its status in .rc
+declare -A setup_pid
+setup() {
+  local name="$1"; shift
+  ( set +e; t0=$SECONDS; "$@" >"$session_tmp/setup-$name.log" 2>&1; rc=$?
+    echo "test.sh: setup $name done in $((SECONDS - t0)) s (rc $rc)"; put "$session_tmp/setup-$name.rc" $rc ) &
+  setup_pid[$name]=$!
+}
+services() {  # Chromium, then Ceph S3 (both may apt-get: one after the other); the env for the sessions
+  install_chromium || return
+  if [ -n "${UNIRL_S3_ENDPOINT:-}" ]; then  # the caller's endpoint: the sessions inherit its env
+    : >"$session_tmp/s3.env"
+  else
+    touch "$session_tmp/s3.started"  # before the start: an interrupted start is stopped too
+    bash scripts/s3_server.sh start >/dev/null && bash scripts/s3_server.sh env >"$session_tmp/s3.env"
+  fi
+}
+cleanup() {
+  local name
+  for name in "${!setup_pid[@]}"; do  # a setup still running (an interrupted run): it and its children
+    if [ ! -f "$session_tmp/setup-$name.rc" ]; then
+      pkill -TERM -P "${setup_pid[$name]}" 2>/dev/null || true; kill "${setup_pid[$name]}" 2>/dev/null || true
+    fi
+  done
+  if [ -f "$session_tmp/s3.started" ]; then bash scripts/s3_server.sh stop || true; fi
+  rm -rf "$session_tmp"
+}
+trap cleanup EXIT
+
 if [ $# -gt 0 ]; then
   n_integration=$(count_integration "$@")
   n_integration=${n_integration:-unknown}
@@ -65,14 +98,9 @@ if [ $# -gt 0 ]; then
     echo "test.sh: no integration test selected; not installing vLLM or Chromium, not starting S3"
   else
     bash scripts/install_vllm.sh
-    install_chromium
-    cleanup() { if [ -n "${STARTED_S3:-}" ]; then bash scripts/s3_server.sh stop || true; fi; }
-    trap cleanup EXIT
-    if [ -z "${UNIRL_S3_ENDPOINT:-}" ]; then
-      bash scripts/s3_server.sh start
-      eval "$(bash scripts/s3_server.sh env)"
-      STARTED_S3=1
-    fi
+    services
+    # shellcheck disable=SC1091
+    source "$session_tmp/s3.env"
   fi
 fi
 set +e
@@ -110,39 +138,6 @@ SIDE=(tests/integration/test_vllm_engine.py tests/integration/test_vllm_loop.py 
 POOLS=(tests/integration/test_pool.py tests/integration/test_pool_named.py)
 QUEUE=(fast climb pools other side slow)
 SESSIONS=(images "${QUEUE[@]}")
-session_tmp=$(mktemp -d)
-
-# put <file> <value>: written whole or not at all (a reader polling for the file never sees it empty)
-put() { echo "$2" >"$1.tmp" && mv "$1.tmp" "$1"; }
-
-# setup <name> <command...>: in the background, its log in $session_tmp/setup-<name>.log, its status in .rc
-declare -A setup_pid
-setup() {
-  local name="$1"; shift
-  ( set +e; t0=$SECONDS; "$@" >"$session_tmp/setup-$name.log" 2>&1; rc=$?
-    echo "test.sh: setup $name done in $((SECONDS - t0)) s (rc $rc)"; put "$session_tmp/setup-$name.rc" $rc ) &
-  setup_pid[$name]=$!
-}
-services() {  # Chromium, then Ceph S3 (both may apt-get: one after the other); the env for the sessions
-  install_chromium || return
-  if [ -n "${UNIRL_S3_ENDPOINT:-}" ]; then  # the caller's endpoint: the sessions inherit its env
-    : >"$session_tmp/s3.env"
-  else
-    touch "$session_tmp/s3.started"  # before the start: an interrupted start is stopped too
-    bash scripts/s3_server.sh start >/dev/null && bash scripts/s3_server.sh env >"$session_tmp/s3.env"
-  fi
-}
-cleanup() {
-  local name
-  for name in "${!setup_pid[@]}"; do  # a setup still running (an interrupted run): it and its children
-    if [ ! -f "$session_tmp/setup-$name.rc" ]; then
-      pkill -TERM -P "${setup_pid[$name]}" 2>/dev/null || true; kill "${setup_pid[$name]}" 2>/dev/null || true
-    fi
-  done
-  if [ -f "$session_tmp/s3.started" ]; then bash scripts/s3_server.sh stop || true; fi
-  rm -rf "$session_tmp"
-}
-trap cleanup EXIT
 setup vllm bash scripts/install_vllm.sh
 setup services services
 
@@ -170,7 +165,8 @@ session() {
   esac
   for n in "${needs[@]}"; do
     if ! wait_setup "$n"; then
-      { echo "session $name: the $n setup failed; its log:"; tail -50 "$session_tmp/setup-$n.log"; } >"$session_tmp/$name.log"
+      { echo "session $name: the $n setup failed; its log:"; tail -50 "$session_tmp/setup-$n.log"; } \
+        >"$session_tmp/$name.log"
       put "$session_tmp/$name.rc" 1; echo "test.sh: session $name not run (setup $n failed)"; return
     fi
   done

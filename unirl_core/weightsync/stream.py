@@ -25,14 +25,13 @@ import torch
 from torch import Tensor
 
 from unirl_core.errors import ConfigError, field_error
+from unirl_core.weightsync.group import SyncGroup, sync_device
 from unirl_core.weightsync.sync import (
     _DTYPES,
     SyncStats,
     TensorSpec,
     WeightSyncConfig,
     WeightSyncError,
-    _SyncGroup,
-    _sync_device,
     accept_header,
     check_names,
     plan_buckets,
@@ -73,7 +72,7 @@ class StreamReceiver:
         self.expected = {k: tuple(v) for k, v in expected.items()}
         self.optional = {k: tuple(v) for k, v in (optional or {}).items()}
         self.version: int | None = None
-        self.group = _SyncGroup(cfg, rank, _sync_device(device))
+        self.group = SyncGroup(cfg, rank, sync_device(device))
 
     def receive(self, consume: Consumer) -> SyncStats | None:
         """Block for the next sync and feed its tensors to ``consume`` (called once with an iterator of

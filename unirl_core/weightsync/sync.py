@@ -13,14 +13,15 @@ One sync, on the wire (all broadcasts from rank 0 of the sync group):
 3. the tensors, packed into flat per-dtype buffers of at most ``bucket_mb`` (``plan_buckets``: a tensor
    larger than a bucket travels alone), one broadcast per bucket; receivers copy views of each bucket
    into their parameters in place, by name;
-4. a final all-reduce: ``send`` returns only once every engine holds the new version.
+4. a final all-reduce: ``send`` returns only once every engine holds the new version (after a delta that some
+   engine could not reproduce, 3-4 once more with the full weights).
 
 A sender built with ``deltas=True`` keeps the last version it sent and offers the next one as a delta against it
 (``delta.py``: per tensor the changed positions, or a bitmap of them, and their new bit patterns); its header
 carries every tensor's digest, which receivers check after applying a delta or receiving full weights.
 
 Both sides derive the bucket layout from the header with the same pure function, so buckets carry no
-metadata of their own.
+metadata of their own. The group itself (rendezvous, collectives, timeouts): ``group.py``.
 """
 
 from __future__ import annotations
@@ -29,70 +30,21 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Literal, Self
+from typing import Self
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from unirl_core.errors import ConfigError, check_ints, field_error
+from unirl_core.errors import ConfigError, field_error
 from unirl_core.weightsync import delta as wire_delta
+from unirl_core.weightsync.group import (  # noqa: F401  (WeightSyncConfig re-exported: importers use this module)
+    SyncGroup, WeightSyncConfig, sync_device)
 from unirl_core.weightsync.wire import (  # noqa: F401  (the wire format, re-exported: importers use this module)
     _DTYPES, _LORA_TAG, PROTOCOL, Bucket, Cast, SyncScope, TensorSpec, WeightSyncError, WeightSyncTimeout, check_names,
     check_specs, decode_header, encode_header, plan_buckets, spec_of, specs_of_header, sync_names, weights_header)
 
 log = logging.getLogger(__name__)
-
-SyncBackend = Literal["auto", "nccl", "gloo"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class WeightSyncConfig:
-    """Where the sync group meets and how tensors are batched on the wire."""
-
-    master_addr: str = "127.0.0.1"
-    """Host of the sender (rank 0 of the sync group), which serves the TCP rendezvous store."""
-    master_port: int = 29650
-    """Port of the rendezvous store; must differ from the train job's MASTER_PORT."""
-    num_engines: int = 1
-    """Receiver processes (engine ranks 1..num_engines); the group has ``num_engines + 1`` ranks."""
-    backend: SyncBackend = "auto"
-    """``auto``: ``nccl`` when the sync device is CUDA, else ``gloo``; or force one of them."""
-    bucket_mb: float = 256.0
-    """Upper size of one flat per-dtype buffer (MiB); fewer, larger broadcasts cut launch overhead."""
-    direct_mb: float = 8.0
-    """Tensors of at least this size (MiB) skip packing: each is one broadcast straight from the trainer's
-    tensor into the engine's parameter (when both are contiguous on the sync device), saving two copies."""
-    timeout_s: float = 300.0
-    """Rendezvous and per-collective timeout; a peer that vanishes surfaces as ``WeightSyncTimeout``."""
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
-            raise field_error(ConfigError, "weight_sync.master_port", self.master_port, "a TCP port in 1..65535",
-                              "pick a free port other than the train job's MASTER_PORT")
-        check_ints("weight_sync", self, ("num_engines",), "count the engine processes that receive weights")
-        if self.backend not in ("auto", "nccl", "gloo"):
-            raise field_error(ConfigError, "weight_sync.backend", self.backend, "'auto', 'nccl' or 'gloo'",
-                              "use 'auto' (nccl on CUDA, gloo on CPU)")
-        for name in ("bucket_mb", "direct_mb", "timeout_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0):
-                raise field_error(ConfigError, f"weight_sync.{name}", v, "a number > 0",
-                                  "use e.g. bucket_mb=256, timeout_s=300")
-
-    @property
-    def world_size(self) -> int:
-        return self.num_engines + 1
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_mb * 2**20))
-
-    @property
-    def direct_bytes(self) -> int:
-        return max(1, int(self.direct_mb * 2**20))
-
 
 def gather_for_sync(module: nn.Module, scope: SyncScope = "full") -> dict[str, Tensor]:
     """The trainer's tensors to send, by wire name (LoRA keys without peft's adapter name).
@@ -211,104 +163,6 @@ class SyncStats:
     of receivers that failed, or a receiver's own error (naming the tensor)."""
 
 
-def resolve_backend(backend: SyncBackend, device: torch.device) -> str:
-    if backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise field_error(ConfigError, "weight_sync.backend", backend, "a CUDA sync device for nccl",
-                          "use backend='gloo' (or 'auto') on CPU")
-    return backend
-
-
-def _is_timeout(e: BaseException) -> bool:
-    text = str(e).lower()
-    return isinstance(e, TimeoutError) or "timed out" in text or "timeout" in text
-
-
-class _SyncGroup:
-    """A process group of its own (not the default one), on a TCP store hosted by rank 0."""
-
-    def __init__(self, cfg: WeightSyncConfig, rank: int, device: torch.device) -> None:
-        self.cfg, self.rank, self.device = cfg, rank, device
-        self.backend = resolve_backend(cfg.backend, device)
-        timeout = timedelta(seconds=cfg.timeout_s)
-        where = f"{cfg.master_addr}:{cfg.master_port}"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        try:
-            store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=rank == 0,
-                                  timeout=timeout, wait_for_workers=True)
-            store = dist.PrefixStore("unirl_weight_sync", store)
-            self.pg = self._make_pg(store, timeout)
-        except Exception as e:  # torch raises DistNetworkError / DistStoreError / RuntimeError here
-            cls = WeightSyncTimeout if _is_timeout(e) else WeightSyncError
-            raise field_error(cls, "weight_sync.rendezvous", where,
-                              f"{cfg.world_size} ranks within {cfg.timeout_s} s (rank {rank}: {e})",
-                              "start the trainer and every engine with the same master_addr/port/num_engines") from e
-        log.info("weight-sync group: backend=%s rank=%d/%d at %s", self.backend, rank, cfg.world_size, where)
-
-    def _make_pg(self, store, timeout: timedelta):
-        size = self.cfg.world_size
-        if self.backend == "gloo":
-            return dist.ProcessGroupGloo(store, self.rank, size, timeout)
-        nccl = getattr(dist, "ProcessGroupNCCL", None)
-        if nccl is None:
-            raise field_error(ConfigError, "weight_sync.backend", "nccl", "a torch build with NCCL",
-                              "use backend='gloo' on this build")
-        opts = nccl.Options()
-        opts._timeout = timeout
-        return nccl(store, self.rank, size, opts)
-
-    def _wait(self, work, what: str) -> None:
-        try:
-            work.wait()
-        except Exception as e:  # c10d raises several unrelated types for one dead peer
-            cls = WeightSyncTimeout if _is_timeout(e) else WeightSyncError
-            raise field_error(cls, f"weight_sync.{what}", type(e).__name__,
-                              f"all {self.cfg.world_size} ranks within {self.cfg.timeout_s} s ({e})",
-                              "a peer died or stopped syncing; restart both sides") from e
-
-    def broadcast(self, t: Tensor, what: str) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        self._wait(self.pg.broadcast([t], opts), what)
-
-    def vote(self, reject: bool) -> int:
-        """Sum over ranks of ``reject`` (how many ranks refuse)."""
-        return self.votes(reject)[0]
-
-    def votes(self, *flags: bool) -> list[int]:
-        """Sum over ranks of each flag, in one all-reduce."""
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        self._wait(self.pg.allreduce([t], opts), "vote")
-        return [int(x) for x in t.tolist()]
-
-    def send_header(self, header: dict) -> int:
-        """Broadcast ``header``; returns the bytes that travelled (its length and its JSON)."""
-        payload = encode_header(header).to(self.device)
-        self.broadcast(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device), "header_len")
-        self.broadcast(payload, "header")
-        return 8 + payload.numel()
-
-    def recv_header(self) -> dict:
-        n = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.broadcast(n, "header_len")
-        payload = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
-        self.broadcast(payload, "header")
-        return decode_header(payload)
-
-    def close(self) -> None:
-        shutdown = getattr(self.pg, "shutdown", None)
-        if shutdown is not None:
-            try:
-                shutdown()
-            except Exception as e:  # noqa: BLE001 - closing after a failed peer must not hide the original error
-                log.warning("weight-sync group shutdown: %s", e)
-        self.pg = None
-
-
 def _direct_view(t: Tensor, bucket: Bucket, device: torch.device) -> Tensor | None:
     """A flat view of ``t`` when it alone fills ``bucket`` and already has the wire layout (contiguous, same
     dtype, on the sync device): it is then broadcast from / into in place, without a packing copy."""
@@ -319,13 +173,6 @@ def _direct_view(t: Tensor, bucket: Bucket, device: torch.device) -> Tensor | No
     return t.detach().view(-1)
 
 
-def _sync_device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
 class WeightSender:
     """Trainer side (rank 0 of the train job): hosts the rendezvous, broadcasts weights after a step."""
 
@@ -333,7 +180,7 @@ class WeightSender:
         """``deltas``: keep the last version sent (one copy of the weights in their wire dtypes, on ``device``) and
         send each next version as a delta against it when every receiver holds it bitwise, full otherwise."""
         self.cfg = cfg
-        self.group = _SyncGroup(cfg, 0, _sync_device(device))
+        self.group = SyncGroup(cfg, 0, sync_device(device))
         self.base = wire_delta.SentBase(self.group.device) if deltas else None
 
     def send(self, state: Mapping[str, Tensor], version: int, *, scope: SyncScope = "full",
@@ -453,7 +300,7 @@ def delta_specs(specs: list[TensorSpec], modes: list[list]) -> list[TensorSpec]:
     return [p for s, (mode, k) in zip(specs, modes) for p in wire_delta.piece_specs(s, mode, int(k))]
 
 
-def accept_header(group: _SyncGroup, check, holds_base=None) -> tuple[dict, list[TensorSpec], float, bool] | None:
+def accept_header(group: SyncGroup, check, holds_base=None) -> tuple[dict, list[TensorSpec], float, bool] | None:
     """A receiver's side of steps 1-2 of a sync: the header, ``check(header, specs)`` (raising
     ``WeightSyncError``), the votes. Returns (header, specs, the perf_counter after the header, whether the buckets
     are a delta) or None when the sender closed the stream; a foreign or refused header votes "refuse" (the sender
@@ -498,7 +345,7 @@ class WeightReceiver:
         """Policy version of the weights the module now holds (None before the first sync)."""
         self.held: tuple[int, str] | None = None
         """(version, version digest) the module holds bitwise, as a delta's header names its base."""
-        self.group = _SyncGroup(cfg, rank, _sync_device(device))
+        self.group = SyncGroup(cfg, rank, sync_device(device))
 
     def forget(self) -> None:
         """The module's weights were changed by something else than this receiver: it holds no version a delta
@@ -532,7 +379,8 @@ class WeightReceiver:
         failed = self.group.vote(failure is not None)
         resent = None
         if failed and as_delta:  # some receiver (maybe not this one) failed the delta: the version comes in full
-            resent = str(failure) if failure is not None else f"{failed} other engine(s) did not reproduce the delta"
+            resent = str(failure) if failure is not None else \
+                f"{failed} other engine(s) did not apply or reproduce the delta"
             if failure is not None:
                 log.warning("weight sync v%s: %s; receiving it in full", header["version"], failure)
             buckets = plan_buckets(specs, int(header["bucket_bytes"]), header.get("direct_bytes"))
@@ -565,8 +413,8 @@ class WeightReceiver:
                 failure = e
             except Exception as e:  # voted too, so the sender fails at once instead of waiting out timeout_s
                 failure = field_error(WeightSyncError, "weight_sync.receive", f"{type(e).__name__}: {e}",
-                                      "a version applied and checked", "the engine holds no version now; the next "
-                                      "sync sends full weights")
+                                      "a version applied and checked", "the engine holds no version now (after a "
+                                      "delta the same sync sends the version in full)")
                 failure.__cause__ = e
         return total, failure
 

@@ -139,7 +139,7 @@ def test_config_world_and_bucket_bytes():
 
 
 def test_backend_follows_the_device():
-    from unirl_core.weightsync.sync import resolve_backend
+    from unirl_core.weightsync.group import resolve_backend
 
     assert resolve_backend("auto", torch.device("cpu")) == "gloo"
     assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"

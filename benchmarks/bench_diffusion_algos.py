@@ -174,7 +174,8 @@ def main() -> None:
            rows, {"micro_batch": b, "height": height, "repeats": args.repeats, "results": data},
            notes=f"TrainBackend.step per algorithm on its own copy of the same LoRA r32 weights, the same micro-batch "
                  f"(CFG {G} SDE trajectories; elbo_pg: an ODE rollout without CFG, its trained column counts level x eps "
-                 "pairs), one update, no KL (elbo_pg: its recipe's 1e-4 to the LoRA-off reference); median of {args.repeats} interleaved rounds after a "
+                 "pairs), one update, no KL (elbo_pg: its recipe's 1e-4 to the LoRA-off reference); "
+                 f"median of {args.repeats} interleaved rounds after a "
                  "warmup step each. flow_dppo and nft include their no-grad pi_old pass (step means / v_old under "
                  "EMA); nft trains the conditional velocity only (B rows per forward instead of CFG's 2B). "
                  f"mixgrpo_window4: Flow-GRPO on a rollout whose SDE window is steps {WINDOW} (ODE elsewhere), "

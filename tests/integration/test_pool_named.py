@@ -4,6 +4,7 @@ its versions intact, a client without the cluster's token is refused, and the po
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -84,6 +85,24 @@ def _remove(pool: str) -> None:
             pass  # the placement group's removal above ends it
 
 
+@contextlib.contextmanager
+def _ended_on_failure(pool: str, procs: list[subprocess.Popen]):
+    """A failing test kills its drivers still running and ends its pool: the module's later tests share the
+    2-CPU head and would otherwise wait behind them (a cascade of timeouts instead of one failure)."""
+    try:
+        yield
+    except BaseException:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        try:
+            _remove(pool)
+        except Exception:  # noqa: BLE001 (never created, or already gone: the test's own error is the one to see)
+            pass
+        raise
+
+
 def _driver(recipe: str, root, name: str, steps: int, out, *extra: str, env=None) -> subprocess.Popen:
     args = [sys.executable, "-c", DRIVER, recipe, str(out), *_overrides(recipe, root, name, steps, *extra)]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -148,21 +167,23 @@ def test_four_drivers_share_one_pool_each_bitwise_as_alone(tmp_path):
     env = dict(os.environ, BARRIER_DIR=str(barrier), BARRIER_N=str(n))
     procs = [(_driver(recipe, tmp_path / "shared", name, steps, tmp_path / f"{name}.json", f"loop.seed={i}",
                       *_named(pool), env=env), tmp_path / f"{name}.json") for i, (recipe, name) in enumerate(runs)]
-    shared = {name: _finish(p, out) for (_, name), (p, out) in zip(runs, procs)}
-    t1 = time.perf_counter()
-    alone = _alone(tmp_path, runs, steps)
-    print(f"{n} runs sharing pool {pool}: {t1 - t0:.1f} s; alone in-process {time.perf_counter() - t1:.1f} s")
-    for name, got in shared.items():
-        assert got["pool"] == "NamedPool"
-        _same_run(got["history"], alone[name], tmp_path / "shared", tmp_path / "alone", name)
-    # one process per role served every run
-    assert len({json.dumps(got["pids"], sort_keys=True) for got in shared.values()}) == 1
-    # the runs overlapped (at least until the barrier): the hosts hold tensors rebound between tenants (one resident
-    # base per family), and the runs are still bitwise as alone (above)
-    for got in shared.values():
-        assert got["memory"]["trainer"]["shared_tensors"] > 0 and got["memory"]["engine-0"]["shared_tensors"] > 0
-    registry = ray.get_actor(f"{pool}-registry", namespace=NAMESPACE)
-    assert ray.get(registry.attached.remote()) == []  # every run detached at its exit
+    with _ended_on_failure(pool, [p for p, _ in procs]):
+        shared = {name: _finish(p, out) for (_, name), (p, out) in zip(runs, procs)}
+        t1 = time.perf_counter()
+        alone = _alone(tmp_path, runs, steps)
+        print(f"{n} runs sharing pool {pool}: {t1 - t0:.1f} s; alone in-process {time.perf_counter() - t1:.1f} s")
+        for name, got in shared.items():
+            assert got["pool"] == "NamedPool"
+            _same_run(got["history"], alone[name], tmp_path / "shared", tmp_path / "alone", name)
+        # one process per role served every run
+        assert len({json.dumps(got["pids"], sort_keys=True) for got in shared.values()}) == 1
+        # the runs overlapped (at least until the barrier): the hosts hold tensors rebound between tenants (one
+        # resident base per family), and the runs are still bitwise as alone (above)
+        for got in shared.values():
+            assert got["memory"]["trainer"]["shared_tensors"] > 0 and got["memory"]["engine-0"]["shared_tensors"] > 0, \
+                {name: got["memory"] for name, got in shared.items()}
+        registry = ray.get_actor(f"{pool}-registry", namespace=NAMESPACE)
+        assert ray.get(registry.attached.remote()) == []  # every run detached at its exit
     _remove(pool)
 
 
@@ -173,21 +194,22 @@ def test_a_killed_driver_leaves_the_others_finishing_and_its_versions_intact(tmp
     others = [(_driver(recipe, victim_root, name, 4, tmp_path / f"{name}.json", f"loop.seed={i}", *_named(pool)),
                tmp_path / f"{name}.json") for i, (recipe, name) in enumerate(_runs(2))]
     store = CheckpointStore(str(victim_root), "victim")
-    deadline = time.monotonic() + 120
-    while (store.latest() is None or store.latest().step < 2) and time.monotonic() < deadline:
-        assert victim.poll() is None, victim.stderr.read()[-3000:]
-        time.sleep(0.2)
-    os.kill(victim.pid, signal.SIGKILL)  # mid-run: its tenants may be mid-call
-    victim.wait(timeout=30)
-    shared = {name: _finish(p, out) for (_, name), (p, out) in zip(_runs(2), others)}
-    alone = _alone(tmp_path, _runs(2), 4)
-    for name, got in shared.items():
-        _same_run(got["history"], alone[name], victim_root, tmp_path / "alone", name)
-    # the killed run's versions are complete and verify; LATEST names one of them
-    time.sleep(1.0)  # a background write that was under way finishes in its tenant
-    steps = _verify_versions(victim_root, "victim")
-    latest = store.latest()
-    assert latest is not None and latest.step >= 2 and latest.step in steps
+    with _ended_on_failure(pool, [victim, *(p for p, _ in others)]):
+        deadline = time.monotonic() + 120
+        while (store.latest() is None or store.latest().step < 2) and time.monotonic() < deadline:
+            assert victim.poll() is None, victim.stderr.read()[-3000:]
+            time.sleep(0.2)
+        os.kill(victim.pid, signal.SIGKILL)  # mid-run: its tenants may be mid-call
+        victim.wait(timeout=30)
+        shared = {name: _finish(p, out) for (_, name), (p, out) in zip(_runs(2), others)}
+        alone = _alone(tmp_path, _runs(2), 4)
+        for name, got in shared.items():
+            _same_run(got["history"], alone[name], victim_root, tmp_path / "alone", name)
+        # the killed run's versions are complete and verify; LATEST names one of them
+        time.sleep(1.0)  # a background write that was under way finishes in its tenant
+        steps = _verify_versions(victim_root, "victim")
+        latest = store.latest()
+        assert latest is not None and latest.step >= 2 and latest.step in steps
     _remove(pool)
 
 

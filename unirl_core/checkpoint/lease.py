@@ -170,8 +170,15 @@ class _File:
             yield
             return
         import fcntl  # noqa: PLC0415 (POSIX only; object stores need none)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        fd = os.open(os.path.join(os.path.dirname(self.path), "." + LEASE_FILE + ".lock"), os.O_RDWR | os.O_CREAT)
+        folder = os.path.dirname(self.path)
+        for attempt in range(3):
+            os.makedirs(folder, exist_ok=True)
+            try:
+                fd = os.open(os.path.join(folder, "." + LEASE_FILE + ".lock"), os.O_RDWR | os.O_CREAT)
+                break
+            except FileNotFoundError:  # the empty run folder was removed meanwhile (another process's preflight
+                if attempt == 2:       # probe of the same run): made again
+                    raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

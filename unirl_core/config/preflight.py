@@ -1,7 +1,8 @@
 """Preflight: cheap checks that a run can reach what it needs, before any GPU pod starts.
 
 - ``checkpoint.root`` is writable: a small probe object ``<root>/<run>/.preflight-<random>`` is written and
-  deleted (local directory or ``s3://``, with ``checkpoint.storage_options``);
+  deleted (local directory or ``s3://``, with ``checkpoint.storage_options``); a local run folder it created is
+  removed again, a root folder it created stays (runs share it);
 - the prompt set (``data.source: file``) is there: ``data.file.path`` (a local path, any fsspec URL or a hub dataset
   id) exists, has a known format, is not empty and its first rows carry the prompt field;
 - the model is reachable: a local directory exists, or a hub id answers ``huggingface_hub.auth_check``
@@ -120,25 +121,25 @@ def check_checkpoint_root(cfg: RunConfig, *, timeout: float = DEFAULT_TIMEOUT) -
         fix = "set checkpoint.root to a directory this process can create and write"
     if placeholder:
         fix = "the recipe's root is a placeholder: " + fix
-    created: list[str] = []
 
     def probe() -> None:
         fs, path = fsspec.core.url_to_fs(root, **_storage_options(cfg, root))
         run_dir = f"{path.rstrip('/')}/{cfg.name}"
         name = f"{run_dir}/.preflight-{uuid.uuid4().hex[:12]}"
+        created = False
         if isinstance(fs, LocalFileSystem):
-            # a local root: create the run folder like the store would, and remove it again if it was new
-            for d in (path, run_dir):
-                if not fs.exists(d):
-                    created.append(d)
+            # a local root: create the run folder like the store would, and remove it again if it was new. A root
+            # folder it created stays: other runs share it, and one starting now may be creating its own run
+            # folder in it (removing the root under it failed that run with ENOENT)
+            created = not fs.exists(run_dir)
             fs.makedirs(run_dir, exist_ok=True)
         fs.pipe_file(name, b"unirl preflight probe\n")
         fs.rm_file(name)
-        for d in reversed(created):
+        if created:
             try:
-                fs.rmdir(d)
-            except OSError:
-                break
+                fs.rmdir(run_dir)
+            except OSError:  # not empty: something of this run's was written meanwhile, and stays
+                pass
 
     done, err = _bounded(probe, timeout)
     if not done:

@@ -69,17 +69,38 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
 
 
+class _Held:
+    """The tensor objects of the tenants that reference one frozen tensor (aliases of one storage and version
+    counter), held weakly: a dropped tenant's go, and the record lives while any tenant holds one."""
+
+    __slots__ = ("key", "refs", "version")
+
+    def __init__(self, key: Key, t: torch.Tensor) -> None:
+        self.key = key
+        self.refs = [weakref.ref(t)]
+        self.version: int | None = None  # the version counter when a second tenant was rebound to it
+
+    def live(self) -> list[torch.Tensor]:
+        """The holders' tensors still alive (the dead references are dropped)."""
+        alive = [(r, t) for r in self.refs if (t := r()) is not None]
+        self.refs = [r for r, _ in alive]
+        return [t for _, t in alive]
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.key[:2])
+
+
 class FrozenShare:
     """The frozen tensors of one host's tenants, by key; ``share`` rebinds a new tenant's to them."""
 
     def __init__(self) -> None:
-        # key -> the tensor tenants reference; weak: a tensor no tenant holds any more is freed
-        self._tensors: weakref.WeakValueDictionary[Key, torch.Tensor] = weakref.WeakValueDictionary()
-        # id -> (key, the tensor two tenants or more reference, its version counter when first shared)
-        self._shared: dict[int, tuple[Key, weakref.ref, int]] = {}
-        # id -> (tensor name, the written tensor, the call that wrote it): found by ``check``, named again by each
-        # later check of a tenant that still holds the tensor, forgotten once no tenant does
-        self._written: dict[int, tuple[str, weakref.ref, str]] = {}
+        # key -> the tensor tenants reference (every tenant's alias of it); forgotten once no tenant holds one, so
+        # a tensor no tenant holds is freed, and one stays shared after the tenant that brought it left
+        self._held: dict[Key, _Held] = {}
+        # id(record) -> (the written record, the call that wrote it): found by ``check``, named again by each later
+        # check of a tenant that still holds the tensor, forgotten once no tenant does
+        self._written: dict[int, tuple[_Held, str]] = {}
 
     def share(self, modules: Mapping[str, nn.Module]) -> ShareStats:
         """Rebind every frozen tensor of a new tenant's ``modules`` that has a bitwise-equal counterpart of the
@@ -88,24 +109,26 @@ class FrozenShare:
         with torch.no_grad():
             for key, sub, leaf, t in list(frozen_slots(modules)):
                 frozen += 1
-                held = self._tensors.get(key)
-                if held is None:
-                    self._tensors[key] = t
+                record = self._held.get(key)
+                live = record.live() if record is not None else []
+                if not live:
+                    self._held[key] = _Held(key, t)
                     continue
-                if held is t or not same_bits(held, t):
+                held = live[0]
+                if any(x is t for x in live) or not same_bits(held, t):
                     continue
                 # an alias of ``held`` per tenant: the same storage and version counter (a write shows in ``check``),
                 # its own tensor object, so a tenant's own .data swap (a dtype / device cast) or requires_grad
                 # toggle stays its own
                 if key[2] == "param":
-                    sub._parameters[leaf] = nn.Parameter(held.detach(), requires_grad=False)
+                    alias = sub._parameters[leaf] = nn.Parameter(held.detach(), requires_grad=False)
                 else:
-                    sub._buffers[leaf] = held.detach()
+                    alias = sub._buffers[leaf] = held.detach()
+                record.refs.append(weakref.ref(alias))
+                if record.version is None:
+                    record.version = held._version
                 shared += 1
                 shared_bytes += t.numel() * t.element_size()
-                entry = self._shared.get(id(held))
-                if entry is None or entry[1]() is not held:  # an id is reused once its tensor is freed
-                    self._shared[id(held)] = (key, weakref.ref(held), held._version)
         return ShareStats(frozen=frozen, shared=shared, shared_bytes=shared_bytes)
 
     def check(self, where: str, holds: Callable[[torch.Tensor], bool] | None = None) -> None:
@@ -114,20 +137,24 @@ class FrozenShare:
         The tensor stays written for every tenant holding it: a later check raises again, naming that first call,
         when ``holds(tensor)`` (the calling tenant references it; None: any tenant), until no tenant holds it."""
         fresh = []
-        for ident, (key, ref, version) in list(self._shared.items()):
-            t = ref()
-            if t is None:
-                del self._shared[ident]
-            elif t._version != version and ident not in self._written:
-                self._written[ident] = (".".join(key[:2]), ref, where)
-                fresh.append(ident)
-        for ident in [i for i, (_, ref, _) in self._written.items() if ref() is None]:
-            del self._written[ident]
-        hit = [self._written[i] for i in self._written
-               if i in fresh or holds is None or holds(self._written[i][1]())]
+        for key, record in list(self._held.items()):
+            live = record.live()
+            if not live:
+                del self._held[key]
+            elif (record.version is not None and live[0]._version != record.version
+                  and id(record) not in self._written):
+                self._written[id(record)] = (record, where)
+                fresh.append(id(record))
+        hit = []
+        for ident, (record, writer) in list(self._written.items()):
+            live = record.live()
+            if not live:
+                del self._written[ident]
+            elif ident in fresh or holds is None or holds(live[0]):
+                hit.append((record.name, writer))
         if hit:
-            names = sorted(name for name, _, _ in hit)[:5]
-            writers = sorted({writer for _, _, writer in hit})
+            names = sorted(name for name, _ in hit)[:5]
+            writers = sorted({writer for _, writer in hit})
             raise field_error(InvariantError, f"{'; '.join(writers)}: shared frozen tensors", names,
                               "no write into a base tensor the pool's other tenants also read",
                               "train LoRA adapters only (a full fine-tune or a full-state load keeps a pool of its "
@@ -135,9 +162,9 @@ class FrozenShare:
                               "start the runs again")
 
     def shared_count(self) -> int:
-        """Live tensors a later tenant's slots were rebound to (shared when they were; the first holder may have
-        been dropped since)."""
-        return sum(ref() is not None for _, ref, _ in self._shared.values())
+        """Frozen tensors a later tenant's slots were rebound to that a tenant still holds (shared when they were;
+        the tenant that brought one may have left since)."""
+        return sum(record.version is not None and bool(record.live()) for record in self._held.values())
 
 
 def held_bytes(modules: list[nn.Module]) -> int:

@@ -120,6 +120,26 @@ def test_racing_processes_for_a_free_lease_elect_exactly_one(tmp_path):
     assert all(o == f"LOST {winner}" for o in outs if o != "WON"), outs
 
 
+def test_a_run_folder_removed_before_the_lock_opens_is_made_again(tmp_path, monkeypatch):
+    # another process's preflight probe of the same run removes the empty run folder it made, between this
+    # process's makedirs and its open of the lock file
+    import unirl_core.checkpoint.lease as lease_module
+
+    real_open, removed = os.open, []
+
+    def open_after_removal(path, *args, **kwargs):
+        if not removed:
+            removed.append(path)
+            os.rmdir(os.path.dirname(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(lease_module.os, "open", open_after_removal)
+    lease = RunLease(str(tmp_path), "run", holder=elsewhere())
+    lease.acquire()
+    assert removed and (tmp_path / "run").is_dir()
+    lease.release()
+
+
 def test_lease_config_refuses_bad_values():
     with pytest.raises(ConfigError, match="checkpoint.lease.on_held"):
         LeaseConfig(on_held="steal")

@@ -218,3 +218,35 @@ def test_a_tenants_cast_or_requires_grad_toggle_stays_its_own():
         b2.bias.add_(1.0)
     with pytest.raises(InvariantError, match="module.bias"):
         share2.check("b2.bias.add_")
+
+
+def test_a_shared_tensor_stays_shared_and_guarded_after_the_tenant_that_brought_it_left():
+    """Three tenants of one base: once the first is dropped, the other two still share its tensors (a memory read
+    counts them), a fourth is rebound to them, and a write through one of them is still caught."""
+    import gc
+
+    first = torch.nn.Linear(3, 3).requires_grad_(False)
+    later = [torch.nn.Linear(3, 3).requires_grad_(False) for _ in range(3)]
+    for module in later:
+        module.load_state_dict(first.state_dict())
+    del module
+    share = FrozenShare()
+    share.share({"module": first})
+    share.share({"module": later[0]})
+    share.share({"module": later[1]})
+    assert share.shared_count() == 2
+    del first
+    gc.collect()
+    share.check("first left")
+    assert share.shared_count() == 2  # still held by two tenants
+    stats = share.share({"module": later[2]})
+    assert (stats.frozen, stats.shared) == (2, 2)
+    assert later[2].weight.data_ptr() == later[0].weight.data_ptr() == later[1].weight.data_ptr()
+    with torch.no_grad():
+        later[1].bias.add_(1.0)
+    with pytest.raises(InvariantError, match=r"later\[1\] writes.*module.bias"):
+        share.check("later[1] writes")
+    del later
+    gc.collect()
+    share.check("every tenant left")  # nothing held, nothing to name
+    assert share.shared_count() == 0

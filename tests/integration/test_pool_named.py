@@ -77,7 +77,7 @@ def _remove(pool: str) -> None:
     from ray.util import remove_placement_group
 
     registry = ray.get_actor(f"{pool}-registry", namespace=NAMESPACE)
-    remove_placement_group(ray.get(registry.placement_group.remote([], "PACK", 1.0)))
+    remove_placement_group(ray.get(registry.placement_group.remote([], "PACK", 1.0), timeout=60))
     for role in ROLES:
         try:
             ray.kill(ray.get_actor(f"{pool}-{role}", namespace=NAMESPACE), no_restart=True)
@@ -92,14 +92,20 @@ def _ended_on_failure(pool: str, procs: list[subprocess.Popen]):
     try:
         yield
     except BaseException:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+        signal.alarm(60)  # the test's own bound may be what fired: the cleanup gets one of its own
         try:
-            _remove(pool)
-        except Exception:  # noqa: BLE001 (never created, or already gone: the test's own error is the one to see)
-            pass
+            for proc in procs:
+                try:
+                    proc.kill()
+                    proc.wait(timeout=10)
+                except Exception:  # noqa: BLE001 (gone already, or stuck: the others are still killed)
+                    pass
+            try:
+                _remove(pool)
+            except Exception:  # noqa: BLE001 (never created, gone, or stuck: the test's own error is the one to see)
+                pass
+        finally:
+            signal.alarm(0)
         raise
 
 

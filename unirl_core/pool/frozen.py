@@ -11,7 +11,10 @@ streams are per tenant; nothing rebinds them.
 Nothing may write into a shared tensor: a named pool refuses a full fine-tune and a full-state ``weights_scope``
 (``config/pool.py``, ``check_named``), and ``FrozenShare.check`` runs after every tenant call, raising when a
 shared tensor's version counter moved (an in-place write: ``copy_``, ``load_state_dict``, an optimizer step).
-A write through ``.data`` bypasses the counter; nothing in the library writes a frozen tensor that way.
+A write through ``.data`` bypasses the counter; nothing in the library writes a frozen tensor that way. A tenant
+that swaps a shared parameter's ``.data`` (``module.half()``) holds its own copy from then on, but its parameter keeps
+the shared version counter: an in-place write into that copy would be reported as a write into the base (nothing
+does that today).
 
 The actors say what they hold through ``frozen_modules()`` (``pool/actors.py``): name -> ``nn.Module``.
 """
@@ -73,16 +76,19 @@ class _Held:
     """The tensor objects of the tenants that reference one frozen tensor (aliases of one storage and version
     counter), held weakly: a dropped tenant's go, and the record lives while any tenant holds one."""
 
-    __slots__ = ("key", "refs", "version")
+    __slots__ = ("key", "ptr", "refs", "version")
 
     def __init__(self, key: Key, t: torch.Tensor) -> None:
         self.key = key
+        self.ptr = t.untyped_storage().data_ptr()  # the shared storage (alive while a holder references it)
         self.refs = [weakref.ref(t)]
         self.version: int | None = None  # the version counter when a second tenant was rebound to it
 
     def live(self) -> list[torch.Tensor]:
-        """The holders' tensors still alive (the dead references are dropped)."""
-        alive = [(r, t) for r in self.refs if (t := r()) is not None]
+        """The holders' tensors still alive and still on the shared storage: a dropped tenant's are gone, and so is
+        one whose tenant swapped its ``.data`` (``module.half()``: its own copy now, though it keeps the version
+        counter). The references that left are dropped."""
+        alive = [(r, t) for r in self.refs if (t := r()) is not None and t.untyped_storage().data_ptr() == self.ptr]
         self.refs = [r for r, _ in alive]
         return [t for _, t in alive]
 

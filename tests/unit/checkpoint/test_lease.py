@@ -128,15 +128,15 @@ def test_a_run_folder_removed_before_the_lock_opens_is_made_again(tmp_path, monk
     real_open, removed = os.open, []
 
     def open_after_removal(path, *args, **kwargs):
-        if not removed:
-            removed.append(path)
+        if not removed and str(path).endswith(".lock"):
+            removed.append(str(path))
             os.rmdir(os.path.dirname(path))
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(lease_module.os, "open", open_after_removal)
     lease = RunLease(str(tmp_path), "run", holder=elsewhere())
     lease.acquire()
-    assert removed and (tmp_path / "run").is_dir()
+    assert [os.path.dirname(p) for p in removed] == [str(tmp_path / "run")] and (tmp_path / "run").is_dir()
     lease.release()
 
 

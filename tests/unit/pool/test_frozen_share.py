@@ -224,6 +224,7 @@ def test_a_shared_tensor_stays_shared_and_guarded_after_the_tenant_that_brought_
     """Three tenants of one base: once the first is dropped, the other two still share its tensors (a memory read
     counts them), a fourth is rebound to them, and a write through one of them is still caught."""
     import gc
+    import weakref
 
     first = torch.nn.Linear(3, 3).requires_grad_(False)
     later = [torch.nn.Linear(3, 3).requires_grad_(False) for _ in range(3)]
@@ -235,8 +236,10 @@ def test_a_shared_tensor_stays_shared_and_guarded_after_the_tenant_that_brought_
     share.share({"module": later[0]})
     share.share({"module": later[1]})
     assert share.shared_count() == 2
+    gone = weakref.ref(first.weight)
     del first
     gc.collect()
+    assert gone() is None  # the tenant that brought the tensors left, and its tensor objects with it
     share.check("first left")
     assert share.shared_count() == 2  # still held by two tenants
     stats = share.share({"module": later[2]})
@@ -250,3 +253,30 @@ def test_a_shared_tensor_stays_shared_and_guarded_after_the_tenant_that_brought_
     gc.collect()
     share.check("every tenant left")  # nothing held, nothing to name
     assert share.shared_count() == 0
+
+
+def test_a_tenant_that_cast_its_copy_no_longer_stands_for_the_shared_tensor():
+    """b casts (its own copy now) and the tenant that brought the tensors leaves: a new tenant is rebound to the
+    storage c still shares, not to b's cast copy, and a write through c is named to a tenant holding it."""
+    import gc
+
+    a, b, share = _pair()
+    c = torch.nn.Linear(4, 4).requires_grad_(False)
+    c.load_state_dict(a.state_dict())
+    assert share.share({"module": c}).shared == 2
+    b.half()
+    del a
+    gc.collect()
+    share.check("a left")
+    assert share.shared_count() == 2  # c's (b holds its own cast copy now)
+    d = torch.nn.Linear(4, 4).requires_grad_(False)
+    d.load_state_dict(c.state_dict())
+    assert share.share({"module": d}).shared == 2
+    assert d.weight.data_ptr() == c.weight.data_ptr() != b.weight.data_ptr()
+    with torch.no_grad():
+        c.bias.add_(1.0)
+    holds_d = lambda t: t.untyped_storage().data_ptr() == d.bias.untyped_storage().data_ptr()  # noqa: E731
+    with pytest.raises(InvariantError, match=r"c writes.*module.bias"):
+        share.check("c writes", lambda t: False)  # the writing call itself always fails
+    with pytest.raises(InvariantError, match=r"c writes.*module.bias"):
+        share.check("d's next call", holds_d)

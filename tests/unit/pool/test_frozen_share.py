@@ -4,6 +4,9 @@ adapter, and training one tenant leaves the other's outputs bitwise as they were
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -223,9 +226,6 @@ def test_a_tenants_cast_or_requires_grad_toggle_stays_its_own():
 def test_a_shared_tensor_stays_shared_and_guarded_after_the_tenant_that_brought_it_left():
     """Three tenants of one base: once the first is dropped, the other two still share its tensors (a memory read
     counts them), a fourth is rebound to them, and a write through one of them is still caught."""
-    import gc
-    import weakref
-
     first = torch.nn.Linear(3, 3).requires_grad_(False)
     later = [torch.nn.Linear(3, 3).requires_grad_(False) for _ in range(3)]
     for module in later:
@@ -258,8 +258,6 @@ def test_a_shared_tensor_stays_shared_and_guarded_after_the_tenant_that_brought_
 def test_a_tenant_that_cast_its_copy_no_longer_stands_for_the_shared_tensor():
     """b casts (its own copy now) and the tenant that brought the tensors leaves: a new tenant is rebound to the
     storage c still shares, not to b's cast copy, and a write through c is named to a tenant holding it."""
-    import gc
-
     a, b, share = _pair()
     c = torch.nn.Linear(4, 4).requires_grad_(False)
     c.load_state_dict(a.state_dict())
